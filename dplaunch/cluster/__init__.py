@@ -1,0 +1,1 @@
+"""Cluster integration: SLURM allocations and multi-node rendezvous."""

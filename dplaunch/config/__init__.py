@@ -1,0 +1,1 @@
+"""Run configuration: the YAML schema and its loading with flag/--set overrides."""

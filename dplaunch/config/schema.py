@@ -1,0 +1,167 @@
+"""The run file: a pydantic model of the YAML a user writes, documented field by field.
+
+Unknown keys are errors everywhere (``extra="forbid"``): a typo must never be silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Task = Literal["causal-lm", "sequence-classification"]
+MixedPrecision = Literal["no", "fp16", "bf16"]
+Offload = Literal["none", "optimizer", "all"]
+Scheduler = Literal[
+    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"
+]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    # hub id or local directory of a pretrained model
+    name_or_path: str | None = None
+    # a dict of HF config fields (with "model_type"): build a randomly initialised model instead
+    config: dict[str, Any] | None = None
+    # tokenizer id/dir; defaults to name_or_path; "byte-level" is a built-in 259-token tokenizer
+    tokenizer: str | None = None
+    task: Task = "causal-lm"
+    # number of classes for sequence-classification
+    num_labels: int = Field(2, ge=1)
+    # executes code shipped with a hub model: off unless the user says so
+    trust_remote_code: bool = False
+    # activation (gradient) checkpointing in the model's blocks
+    gradient_checkpointing: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if self.name_or_path is None and self.config is None:
+            raise ValueError("set model.name_or_path (hub id or local dir) or model.config (a dict)")
+        if self.name_or_path is not None and self.config is not None:
+            raise ValueError("set only one of model.name_or_path and model.config")
+        if self.config is not None and "model_type" not in self.config:
+            raise ValueError("model.config needs a model_type (e.g. llama, gpt2, bert)")
+        return self
+
+
+class DataConfig(Section):
+    # hub id, or local file(s): .json/.jsonl/.csv/.txt/.parquet (a list for several files)
+    dataset: str | list[str]
+    split: str = "train"
+    # a named split of the same dataset for evaluation ...
+    eval_split: str | None = None
+    # ... or a fraction of the training split held out for evaluation
+    eval_fraction: float | None = Field(None, gt=0, lt=1)
+    text_column: str = "text"
+    # optional second text column for sentence-pair classification
+    text_pair_column: str | None = None
+    label_column: str = "label"
+    max_length: int = Field(128, ge=8)
+    # concatenate texts into full max_length blocks (causal-lm only); default on for causal-lm
+    packing: bool | None = None
+    # DataLoader worker processes per rank
+    num_workers: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _eval_choice(self) -> DataConfig:
+        if self.eval_split is not None and self.eval_fraction is not None:
+            raise ValueError("set only one of data.eval_split and data.eval_fraction")
+        return self
+
+
+class TrainConfig(Section):
+    # samples per optimizer step over all data-parallel ranks (kept when the GPU count changes)
+    global_batch_size: int = Field(32, ge=1)
+    # samples per forward pass per rank; derived when unset
+    micro_batch_size: int | None = Field(None, ge=1)
+    # optimizer steps; wins over epochs when both are set
+    max_steps: int | None = Field(None, ge=1)
+    epochs: float | None = Field(None, gt=0)
+    lr: float = Field(5e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    scheduler: Scheduler = "linear"
+    warmup_steps: int = Field(0, ge=0)
+    # 0 disables clipping
+    max_grad_norm: float = Field(1.0, ge=0)
+    mixed_precision: MixedPrecision = "no"
+    seed: int = 42
+    log_every: int = Field(10, ge=1)
+    # optimizer steps between evaluations; unset = evaluate at the end only
+    eval_every: int | None = Field(None, ge=1)
+    # steps between checkpoints; unset = no periodic checkpoint
+    checkpoint_every: int | None = Field(None, ge=1)
+    # newest checkpoints kept on disk
+    keep_last: int = Field(2, ge=1)
+    # stop (checkpoint, exit 0) at this step as if preempted; the schedule keeps max_steps
+    stop_after_steps: int | None = Field(None, ge=1)
+    # torch.compile the model (measured effect in the README's Performance section)
+    compile: bool = False
+
+    @model_validator(mode="after")
+    def _micro_fits(self) -> TrainConfig:
+        if self.micro_batch_size is not None and self.micro_batch_size > self.global_batch_size:
+            raise ValueError(
+                f"train.micro_batch_size {self.micro_batch_size} is larger than "
+                f"train.global_batch_size {self.global_batch_size}"
+            )
+        return self
+
+
+class ParallelConfig(Section):
+    # 0 = plain DDP; 1/2/3 = DeepSpeed ZeRO stage
+    zero_stage: int = Field(0, ge=0, le=3)
+    # ZeRO offload to CPU: optimizer states, or optimizer states and parameters ("all", ZeRO-3)
+    offload: Offload = "none"
+    # tensor-parallel degree (DeepSpeed AutoTP)
+    tp: int = Field(1, ge=1)
+    # pipeline-parallel degree (DeepSpeed pipeline engine)
+    pp: int = Field(1, ge=1)
+    # let `dplaunch plan` pick zero_stage/offload/tp/pp (YAML: `parallel: auto`)
+    auto: bool = False
+
+
+class LaunchConfig(Section):
+    # total GPUs (ranks) over all nodes; unset = every visible GPU (1 CPU rank without GPUs)
+    gpus: int | None = None
+    nodes: int = Field(1, ge=1)
+    # unset = gpus / nodes
+    gpus_per_node: int | None = Field(None, ge=1)
+    # this node's rank in a multi-node job
+    node_rank: int = Field(0, ge=0)
+    master_addr: str = "127.0.0.1"
+    # unset = 29500 if free (a free port otherwise) on one node; derived from the job id in SLURM
+    master_port: int | None = Field(None, ge=1024, le=65535)
+    # run ranks on CPU with gloo even when GPUs are visible
+    cpu: bool = False
+    # collective timeout: a rank stuck this long fails the job instead of hanging it
+    timeout_minutes: float = Field(30, gt=0)
+    # DeepSpeed hostfile ("host slots=G" lines) for multi-node launch over pdsh/ssh
+    hostfile: str | None = None
+
+    @field_validator("gpus")
+    @classmethod
+    def _positive(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError("must be at least 1 (use --cpu for CPU ranks)")
+        return value
+
+
+class RunConfig(Section):
+    """One training run, as resolved from the YAML file, flags and --set overrides."""
+
+    name: str | None = None
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig = TrainConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    launch: LaunchConfig = LaunchConfig()
+    # the run directory: resolved config, rendered files, metrics, checkpoints, exported model
+    output_dir: str | None = None
+
+    @field_validator("parallel", mode="before")
+    @classmethod
+    def _parallel_auto(cls, value: Any) -> Any:
+        return {"auto": True} if value == "auto" else value

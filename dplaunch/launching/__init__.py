@@ -1,0 +1,1 @@
+"""Side effects at the edge: the run directory, ports, starting and supervising processes."""

@@ -1,0 +1,1 @@
+"""Pure, torch-free planning: devices, mesh, batch math, validation."""

@@ -1,0 +1,1 @@
+"""Plan → ordinary upstream files: accelerate.yaml, deepspeed.json, launch.sh, sbatch."""

@@ -1,0 +1,1 @@
+"""The training package: runs inside every rank (imports torch & friends)."""
