@@ -1,0 +1,330 @@
+"""The plan table: every DDP / ZeRO / offload / tp / pp layout for a GPU count, its memory and traffic.
+
+Pure Python. Numbers come from :mod:`dplaunch.planning.estimate`; this module only enumerates
+layouts, checks which fit, and picks one.
+
+How one plan is recommended (among those that fit; ``_rank`` is the code):
+
+1. plain data parallelism without offload (DDP, ZeRO-1/2/3) first — nothing to cut, no CPU in the
+   step; then tensor/pipeline parallel without offload; CPU offload last (PCIe-bound Adam);
+2. within that, the smallest model-parallel degree tp·pp: splitting the model further only buys
+   memory, and its costs are not bytes (pipeline bubble, per-layer latency of TP), so bytes alone
+   would always pick the deepest pipeline;
+3. then the least network traffic per step per GPU (bytes, :func:`estimate_communication`);
+4. ties → the simpler plan: no offload, lower ZeRO stage, smaller pp, smaller tp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from dplaunch.errors import UserError
+from dplaunch.planning.estimate import (
+    GIB,
+    count_parameters,
+    estimate_communication,
+    estimate_memory,
+)
+from dplaunch.planning.model_facts import AUTOTP_FAMILIES, PIPELINE_FAMILIES, ModelFacts
+
+TP_DEGREES = (1, 2, 4, 8)
+OFFLOAD_RANK = {"none": 0, "optimizer": 1, "all": 2}
+
+
+@dataclass
+class Candidate:
+    """One parallel layout and what it costs on the busiest GPU."""
+
+    zero_stage: int
+    offload: str
+    tp: int
+    pp: int
+    dp: int
+    params_per_gpu: int
+    weights_gb: float
+    gradients_gb: float
+    optimizer_gb: float
+    model_states_gb: float
+    activations_gb: float
+    total_gb: float
+    # host memory per GPU process for offloaded states
+    cpu_gb: float
+    # bytes one GPU sends to others per optimizer step (DP + TP + PP traffic), in GiB
+    comm_gb_per_step: float
+    # host <-> GPU copies per step for offload (PCIe), in GiB
+    offload_gb_per_step: float
+    gpu_memory_gb: float
+    # gpu memory × (1 − safety margin)
+    usable_gb: float
+    fits: bool
+    recommended: bool = False
+    # one line: why this plan is recommended, or why nothing fits (on the smallest plan)
+    why: str = ""
+
+    @property
+    def name(self) -> str:
+        """Short label: DDP, ZeRO-2, ZeRO-3 + offload all, no ZeRO (DeepSpeed stage 0 for tp/pp)."""
+        if self.zero_stage == 0:
+            label = "DDP" if self.tp == 1 and self.pp == 1 else "no ZeRO"
+        else:
+            label = f"ZeRO-{self.zero_stage}"
+        if self.offload != "none":
+            label += f" + offload {self.offload}"
+        return label
+
+    @property
+    def headroom(self) -> float:
+        """Fraction of the GPU's full memory left free."""
+        return 1 - self.total_gb / self.gpu_memory_gb
+
+    @property
+    def layout(self) -> str:
+        """The plan in words: "ZeRO-1 with tp 4 and pp 2"."""
+        degrees = [f"{axis} {n}" for axis, n in (("tp", self.tp), ("pp", self.pp)) if n > 1]
+        return self.name + (" with " + " and ".join(degrees) if degrees else "")
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    degrees, degree = [], 1
+    while degree <= limit:
+        degrees.append(degree)
+        degree *= 2
+    return degrees
+
+
+def _layouts(facts: ModelFacts, count, gpus: int, gpus_per_node: int, task: str):
+    """(tp, pp) pairs DeepSpeed can run for this model on this many GPUs."""
+    can_tp = facts.model_type in AUTOTP_FAMILIES
+    can_pp = facts.model_type in PIPELINE_FAMILIES and task == "causal-lm"
+    tps = [
+        tp
+        for tp in TP_DEGREES
+        if tp == 1
+        or (
+            can_tp
+            and count.num_heads % tp == 0
+            and count.num_kv_heads % tp == 0
+            and gpus_per_node % tp == 0
+        )
+    ]
+    pps = [
+        pp
+        for pp in _powers_of_two(count.num_layers)
+        if pp == 1 or (can_pp and count.num_layers % pp == 0)
+    ]
+    for tp in tps:
+        for pp in pps:
+            if gpus % (tp * pp) == 0:
+                yield tp, pp
+
+
+def _stages_and_offloads(tp: int, pp: int, dp: int):
+    """ZeRO stage / offload pairs allowed with this layout: PP with ZeRO ≤ 1, TP with ZeRO ≤ 2.
+
+    With a single data-parallel rank ZeRO partitions nothing, so its rows without offload would
+    repeat stage 0's numbers; they are left out.
+    """
+    top = 1 if pp > 1 else 2 if tp > 1 else 3
+    for stage in range(top + 1):
+        if stage == 0 or dp > 1:
+            yield stage, "none"
+        if stage >= 1:
+            yield stage, "optimizer"
+        if stage == 3:
+            yield stage, "all"
+
+
+def candidate_plans(
+    facts: ModelFacts,
+    *,
+    gpus: int,
+    gpus_per_node: int,
+    gpu_memory_gb: float,
+    micro_batch: int,
+    seq_len: int,
+    mixed_precision: str,
+    activation_checkpointing: bool = False,
+    safety_margin: float = 0.1,
+    task: str = "causal-lm",
+    num_labels: int | None = None,
+    global_batch_size: int | None = None,
+) -> list[Candidate]:
+    """Every layout for ``gpus`` GPUs with its memory per GPU and traffic per step; one recommended.
+
+    ``gpu_memory_gb`` is GiB per GPU; a plan fits when total ≤ gpu_memory_gb × (1 − safety_margin).
+    ``global_batch_size`` (optional) sets the micro-batches per step, which scale TP/PP traffic
+    and cap the pipeline's in-flight micro-batches; unset = one micro-batch per step for traffic,
+    pp in flight for memory.
+    """
+    if gpus < 1:
+        raise UserError("launch.gpus", f"{gpus} GPUs", "plan for at least 1 GPU")
+    if gpus_per_node < 1:
+        raise UserError("launch.gpus_per_node", f"{gpus_per_node} GPUs per node", "use at least 1")
+    if not 0 <= safety_margin < 1:
+        raise UserError("safety_margin", f"{safety_margin} is not in [0, 1)")
+    count = count_parameters(facts, task, num_labels)
+    usable = gpu_memory_gb * (1 - safety_margin)
+    candidates: list[Candidate] = []
+    for tp, pp in _layouts(facts, count, gpus, gpus_per_node, task):
+        dp = gpus // (tp * pp)
+        steps = None
+        if global_batch_size is not None:
+            steps = max(1, -(-global_batch_size // (micro_batch * dp)))
+        for stage, offload in _stages_and_offloads(tp, pp, dp):
+            shape = dict(
+                dp=dp,
+                tp=tp,
+                pp=pp,
+                zero_stage=stage,
+                offload=offload,
+                mixed_precision=mixed_precision,
+                micro_batch=micro_batch,
+                seq_len=seq_len,
+                task=task,
+                num_labels=num_labels,
+                count=count,
+            )
+            memory = estimate_memory(
+                facts,
+                activation_checkpointing=activation_checkpointing,
+                gradient_accumulation_steps=steps,
+                **shape,
+            )
+            traffic = estimate_communication(facts, gradient_accumulation_steps=steps or 1, **shape)
+            candidate = Candidate(
+                zero_stage=stage,
+                offload=offload,
+                tp=tp,
+                pp=pp,
+                dp=dp,
+                params_per_gpu=memory.params_per_gpu,
+                weights_gb=memory.weights_gb,
+                gradients_gb=memory.gradients_gb,
+                optimizer_gb=memory.optimizer_gb,
+                model_states_gb=memory.model_states_gb,
+                activations_gb=memory.activations_gb,
+                total_gb=memory.total_gb,
+                cpu_gb=memory.cpu_gb,
+                comm_gb_per_step=traffic.network_bytes / GIB,
+                offload_gb_per_step=traffic.offload_bytes / GIB,
+                gpu_memory_gb=gpu_memory_gb,
+                usable_gb=usable,
+                fits=memory.total_gb <= usable,
+            )
+            candidates.append(candidate)
+    _recommend(candidates)
+    return candidates
+
+
+def _tier(candidate: Candidate) -> int:
+    if candidate.offload != "none":
+        return 2
+    return 1 if candidate.tp * candidate.pp > 1 else 0
+
+
+def _rank(candidate: Candidate) -> tuple:
+    return (
+        _tier(candidate),
+        candidate.tp * candidate.pp,
+        round(candidate.comm_gb_per_step, 6),
+        round(candidate.offload_gb_per_step, 6),
+        OFFLOAD_RANK[candidate.offload],
+        candidate.zero_stage,
+        candidate.pp,
+        candidate.tp,
+    )
+
+
+def _recommend(candidates: list[Candidate]) -> None:
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        smallest = min(candidates, key=lambda c: (c.total_gb, _rank(c)))
+        smallest.why = (
+            f"nothing fits: the smallest plan ({smallest.layout}) "
+            f"needs {smallest.total_gb:.1f} GB per GPU of {smallest.usable_gb:.1f} usable; "
+            "use more GPUs, activation checkpointing or a smaller micro batch"
+        )
+        return
+    best = min(fitting, key=_rank)
+    best.recommended = True
+    fits = f"{best.layout} fits in {best.gpu_memory_gb:g} GB with {best.headroom:.0%} headroom"
+    tier = _tier(best)
+    if tier == 0:
+        reason = "and needs the least communication of the data-parallel plans"
+    elif tier == 1:
+        reason = (
+            f"; no data-parallel plan fits without offload, and tp·pp = {best.tp * best.pp} is the "
+            "least model splitting that does, with the least communication"
+        )
+    else:
+        reason = "; only plans with CPU offload fit, and this one needs the least communication"
+    best.why = f"{fits} {reason}" if tier == 0 else fits + reason
+
+
+def recommendation_line(candidates: list[Candidate]) -> str:
+    """The recommended plan's reason, or why nothing fits."""
+    for candidate in candidates:
+        if candidate.why:
+            return candidate.why
+    return ""
+
+
+ROW_KEYS = (
+    "name",
+    "zero_stage",
+    "offload",
+    "tp",
+    "pp",
+    "dp",
+    "params_per_gpu",
+    "weights_gb",
+    "gradients_gb",
+    "optimizer_gb",
+    "model_states_gb",
+    "activations_gb",
+    "total_gb",
+    "cpu_gb",
+    "comm_gb_per_step",
+    "offload_gb_per_step",
+    "gpu_memory_gb",
+    "usable_gb",
+    "fits",
+    "recommended",
+    "why",
+)
+
+
+def to_json_rows(candidates: list[Candidate]) -> list[dict]:
+    """Plain dicts (floats rounded to 0.001 GiB) for ``--json`` output."""
+    rows = []
+    for candidate in candidates:
+        row = asdict(candidate)
+        row["name"] = candidate.name
+        rows.append(
+            {k: round(row[k], 3) if isinstance(row[k], float) else row[k] for k in ROW_KEYS}
+        )
+    return rows
+
+
+def format_table(candidates: list[Candidate]) -> str:
+    """Fixed-width text table, the recommended row marked ``*``, then the recommendation line."""
+    header = (
+        f"  {'plan':<26}{'tp':>3}{'pp':>4}{'dp':>5}{'states':>9}{'activ':>8}{'total':>8}"
+        f"{'cpu':>8}{'comm/step':>11}{'fits':>6}"
+    )
+    lines = [header, "  " + "-" * (len(header) - 2)]
+    for c in candidates:
+        mark = "*" if c.recommended else " "
+        lines.append(
+            f"{mark} {c.name:<26}{c.tp:>3}{c.pp:>4}{c.dp:>5}{c.model_states_gb:>9.1f}"
+            f"{c.activations_gb:>8.1f}{c.total_gb:>8.1f}{c.cpu_gb:>8.1f}{c.comm_gb_per_step:>11.1f}"
+            f"{'yes' if c.fits else 'no':>6}"
+        )
+    if candidates:
+        lines.append(
+            f"  (GB = GiB per GPU; usable {candidates[0].usable_gb:.1f} GB after the safety margin)"
+        )
+    line = recommendation_line(candidates)
+    if line:
+        lines.append(("* " if any(c.recommended for c in candidates) else "! ") + line)
+    return "\n".join(lines)

@@ -1,0 +1,661 @@
+"""Parameter counts, memory per GPU and communication per step of a parallel plan, from config.json alone.
+
+Pure Python (no torch): the CLI prints plan tables without importing the training stack.
+
+Units: every ``*_gb`` is GiB (2**30 bytes), the unit nvidia-smi (MiB / 1024) and DeepSpeed's own
+estimators report; every ``*_bytes`` is bytes.
+
+Parameter counts are exact for the families below (checked against ``model.parameters()`` of the
+real HF model in tests/test_estimate.py) and an approximation flagged ``exact=False`` otherwise:
+
+- llama, mistral, qwen2 (and qwen3, whose blocks add q/k RMSNorms over head_dim);
+- gpt2;
+- bert (encoder + pooler; classifier head for sequence classification, MLM-style head for causal-lm).
+
+Fields that a config.json leaves out take Hugging Face's defaults for that family, because that is
+what ``from_config`` builds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dplaunch.errors import UserError
+from dplaunch.planning.model_facts import ModelFacts
+
+GIB = 2**30
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+
+# HF's config defaults, for fields a config.json omits (transformers' *Config() classes)
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        tie_word_embeddings=False,
+    ),
+    "mistral": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
+    "qwen2": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        tie_word_embeddings=False,
+    ),
+    "qwen3": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
+    "gpt2": dict(
+        vocab_size=50257,
+        n_embd=768,
+        n_layer=12,
+        n_head=12,
+        n_positions=1024,
+        tie_word_embeddings=True,
+    ),
+    "bert": dict(
+        vocab_size=30522,
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        max_position_embeddings=512,
+        type_vocab_size=2,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    """Parameters of a model, split the way pipeline and tensor parallelism cut it.
+
+    ``embedding`` lives on the first pipeline stage, ``head`` (final norm, pooler, classifier or
+    untied lm_head) on the last, ``per_layer`` × ``num_layers`` in between. ``*_sharded`` is the part
+    that DeepSpeed AutoTP splits over the tensor-parallel group (the attention/MLP matrices and the
+    column-parallel biases; an untied lm_head); the rest (norms, row-parallel biases, embeddings)
+    is replicated on every TP rank.
+    """
+
+    family: str
+    exact: bool
+    embedding: int
+    per_layer: int
+    per_layer_sharded: int
+    num_layers: int
+    head: int
+    head_sharded: int
+    # the output projection reuses the input embedding matrix (counted once, in ``embedding``)
+    tied_head: bool
+    # size of that shared matrix: a pipeline's last stage holds its own copy (TiedLayerSpec)
+    tied_params: int
+    # shape facts with HF's defaults filled in, for the activation and communication formulas
+    hidden_size: int = 0
+    num_heads: int = 1
+    num_kv_heads: int = 1
+    vocab_size: int = 0
+    note: str = ""
+
+    @property
+    def total(self) -> int:
+        """All parameters, tied ones counted once (== sum(p.numel() for p in model.parameters()))."""
+        return self.embedding + self.per_layer * self.num_layers + self.head
+
+
+def _config_value(raw: dict[str, Any], family: str, *keys: str) -> Any:
+    for key in keys:
+        if raw.get(key) is not None:
+            return raw[key]
+    defaults = _DEFAULTS.get(family, {})
+    for key in keys:
+        if defaults.get(key) is not None:
+            return defaults[key]
+    return None
+
+
+def count_parameters(
+    facts: ModelFacts, task: str = "causal-lm", num_labels: int | None = None
+) -> ParameterCount:
+    """Exact parameter count of the HF model for ``task``, computed from the architecture alone."""
+    raw = facts.raw
+    family = facts.model_type
+    labels = int(num_labels if num_labels is not None else raw.get("num_labels") or 2)
+    classify = task == "sequence-classification"
+
+    def get(*keys: str) -> Any:
+        return _config_value(raw, family, *keys)
+
+    if family in LLAMA_LIKE:
+        return _llama_like(family, get, classify, labels)
+    if family == "gpt2":
+        return _gpt2(get, classify, labels)
+    if family == "bert":
+        return _bert(get, classify, labels)
+    return _approximate(facts, classify, labels)
+
+
+def _llama_like(family: str, get: Any, classify: bool, labels: int) -> ParameterCount:
+    hidden = int(get("hidden_size"))
+    heads = int(get("num_attention_heads"))
+    kv_heads = int(get("num_key_value_heads") or heads)
+    head_dim = int(get("head_dim") or hidden // heads)
+    inter = int(get("intermediate_size"))
+    vocab = int(get("vocab_size"))
+    layers = int(get("num_hidden_layers"))
+    tied = bool(get("tie_word_embeddings"))
+    # qwen2 always has q/k/v biases; llama/qwen3 have attention_bias (q/k/v/o); llama has mlp_bias
+    qkv_bias = family == "qwen2" or bool(get("attention_bias"))
+    o_bias = family != "qwen2" and bool(get("attention_bias"))
+    mlp_bias = bool(get("mlp_bias"))
+
+    q_out, kv_out = heads * head_dim, kv_heads * head_dim
+    attention = hidden * q_out + 2 * hidden * kv_out + q_out * hidden
+    attention_sharded = attention + (q_out + 2 * kv_out if qkv_bias else 0)
+    mlp_sharded = 3 * hidden * inter + (2 * inter if mlp_bias else 0)
+    replicated = 2 * hidden  # input_layernorm + post_attention_layernorm
+    replicated += hidden if o_bias else 0  # row-parallel biases are added after the all-reduce
+    replicated += hidden if mlp_bias else 0
+    if family == "qwen3":
+        replicated += 2 * head_dim  # q_norm, k_norm
+    sharded = attention_sharded + mlp_sharded
+
+    embedding = vocab * hidden
+    if classify:
+        head, head_sharded = hidden + hidden * labels, 0  # final norm + score (no bias)
+    elif tied:
+        head, head_sharded = hidden, 0
+    else:
+        head, head_sharded = hidden + vocab * hidden, vocab * hidden
+    return ParameterCount(
+        family=family,
+        exact=True,
+        embedding=embedding,
+        per_layer=sharded + replicated,
+        per_layer_sharded=sharded,
+        num_layers=layers,
+        head=head,
+        head_sharded=head_sharded,
+        tied_head=tied and not classify,
+        tied_params=vocab * hidden if tied and not classify else 0,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        vocab_size=vocab,
+    )
+
+
+def _gpt2(get: Any, classify: bool, labels: int) -> ParameterCount:
+    hidden = int(get("n_embd", "hidden_size"))
+    inter = int(get("n_inner", "intermediate_size") or 4 * hidden)
+    vocab = int(get("vocab_size"))
+    positions = int(get("n_positions", "max_position_embeddings"))
+    layers = int(get("n_layer", "num_hidden_layers"))
+    # Conv1D c_attn (column) and c_fc (column) split with their biases; c_proj (row) biases replicate
+    sharded = (
+        (hidden * 3 * hidden + 3 * hidden)
+        + hidden * hidden
+        + (hidden * inter + inter)
+        + inter * hidden
+    )
+    replicated = 2 * (2 * hidden) + 2 * hidden  # ln_1, ln_2 (weight+bias); the two c_proj biases
+    embedding = vocab * hidden + positions * hidden
+    head = 2 * hidden + (hidden * labels if classify else 0)  # ln_f (+ score, no bias)
+    return ParameterCount(
+        family="gpt2",
+        exact=True,
+        embedding=embedding,
+        per_layer=sharded + replicated,
+        per_layer_sharded=sharded,
+        num_layers=layers,
+        head=head,
+        head_sharded=0,
+        tied_head=not classify,
+        tied_params=0 if classify else vocab * hidden,
+        hidden_size=hidden,
+        num_heads=int(get("n_head", "num_attention_heads")),
+        num_kv_heads=int(get("n_head", "num_attention_heads")),
+        vocab_size=vocab,
+    )
+
+
+def _bert(get: Any, classify: bool, labels: int) -> ParameterCount:
+    hidden = int(get("hidden_size"))
+    inter = int(get("intermediate_size"))
+    vocab = int(get("vocab_size"))
+    positions = int(get("max_position_embeddings"))
+    types = int(get("type_vocab_size"))
+    layers = int(get("num_hidden_layers"))
+    # q/k/v and intermediate are column-parallel (biases split); attention/output dense are row-parallel
+    sharded = (
+        3 * (hidden * hidden + hidden) + hidden * hidden + (hidden * inter + inter) + inter * hidden
+    )
+    replicated = 2 * hidden + 2 * (2 * hidden)  # two row-parallel biases, two LayerNorms
+    embedding = (vocab + positions + types) * hidden + 2 * hidden
+    if classify:
+        head = (hidden * hidden + hidden) + (hidden * labels + labels)  # pooler + classifier
+    else:
+        # BertLMHeadModel: no pooler; transform dense + LayerNorm, decoder tied to word embeddings + bias
+        head = (hidden * hidden + hidden) + 2 * hidden + vocab
+    tied = not classify and bool(get("tie_word_embeddings"))
+    if not classify and not tied:
+        head += vocab * hidden
+    return ParameterCount(
+        family="bert",
+        exact=True,
+        embedding=embedding,
+        per_layer=sharded + replicated,
+        per_layer_sharded=sharded,
+        num_layers=layers,
+        head=head,
+        head_sharded=0,
+        tied_head=tied,
+        tied_params=vocab * hidden if tied else 0,
+        hidden_size=hidden,
+        num_heads=int(get("num_attention_heads")),
+        num_kv_heads=int(get("num_attention_heads")),
+        vocab_size=vocab,
+    )
+
+
+def _approximate(facts: ModelFacts, classify: bool, labels: int) -> ParameterCount:
+    """Unknown family: a Llama-shaped decoder (GQA attention, gated MLP if intermediate is set).
+
+    per layer ≈ 2h² + 2h·kv·(h/heads) [q, o, k, v] + 3h·I [gate, up, down] + 2h [two norms];
+    with no intermediate size, a GPT-style 4h MLP (8h²). Embedding V·h; head h (+ V·h if untied).
+    Biases, extra norms, position tables and MoE experts are not counted.
+    """
+    hidden, heads = facts.hidden_size, max(facts.num_heads, 1)
+    kv_out = facts.num_kv_heads * (hidden // heads)
+    attention = 2 * hidden * hidden + 2 * hidden * kv_out
+    inter = facts.intermediate_size
+    mlp = 3 * hidden * int(inter) if inter else 8 * hidden * hidden
+    tied = facts.tied_embeddings and not classify
+    head = hidden + (hidden * labels if classify else 0 if tied else facts.vocab_size * hidden)
+    return ParameterCount(
+        family=facts.model_type,
+        exact=False,
+        embedding=facts.vocab_size * hidden,
+        per_layer=attention + mlp + 2 * hidden,
+        per_layer_sharded=attention + mlp,
+        num_layers=facts.num_layers,
+        head=head,
+        head_sharded=0 if tied or classify else facts.vocab_size * hidden,
+        tied_head=tied,
+        tied_params=facts.vocab_size * hidden if tied else 0,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=facts.num_kv_heads,
+        vocab_size=facts.vocab_size,
+        note=f"{facts.model_type!r} is not a known family: Llama-shaped approximation "
+        "(no biases, extra norms, position tables or MoE experts)",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# memory per GPU
+
+
+@dataclass(frozen=True)
+class StageShare:
+    """What one GPU of a pipeline stage holds: parameters (after TP) and its decoder layers."""
+
+    stage: int
+    layers: int
+    params: int
+    holds_embedding: bool
+    holds_head: bool
+
+
+def layers_per_stage(num_layers: int, pp: int) -> list[int]:
+    """Decoder layers of each pipeline stage: as even as possible, earlier stages take the rest.
+
+    This is DeepSpeed's ``partition_uniform``; the embedding goes with stage 0, the head with the last.
+    """
+    base, rest = divmod(num_layers, pp)
+    return [base + (1 if stage < rest else 0) for stage in range(pp)]
+
+
+def stage_shares(count: ParameterCount, *, tp: int = 1, pp: int = 1) -> list[StageShare]:
+    """Parameters held by one GPU of every pipeline stage, with tensor parallelism applied.
+
+    TP (DeepSpeed AutoTP) divides ``per_layer_sharded`` and ``head_sharded`` (an untied lm_head) by
+    tp and replicates the rest; embeddings are not split. With PP and tied embeddings the last
+    stage holds its own copy of the shared matrix (DeepSpeed TiedLayerSpec), so it is counted there.
+    Integer division rounds shards down; the error is < tp parameters per matrix.
+    """
+    layer = count.per_layer - count.per_layer_sharded + count.per_layer_sharded // tp
+    head = count.head - count.head_sharded + count.head_sharded // tp
+    shares = []
+    for stage, layers in enumerate(layers_per_stage(count.num_layers, pp)):
+        first, last = stage == 0, stage == pp - 1
+        params = layers * layer
+        params += count.embedding if first else 0
+        params += head if last else 0
+        params += count.tied_params if last and not first else 0
+        shares.append(StageShare(stage, layers, params, first, last))
+    return shares
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Memory of the busiest GPU of a plan (the pipeline stage with the largest total)."""
+
+    # parameters this GPU's share of the model has before ZeRO partitions it (after TP and PP)
+    params_per_gpu: int
+    stage: int
+    layers_per_gpu: int
+    weights_gb: float
+    gradients_gb: float
+    optimizer_gb: float
+    model_states_gb: float
+    activations_gb: float
+    # ZeRO-3 gathers one full layer (or the embedding / lm_head) at a time to compute it
+    gathered_gb: float
+    total_gb: float
+    # host memory this GPU's process needs for offloaded states
+    cpu_gb: float
+    exact_parameters: bool
+
+
+def _bytes_per_param(mixed_precision: str) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer) bytes per parameter for Adam (ZeRO paper, §3.1).
+
+    Mixed precision: 16-bit weights (2) + 16-bit gradients (2) + fp32 master weights, momentum and
+    variance (K = 12). fp32: 4 + 4 + momentum and variance (K = 8). (Plain DDP through Accelerate
+    keeps fp32 weights and gradients under autocast: 4 + 4 + 8, the same 16 bytes in total.)
+    """
+    if mixed_precision in ("bf16", "fp16"):
+        return 2, 2, 12
+    if mixed_precision == "no":
+        return 4, 4, 8
+    raise UserError(
+        "train.mixed_precision", f"unknown value {mixed_precision!r}", "use no, bf16 or fp16"
+    )
+
+
+def model_state_bytes(
+    params: int, *, dp: int, zero_stage: int, offload: str = "none", mixed_precision: str = "bf16"
+) -> tuple[float, float, float, float]:
+    """(weights, gradients, optimizer, cpu) bytes on one GPU for Ψ = ``params`` and Nd = ``dp``.
+
+    With w, g, K from :func:`_bytes_per_param` (2, 2, 12 for mixed precision):
+
+    - DDP / ZeRO-0: (w + g + K)·Ψ
+    - ZeRO-1: (w + g + K/Nd)·Ψ          optimizer states partitioned
+    - ZeRO-2: (w + (g + K)/Nd)·Ψ        gradients too
+    - ZeRO-3: (w + g + K)·Ψ/Nd          weights too
+
+    offload="optimizer" moves the optimizer partition (K·Ψ/Nd, or K·Ψ without ZeRO partitioning)
+    to host memory; offload="all" (ZeRO-3 only) moves the weight partition too. Offloaded bytes
+    count 0 on the GPU and are returned as ``cpu``.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise UserError("parallel.zero_stage", f"{zero_stage} is not 0, 1, 2 or 3")
+    if offload not in ("none", "optimizer", "all"):
+        raise UserError(
+            "parallel.offload", f"unknown value {offload!r}", "use none, optimizer or all"
+        )
+    if offload != "none" and zero_stage == 0:
+        raise UserError(
+            "parallel.offload", "CPU offload needs ZeRO", "set parallel.zero_stage 1, 2 or 3"
+        )
+    if offload == "all" and zero_stage != 3:
+        raise UserError(
+            "parallel.offload", "offloading parameters needs ZeRO-3", "use offload: optimizer"
+        )
+    w, g, k = _bytes_per_param(mixed_precision)
+    weights = w * params / (dp if zero_stage >= 3 else 1)
+    gradients = g * params / (dp if zero_stage >= 2 else 1)
+    optimizer = k * params / (dp if zero_stage >= 1 else 1)
+    cpu = 0.0
+    if offload in ("optimizer", "all"):
+        cpu += optimizer
+        optimizer = 0.0
+    if offload == "all":
+        cpu += weights
+        weights = 0.0
+    return weights, gradients, optimizer, cpu
+
+
+def activation_bytes_per_layer(
+    count: ParameterCount,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    tp: int = 1,
+    mixed_precision: str = "bf16",
+    attention_scores: bool = True,
+) -> float:
+    """Activations one transformer layer keeps for backward (Korthikanti et al. 2022, eq. 1-2).
+
+    16-bit: s·b·h·(34 + 5·a·s/h) bytes; with tensor parallelism (no sequence parallelism)
+    s·b·h·(10 + 24/t + 5·a·s/(h·t)) — the 10 (layer-norm inputs, dropout masks of the residual)
+    is replicated on every TP rank, the rest is split. fp32 doubles it. ``attention_scores=False``
+    drops the 5·a·s/h term, which flash/memory-efficient SDPA kernels never materialise; the
+    default keeps it (eager attention, the conservative case).
+    """
+    s, b, h, a = seq_len, micro_batch, count.hidden_size, count.num_heads
+    per_token = 10 + 24 / tp + (5 * a * s / (h * tp) if attention_scores else 0)
+    scale = 1 if mixed_precision in ("bf16", "fp16") else 2
+    return s * b * h * per_token * scale
+
+
+def estimate_memory(
+    facts: ModelFacts,
+    *,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    zero_stage: int = 0,
+    offload: str = "none",
+    mixed_precision: str = "bf16",
+    micro_batch: int = 1,
+    seq_len: int = 2048,
+    activation_checkpointing: bool = False,
+    task: str = "causal-lm",
+    num_labels: int | None = None,
+    gradient_accumulation_steps: int | None = None,
+    attention_scores: bool = True,
+    count: ParameterCount | None = None,
+) -> MemoryEstimate:
+    """Memory on the busiest GPU of a dp × tp × pp plan.
+
+    Model states: :func:`model_state_bytes` of the parameters this GPU holds (:func:`stage_shares`).
+    ZeRO-3 also needs the largest unit it gathers at once (a layer, the embedding or the head) in
+    16-bit: ``gathered_gb``.
+
+    Activations per GPU: L_stage layers × :func:`activation_bytes_per_layer` × in-flight
+    micro-batches. With activation checkpointing a layer keeps only its input, 2·s·b·h bytes
+    (4 in fp32; not split by TP), plus one layer's full activations while it is recomputed.
+    Pipeline stage k of DeepSpeed's 1F1B schedule holds min(pp − k, micro-batches) micro-batches
+    in flight (``gradient_accumulation_steps``; unset = pp), so stage 0 holds as many activations as
+    the whole unsplit model: PP does not shrink activation memory on the first stage.
+    The last stage adds the logits kept for the loss: b·s·V·4 bytes (fp32) for causal-lm,
+    b·labels·4 for classification. Embedding outputs and communication buckets are not counted.
+    """
+    if dp < 1 or tp < 1 or pp < 1:
+        raise UserError("parallel", f"dp={dp}, tp={tp}, pp={pp}: every degree must be at least 1")
+    count = count or count_parameters(facts, task, num_labels)
+    if pp > count.num_layers:
+        raise UserError(
+            "parallel.pp", f"{pp} stages for {count.num_layers} layers", "use pp ≤ layers"
+        )
+    in_flight_cap = gradient_accumulation_steps if gradient_accumulation_steps else pp
+    layer_full = activation_bytes_per_layer(
+        count,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        tp=tp,
+        mixed_precision=mixed_precision,
+        attention_scores=attention_scores,
+    )
+    element = 2 if mixed_precision in ("bf16", "fp16") else 4
+    checkpoint = element * seq_len * micro_batch * count.hidden_size
+    if task == "sequence-classification":
+        labels = int(num_labels if num_labels is not None else facts.raw.get("num_labels") or 2)
+        logits = micro_batch * labels * 4
+    else:
+        logits = micro_batch * seq_len * count.vocab_size * 4
+    w16 = 2 if mixed_precision in ("bf16", "fp16") else 4
+    layer_params = count.per_layer - count.per_layer_sharded + count.per_layer_sharded // tp
+    head_params = count.head - count.head_sharded + count.head_sharded // tp
+    largest_unit = max(layer_params, count.embedding, head_params)
+
+    best: MemoryEstimate | None = None
+    for share in stage_shares(count, tp=tp, pp=pp):
+        in_flight = min(pp - share.stage, in_flight_cap)
+        if activation_checkpointing:
+            activations = share.layers * checkpoint * in_flight + (
+                layer_full if share.layers else 0
+            )
+        else:
+            activations = share.layers * layer_full * in_flight
+        activations += logits if share.holds_head else 0
+        weights, gradients, optimizer, cpu = model_state_bytes(
+            share.params,
+            dp=dp,
+            zero_stage=zero_stage,
+            offload=offload,
+            mixed_precision=mixed_precision,
+        )
+        gathered = w16 * largest_unit if zero_stage == 3 else 0
+        states = weights + gradients + optimizer
+        total = states + activations + gathered
+        estimate = MemoryEstimate(
+            params_per_gpu=share.params,
+            stage=share.stage,
+            layers_per_gpu=share.layers,
+            weights_gb=weights / GIB,
+            gradients_gb=gradients / GIB,
+            optimizer_gb=optimizer / GIB,
+            model_states_gb=states / GIB,
+            activations_gb=activations / GIB,
+            gathered_gb=gathered / GIB,
+            total_gb=total / GIB,
+            cpu_gb=cpu / GIB,
+            exact_parameters=count.exact,
+        )
+        if best is None or estimate.total_gb > best.total_gb:
+            best = estimate
+    assert best is not None
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# communication per step
+
+
+@dataclass(frozen=True)
+class CommunicationEstimate:
+    """Bytes one GPU sends per optimizer step, per kind of traffic (busiest stage)."""
+
+    data_parallel_bytes: float
+    tensor_parallel_bytes: float
+    pipeline_bytes: float
+    # host <-> GPU copies of offloaded states (PCIe, not the network)
+    offload_bytes: float
+
+    @property
+    def network_bytes(self) -> float:
+        """Collective and point-to-point traffic between GPUs."""
+        return self.data_parallel_bytes + self.tensor_parallel_bytes + self.pipeline_bytes
+
+    @property
+    def network_gb(self) -> float:
+        return self.network_bytes / GIB
+
+
+def estimate_communication(
+    facts: ModelFacts,
+    *,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    zero_stage: int = 0,
+    offload: str = "none",
+    mixed_precision: str = "bf16",
+    micro_batch: int = 1,
+    seq_len: int = 2048,
+    gradient_accumulation_steps: int = 1,
+    task: str = "causal-lm",
+    num_labels: int | None = None,
+    count: ParameterCount | None = None,
+) -> CommunicationEstimate:
+    """Bytes sent per GPU per optimizer step; a ring all-reduce of n bytes over p ranks sends 2n(p−1)/p.
+
+    Ψ = parameters this GPU holds (busiest stage, after TP), b = 2 bytes (16-bit) or 4 (fp32),
+    m = micro-batches per step (gradient accumulation), s·mb·h = one layer's output activations.
+
+    - DDP, ZeRO-1, ZeRO-2: one gradient all-reduce (or reduce-scatter + all-gather of the updated
+      weights), 2Ψ·b·(dp−1)/dp — once per step (DDP skips sync on accumulation micro-steps).
+    - ZeRO-3: weights all-gathered in forward and again in backward + gradient reduce-scatter,
+      3Ψ·b·(dp−1)/dp.
+    - TP: 4 all-reduces of s·mb·h·b per layer per micro-batch (2 forward, 2 backward), each
+      2·(tp−1)/tp of it sent; an untied causal-lm head split by AutoTP adds one all-reduce of the
+      logits s·mb·V·b in forward.
+    - PP: a stage sends its output activations forward and its input gradients backward, s·mb·h·b
+      each per micro-batch (a middle stage does both: 2·s·mb·h·b·m).
+    - Offload (PCIe): gradients down and updated 16-bit weights up, (b + 2)·Ψ/Nd per step;
+      offload="all" also fetches the weight partition for forward and backward, + 2·2Ψ/Nd.
+    """
+    count = count or count_parameters(facts, task, num_labels)
+    psi = max(share.params for share in stage_shares(count, tp=tp, pp=pp))
+    b = 2 if mixed_precision in ("bf16", "fp16") else 4
+    m = max(1, gradient_accumulation_steps)
+    ring = lambda ranks: 2 * (ranks - 1) / ranks  # noqa: E731
+    dp_factor = 3 if zero_stage == 3 else 2
+    data_parallel = dp_factor * psi * b * (dp - 1) / dp
+    activation = seq_len * micro_batch * count.hidden_size * b
+    layers = max(layers_per_stage(count.num_layers, pp))
+    tensor_parallel = 0.0
+    if tp > 1:
+        tensor_parallel = 4 * layers * activation * ring(tp) * m
+        if count.head_sharded:
+            tensor_parallel += seq_len * micro_batch * count.vocab_size * b * ring(tp) * m
+    pipeline = 0.0
+    if pp > 1:
+        pipeline = (2 if pp > 2 else 1) * activation * m
+    offload_bytes = 0.0
+    partition = psi / (dp if zero_stage >= 1 else 1)
+    if offload in ("optimizer", "all"):
+        offload_bytes += (b + 2) * partition
+    if offload == "all":
+        offload_bytes += 2 * 2 * partition
+    return CommunicationEstimate(data_parallel, tensor_parallel, pipeline, offload_bytes)
+
+
+__all__ = [
+    "GIB",
+    "CommunicationEstimate",
+    "MemoryEstimate",
+    "ParameterCount",
+    "StageShare",
+    "activation_bytes_per_layer",
+    "count_parameters",
+    "estimate_communication",
+    "estimate_memory",
+    "layers_per_stage",
+    "model_state_bytes",
+    "stage_shares",
+]
