@@ -51,8 +51,10 @@ class DataConfig(Section):
     # hub id, or local file(s): .json/.jsonl/.csv/.txt/.parquet (a list for several files)
     dataset: str | list[str]
     split: str = "train"
-    # a named split of the same dataset for evaluation ...
+    # a named split of the same (hub) dataset for evaluation ...
     eval_split: str | None = None
+    # ... or separate local file(s) for evaluation ...
+    eval_dataset: str | list[str] | None = None
     # ... or a fraction of the training split held out for evaluation
     eval_fraction: float | None = Field(None, gt=0, lt=1)
     text_column: str = "text"
@@ -67,8 +69,9 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _eval_choice(self) -> DataConfig:
-        if self.eval_split is not None and self.eval_fraction is not None:
-            raise ValueError("set only one of data.eval_split and data.eval_fraction")
+        chosen = [self.eval_split, self.eval_dataset, self.eval_fraction]
+        if sum(item is not None for item in chosen) > 1:
+            raise ValueError("set only one of data.eval_split, data.eval_dataset and data.eval_fraction")
         return self
 
 
@@ -165,3 +168,15 @@ class RunConfig(Section):
     @classmethod
     def _parallel_auto(cls, value: Any) -> Any:
         return {"auto": True} if value == "auto" else value
+
+
+class ScriptRunConfig(Section):
+    """The sections `dplaunch launch SCRIPT` uses: a user script brings its own model and data."""
+
+    name: str | None = None
+    model: dict[str, Any] | None = None
+    data: dict[str, Any] | None = None
+    train: TrainConfig = TrainConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    launch: LaunchConfig = LaunchConfig()
+    output_dir: str | None = None

@@ -1,0 +1,3 @@
+from dplaunch.cli import main
+
+main()

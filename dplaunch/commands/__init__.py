@@ -1,0 +1,1 @@
+"""One module per subcommand: glue between the CLI and the layers below."""

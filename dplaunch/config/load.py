@@ -1,0 +1,197 @@
+"""Load a run file (YAML), apply flag and --set overrides, validate: every mistake is one UserError."""
+
+from __future__ import annotations
+
+import copy
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from dplaunch.config.schema import RunConfig, ScriptRunConfig
+from dplaunch.errors import UserError
+
+DEFAULT_CONFIG_NAME = "default.yaml"
+
+
+def default_config_text() -> str:
+    """The embedded default run file (configs/default.yaml, shipped inside the package)."""
+    return resources.files("dplaunch.resources").joinpath(DEFAULT_CONFIG_NAME).read_text()
+
+
+def read_yaml_file(path: str | Path) -> dict[str, Any]:
+    """Parse a run file into a dict, turning every I/O or YAML problem into one line."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError("CONFIG", f"{path} does not exist", "check the path of the run file")
+    if path.is_dir():
+        raise UserError("CONFIG", f"{path} is a directory", "give the path of a YAML run file")
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise UserError("CONFIG", f"cannot read {path}: {exc.strerror}", "check its permissions") from None
+    return parse_yaml_text(text, str(path))
+
+
+def parse_yaml_text(text: str, source: str) -> dict[str, Any]:
+    """Parse YAML text, reporting the line of a syntax error."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UserError("CONFIG", f"{source} is not valid YAML{where}: {problem}", "fix the syntax") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError("CONFIG", f"{source} must hold a mapping of sections (model:, data:, …)", "see configs/default.yaml")
+    return data
+
+
+def parse_override(assignment: str) -> tuple[list[str], Any]:
+    """Split ``a.b.c=value`` into a key path and a YAML-typed value."""
+    if "=" not in assignment:
+        raise UserError("--set", f"{assignment!r} is not key.path=value", "write e.g. --set train.lr=1e-4")
+    key, _, raw = assignment.partition("=")
+    keys = [part for part in key.strip().split(".") if part]
+    if not keys:
+        raise UserError("--set", f"{assignment!r} has an empty key", "write e.g. --set train.lr=1e-4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return keys, value
+
+
+def apply_override(data: dict[str, Any], keys: list[str], value: Any) -> None:
+    """Set data[k1][k2]… = value, creating sections as needed."""
+    node = data
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise UserError("--set", f"{'.'.join(keys)}: {key} is not a section", "check the key path")
+        node = child
+    node[keys[-1]] = value
+
+
+def build_run_config(
+    data: dict[str, Any],
+    *,
+    overrides: dict[str, Any] | None = None,
+    assignments: list[str] | None = None,
+    base_dir: Path | None = None,
+    schema: type[RunConfig] | type[ScriptRunConfig] = RunConfig,
+) -> Any:
+    """Validate a run-file dict after applying flag overrides (dotted keys) then --set assignments."""
+    data = copy.deepcopy(data)
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            apply_override(data, dotted.split("."), value)
+    for assignment in assignments or []:
+        keys, value = parse_override(assignment)
+        apply_override(data, keys, value)
+    try:
+        config = schema.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    if isinstance(config, RunConfig):
+        _resolve_relative_paths(config, base_dir)
+    return config
+
+
+def load_run_config(
+    path: str | Path | None,
+    *,
+    overrides: dict[str, Any] | None = None,
+    assignments: list[str] | None = None,
+    schema: type[RunConfig] | type[ScriptRunConfig] = RunConfig,
+) -> Any:
+    """The run file at ``path`` (the embedded default when None) with overrides applied."""
+    if path is None:
+        text = default_config_text() if schema is RunConfig else "{}"
+        data = parse_yaml_text(text, "the embedded default run file")
+        base_dir = None
+    else:
+        data = read_yaml_file(path)
+        base_dir = Path(path).resolve().parent
+    return build_run_config(data, overrides=overrides, assignments=assignments, base_dir=base_dir, schema=schema)
+
+
+def resolve_package_path(value: str) -> str:
+    """`pkg:module/sub/path` → the path inside an installed Python package (found without importing it)."""
+    import importlib.util
+
+    module, _, rest = value[len("pkg:") :].partition("/")
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(value, f"Python package {module!r} is not installed", f"pip install {module.replace('_', '-')}")
+    return str(Path(list(spec.submodule_search_locations)[0]) / rest)
+
+
+def _resolve_relative_paths(config: RunConfig, base_dir: Path | None) -> None:
+    # relative dataset/model paths in a run file are relative to the file, like a Makefile's includes;
+    # a path that exists relative to the working directory wins (that is what users type on the CLI)
+    def resolve(value: str) -> str:
+        if value.startswith("pkg:"):
+            return resolve_package_path(value)
+        if base_dir is None or value.startswith(("/", "~")) or Path(value).exists():
+            return value
+        candidate = base_dir / value
+        return str(candidate) if candidate.exists() else value
+
+    data = config.data
+    if isinstance(data.dataset, list):
+        data.dataset = [resolve(item) for item in data.dataset]
+    else:
+        data.dataset = resolve(data.dataset)
+    if data.eval_dataset is not None:
+        data.eval_dataset = [resolve(item) for item in data.eval_dataset] if isinstance(data.eval_dataset, list) else resolve(data.eval_dataset)
+    if config.model.name_or_path:
+        config.model.name_or_path = resolve(config.model.name_or_path)
+    if config.model.tokenizer:
+        config.model.tokenizer = resolve(config.model.tokenizer)
+
+
+def _validation_error(exc: ValidationError) -> UserError:
+    error = exc.errors()[0]
+    location = ".".join(str(part) for part in error["loc"])
+    kind = error["type"]
+    value = error.get("input")
+    if kind == "extra_forbidden":
+        section = ".".join(str(part) for part in error["loc"][:-1])
+        known = _known_keys(section)
+        hint = f"known keys here: {', '.join(known)}" if known else "remove it"
+        return UserError(location, "unknown key", hint)
+    if kind == "missing":
+        return UserError(location, "is required", f"add {location} to the run file or pass it with --set")
+    message = error["msg"].removeprefix("Value error, ")
+    if kind in ("value_error", "assertion_error"):
+        return UserError(location or "config", message, "")
+    shown = repr(value) if not isinstance(value, dict) else "a mapping"
+    return UserError(location, f"{shown} is invalid: {message}", "fix the value")
+
+
+def _known_keys(section: str) -> list[str]:
+    model: Any = RunConfig
+    for part in [p for p in section.split(".") if p]:
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        annotation = field.annotation
+        model = annotation if isinstance(annotation, type) else None
+        if model is None or not hasattr(model, "model_fields"):
+            return []
+    return sorted(model.model_fields)
+
+
+def dump_run_config(config: RunConfig) -> str:
+    """The fully resolved run file, as YAML, in the schema's key order."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, default_flow_style=False)

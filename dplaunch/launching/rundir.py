@@ -1,0 +1,63 @@
+"""The run directory: created only after the plan is valid, files written atomically."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from dplaunch.errors import UserError
+
+# files a finished or running training run leaves; their presence means "this is a run"
+RUN_MARKERS = ("metrics.jsonl", "checkpoints")
+
+
+def check_run_dir(run_dir: Path, *, resuming: bool) -> str:
+    """Raise UserError when the run dir cannot be used; return a free-space line."""
+    existing = [marker for marker in RUN_MARKERS if (run_dir / marker).exists()]
+    if existing and not resuming:
+        raise UserError(
+            "output_dir",
+            f"{run_dir} already holds a run ({', '.join(existing)})",
+            "pass --resume auto to continue it, or choose another --output-dir",
+        )
+    probe = run_dir
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError("output_dir", f"{probe} is not a directory", "choose another --output-dir")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError("output_dir", f"{probe} is not writable", "choose a writable --output-dir")
+    free_gb = shutil.disk_usage(probe).free / 1e9
+    return f"{free_gb:.1f} GB free on the output directory's disk"
+
+
+def write_text_atomic(path: Path, text: str, mode: int | None = None) -> None:
+    """Write via a temporary file and rename: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(handle, "w") as out:
+            out.write(text)
+        if mode is not None:
+            os.chmod(temp, mode & ~_umask())
+        else:
+            os.chmod(temp, 0o666 & ~_umask())
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+
+
+def write_run_files(run_dir: Path, files: dict[str, str]) -> None:
+    """Create the run directory (with the user's umask) and write the rendered files into it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        write_text_atomic(run_dir / name, text, 0o777 if name.endswith(".sh") else None)
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current

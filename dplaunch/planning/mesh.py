@@ -1,0 +1,89 @@
+"""The device mesh: world = dp × tp × pp, and which global ranks form each group.
+
+Rank layout (the one DeepSpeed's pipeline grid and AutoTP use): tp varies fastest, then dp,
+then pp — so a TP group is consecutive ranks (inside one node when tp ≤ GPUs per node), and the
+pipeline stage of rank r is r // (dp × tp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dplaunch.errors import UserError
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Degrees of data, tensor and pipeline parallelism over ``world_size`` ranks."""
+
+    data_parallel_size: int
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @classmethod
+    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1) -> Mesh:
+        """Infer dp from the world size, refusing layouts that do not tile it."""
+        if tp < 1 or pp < 1:
+            raise UserError("parallel.tp/pp", "degrees must be at least 1", "use 1 to turn one off")
+        if world_size % (tp * pp) != 0:
+            raise UserError(
+                "parallel",
+                f"tp {tp} × pp {pp} = {tp * pp} does not divide {world_size} GPUs",
+                f"choose tp × pp among the divisors of {world_size}, or change --gpus",
+            )
+        return cls(world_size // (tp * pp), tp, pp)
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """(pipeline stage, data-parallel rank, tensor-parallel rank) of a global rank."""
+        tp, dp = self.tensor_parallel_size, self.data_parallel_size
+        return rank // (dp * tp), (rank // tp) % dp, rank % tp
+
+    def rank_of(self, stage: int, dp_rank: int, tp_rank: int) -> int:
+        """Global rank at the given coordinates."""
+        return (stage * self.data_parallel_size + dp_rank) * self.tensor_parallel_size + tp_rank
+
+    def tensor_parallel_groups(self) -> list[list[int]]:
+        """Ranks that hold shards of the same layers and must see the same batch."""
+        return [
+            [self.rank_of(s, d, t) for t in range(self.tensor_parallel_size)]
+            for s in range(self.pipeline_parallel_size)
+            for d in range(self.data_parallel_size)
+        ]
+
+    def data_parallel_groups(self) -> list[list[int]]:
+        """Ranks that hold the same shard and average their gradients."""
+        return [
+            [self.rank_of(s, d, t) for d in range(self.data_parallel_size)]
+            for s in range(self.pipeline_parallel_size)
+            for t in range(self.tensor_parallel_size)
+        ]
+
+    def pipelines(self) -> list[list[int]]:
+        """Ranks that form one pipeline, stage 0 first."""
+        return [
+            [self.rank_of(s, d, t) for s in range(self.pipeline_parallel_size)]
+            for d in range(self.data_parallel_size)
+            for t in range(self.tensor_parallel_size)
+        ]
+
+    def describe(self, stage_layers: list[str] | None = None) -> list[str]:
+        """Human-readable lines: the degrees, then each group of ranks."""
+        lines = [
+            f"mesh: dp {self.data_parallel_size} × tp {self.tensor_parallel_size} × "
+            f"pp {self.pipeline_parallel_size} = {self.world_size} ranks"
+        ]
+        if self.tensor_parallel_size > 1:
+            lines.append(f"  tensor-parallel groups: {self.tensor_parallel_groups()}")
+        if self.pipeline_parallel_size > 1:
+            lines.append(f"  pipelines (stage 0 first): {self.pipelines()}")
+            for stage, layers in enumerate(stage_layers or []):
+                lines.append(f"  stage {stage}: {layers}")
+        if self.data_parallel_size > 1 and (
+            self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1
+        ):
+            lines.append(f"  data-parallel groups: {self.data_parallel_groups()}")
+        return lines

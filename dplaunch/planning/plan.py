@@ -1,0 +1,364 @@
+"""The plan: every decision about a run, made once, purely, before anything is written or started.
+
+World size, nodes, the dp × tp × pp mesh, ZeRO stage, batch math and backend are decided here,
+and every user mistake the plan can see becomes one UserError (one line, exit code 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from dplaunch.config.schema import LaunchConfig, ParallelConfig, TrainConfig
+from dplaunch.errors import UserError
+from dplaunch.planning.mesh import Mesh
+from dplaunch.planning.model_facts import AUTOTP_FAMILIES, PIPELINE_FAMILIES, ModelFacts
+
+Target = Literal["gpu", "cpu"]
+Engine = Literal["ddp", "deepspeed", "pipeline"]
+DEFAULT_MASTER_PORT = 29500
+# the largest micro batch the planner picks on its own; users set train.micro_batch_size for more
+DEFAULT_MAX_MICRO_BATCH = 8
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a launch needs, derived from the run config and the machine."""
+
+    target: Target
+    world_size: int
+    num_nodes: int
+    processes_per_node: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    mesh: Mesh
+    zero_stage: int
+    offload: str
+    mixed_precision: str
+    global_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    timeout_minutes: float
+    notes: tuple[str, ...] = field(default=())
+    stage_layers: tuple[str, ...] = field(default=())
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.mesh.data_parallel_size
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.mesh.tensor_parallel_size
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return self.mesh.pipeline_parallel_size
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.target == "gpu" else "gloo"
+
+    @property
+    def engine(self) -> Engine:
+        if self.pipeline_parallel_size > 1:
+            return "pipeline"
+        if self.zero_stage > 0 or self.tensor_parallel_size > 1:
+            return "deepspeed"
+        return "ddp"
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        return self.engine != "ddp"
+
+    def batch_line(self) -> str:
+        """micro × grad-accum × dp = global, as users want to read it."""
+        return (
+            f"micro batch {self.micro_batch_size} × grad-accum {self.gradient_accumulation_steps} "
+            f"× dp {self.data_parallel_size} = global batch {self.global_batch_size}"
+        )
+
+    def summary_lines(self) -> list[str]:
+        """The resolved plan, one fact per line."""
+        device = "GPU" if self.target == "gpu" else "CPU rank"
+        lines = [
+            f"world size {self.world_size} ({self.num_nodes} node(s) × {self.processes_per_node} "
+            f"{device}(s), backend {self.backend})",
+            *self.mesh.describe(list(self.stage_layers)),
+            f"engine: {self.engine}"
+            + (f", ZeRO stage {self.zero_stage}" if self.zero_stage else "")
+            + (f", offload {self.offload}" if self.offload != "none" else ""),
+            self.batch_line(),
+            f"mixed precision: {self.mixed_precision}",
+        ]
+        if self.num_nodes > 1:
+            lines.append(
+                f"node rank {self.node_rank}, rendezvous {self.master_addr}:{self.master_port}"
+            )
+        return lines + [f"note: {note}" for note in self.notes]
+
+    def header(self) -> dict[str, Any]:
+        """The first line of metrics.jsonl."""
+        return {
+            "world_size": self.world_size,
+            "data_parallel_size": self.data_parallel_size,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
+            "zero_stage": self.zero_stage,
+            "offload": self.offload,
+            "global_batch_size": self.global_batch_size,
+            "micro_batch_size": self.micro_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "mixed_precision": self.mixed_precision,
+            "target": self.target,
+            "num_nodes": self.num_nodes,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (plan.json in the run directory)."""
+        data = dataclasses.asdict(self)
+        data["mesh"] = dataclasses.asdict(self.mesh)
+        data["notes"] = list(self.notes)
+        data["stage_layers"] = list(self.stage_layers)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """Inverse of to_dict."""
+        data = dict(data)
+        data["mesh"] = Mesh(**data["mesh"])
+        data["notes"] = tuple(data.get("notes", ()))
+        data["stage_layers"] = tuple(data.get("stage_layers", ()))
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the planner may know about where it runs (filled in by the CLI, pure afterwards)."""
+
+    visible_gpus: int = 0
+    # True for `dplaunch config`/`slurm`: render for the target the flags describe, GPUs need not be here
+    render_only: bool = False
+
+
+def make_plan(
+    launch: LaunchConfig,
+    parallel: ParallelConfig,
+    train: TrainConfig,
+    machine: Machine,
+    model: ModelFacts | None = None,
+) -> Plan:
+    """Decide the whole layout of a run; raise UserError for anything that cannot work."""
+    notes: list[str] = []
+    target, total = _devices(launch, machine, notes)
+    nodes, per_node = _nodes(launch, total)
+    if nodes > 1 and launch.node_rank >= nodes:
+        raise UserError(
+            "launch.node_rank",
+            f"{launch.node_rank} is not below the node count {nodes}",
+            f"use 0..{nodes - 1}",
+        )
+    if target == "gpu" and not machine.render_only and nodes == 1 and total > machine.visible_gpus:
+        raise UserError(
+            "launch.gpus",
+            f"{total} GPUs requested but this machine shows {machine.visible_gpus}",
+            "spread them over nodes with --nodes N (one command per node) or run `dplaunch slurm`",
+        )
+    if (
+        target == "gpu"
+        and not machine.render_only
+        and nodes > 1
+        and per_node > machine.visible_gpus
+    ):
+        raise UserError(
+            "launch.gpus_per_node",
+            f"{per_node} GPUs per node planned but this node shows {machine.visible_gpus}",
+            "lower --gpus or raise --nodes",
+        )
+    mesh = Mesh.for_world(total, parallel.tp, parallel.pp)
+    _check_parallel(parallel, mesh, per_node, model)
+    mixed_precision = _mixed_precision(train.mixed_precision, target)
+    micro, accumulation = batch_math(
+        train.global_batch_size, train.micro_batch_size, mesh.data_parallel_size
+    )
+    stage_layers = tuple(pipeline_stage_names(model, mesh.pipeline_parallel_size)) if model else ()
+    return Plan(
+        target=target,
+        world_size=total,
+        num_nodes=nodes,
+        processes_per_node=per_node,
+        node_rank=launch.node_rank,
+        master_addr=launch.master_addr,
+        master_port=launch.master_port or DEFAULT_MASTER_PORT,
+        mesh=mesh,
+        zero_stage=parallel.zero_stage,
+        offload=parallel.offload,
+        mixed_precision=mixed_precision,
+        global_batch_size=train.global_batch_size,
+        micro_batch_size=micro,
+        gradient_accumulation_steps=accumulation,
+        timeout_minutes=launch.timeout_minutes,
+        notes=tuple(notes),
+        stage_layers=stage_layers,
+    )
+
+
+def _devices(launch: LaunchConfig, machine: Machine, notes: list[str]) -> tuple[Target, int]:
+    if launch.cpu:
+        total = launch.gpus or 1
+        notes.append(f"--cpu: {total} CPU rank(s) on gloo")
+        return "cpu", total
+    if machine.render_only:
+        return "gpu", launch.gpus or max(machine.visible_gpus, 1)
+    if machine.visible_gpus == 0:
+        total = launch.gpus or 1
+        notes.append(f"no GPU visible: running {total} CPU rank(s) on gloo instead")
+        return "cpu", total
+    return "gpu", launch.gpus or machine.visible_gpus
+
+
+def _nodes(launch: LaunchConfig, total: int) -> tuple[int, int]:
+    nodes = launch.nodes
+    if launch.gpus_per_node is not None:
+        if nodes == 1 and launch.gpus_per_node < total:
+            if total % launch.gpus_per_node:
+                raise UserError(
+                    "launch.gpus_per_node",
+                    f"{launch.gpus_per_node} does not divide {total} GPUs",
+                    "choose a divisor of --gpus",
+                )
+            nodes = total // launch.gpus_per_node
+        if nodes * launch.gpus_per_node != total:
+            raise UserError(
+                "launch.gpus",
+                f"{nodes} node(s) × {launch.gpus_per_node} GPUs per node = "
+                f"{nodes * launch.gpus_per_node}, not {total}",
+                "make --gpus equal nodes × GPUs per node",
+            )
+        return nodes, launch.gpus_per_node
+    if total % nodes:
+        raise UserError(
+            "launch.nodes",
+            f"{total} GPUs cannot be spread evenly over {nodes} nodes",
+            f"use a GPU count that is a multiple of {nodes}",
+        )
+    return nodes, total // nodes
+
+
+def _check_parallel(
+    parallel: ParallelConfig, mesh: Mesh, per_node: int, model: ModelFacts | None
+) -> None:
+    stage, offload = parallel.zero_stage, parallel.offload
+    if offload == "optimizer" and stage == 0:
+        raise UserError("parallel.offload", "optimizer offload needs ZeRO", "add --zero 1, 2 or 3")
+    if offload == "all" and stage != 3:
+        raise UserError(
+            "parallel.offload",
+            "offloading parameters ('all') needs ZeRO-3",
+            "use --zero 3 or --offload optimizer",
+        )
+    tp, pp = mesh.tensor_parallel_size, mesh.pipeline_parallel_size
+    if pp > 1 and stage >= 2:
+        raise UserError(
+            "parallel.zero_stage",
+            f"ZeRO-{stage} cannot be combined with pipeline parallelism (DeepSpeed partitions "
+            "gradients across micro-batches that the pipeline still needs)",
+            "use --zero 0 or 1 with pp > 1",
+        )
+    if tp > 1 and stage == 3:
+        raise UserError(
+            "parallel.zero_stage",
+            "ZeRO-3 with tensor parallelism is experimental upstream and not supported by dplaunch",
+            "use --zero 0, 1 or 2 with tp > 1, or ZeRO-3 alone",
+        )
+    if tp > 1 and pp > 1:
+        raise UserError(
+            "parallel",
+            f"tp {tp} × pp {pp}: DeepSpeed's AutoTP does not compose with its pipeline engine",
+            "use tp with dp (and ZeRO ≤ 2), or pp with dp (and ZeRO ≤ 1)",
+        )
+    if tp > 1 and tp > per_node:
+        raise UserError(
+            "parallel.tp",
+            f"tp {tp} is larger than the {per_node} GPUs of a node",
+            "keep tensor parallelism inside a node (its all-reduces run every layer)",
+        )
+    if model is None:
+        return
+    if tp > 1:
+        if model.model_type not in AUTOTP_FAMILIES:
+            raise UserError(
+                "parallel.tp",
+                f"DeepSpeed AutoTP cannot split model type {model.model_type!r}",
+                f"use tp 1, or a family AutoTP supports: {', '.join(AUTOTP_FAMILIES)}",
+            )
+        for name, count in (("attention heads", model.num_heads), ("KV heads", model.num_kv_heads)):
+            if count % tp:
+                raise UserError(
+                    "parallel.tp",
+                    f"tp {tp} does not divide the model's {count} {name}",
+                    f"choose tp among the divisors of {count}",
+                )
+    if pp > 1:
+        if model.model_type not in PIPELINE_FAMILIES:
+            raise UserError(
+                "parallel.pp",
+                f"pipeline parallelism (pp>1) is not supported for {model.model_type!r}",
+                f"supported: {', '.join(PIPELINE_FAMILIES)}",
+            )
+        if pp > model.num_layers:
+            raise UserError(
+                "parallel.pp",
+                f"pp {pp} is more stages than the model's {model.num_layers} layers",
+                f"use pp ≤ {model.num_layers}",
+            )
+
+
+def _mixed_precision(requested: str, target: Target) -> str:
+    if requested == "fp16" and target == "cpu":
+        raise UserError(
+            "train.mixed_precision",
+            "fp16 needs GPUs (CPU ranks have no fp16 kernels)",
+            "use bf16 or no on CPU",
+        )
+    return requested
+
+
+def batch_math(global_batch: int, micro_batch: int | None, data_parallel: int) -> tuple[int, int]:
+    """(micro batch, gradient accumulation) so that micro × accumulation × dp == global batch."""
+    if micro_batch is None:
+        if global_batch % data_parallel:
+            raise UserError(
+                "train.global_batch_size",
+                f"{global_batch} is not divisible by the data-parallel size {data_parallel}",
+                f"use a multiple of {data_parallel}: {_nearest(global_batch, data_parallel)}",
+            )
+        per_rank = global_batch // data_parallel
+        micro_batch = max(
+            m for m in range(1, min(per_rank, DEFAULT_MAX_MICRO_BATCH) + 1) if per_rank % m == 0
+        )
+    step = micro_batch * data_parallel
+    if global_batch % step:
+        raise UserError(
+            "train.global_batch_size",
+            f"global batch {global_batch} is not a multiple of micro batch {micro_batch} × "
+            f"data-parallel size {data_parallel} = {step}",
+            f"use {_nearest(global_batch, step)}, or change train.micro_batch_size",
+        )
+    return micro_batch, global_batch // step
+
+
+def _nearest(value: int, step: int) -> str:
+    below = (value // step) * step
+    above = below + step
+    return f"{below} or {above}" if below > 0 else str(above)
+
+
+def pipeline_stage_names(model: ModelFacts, stages: int) -> list[str]:
+    """Which layers each pipeline stage holds, balanced by parameters as the pipeline engine does."""
+    if stages <= 1:
+        return []
+    from dplaunch.planning.partition import partition_layers
+
+    return partition_layers(model, stages)

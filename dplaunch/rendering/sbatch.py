@@ -1,0 +1,176 @@
+"""SbatchSpec → a batch script that runs one `dplaunch` launcher per node under srun.
+
+Pure: returns text. Two quoting worlds meet in a batch script:
+- `#SBATCH` lines are comments to bash and are parsed by sbatch itself, which splits on
+  blanks, toggles on double quotes, takes backslash as escape and `#` as the start of a
+  comment. Nothing there is ever executed, so `$(...)` is harmless; we quote for sbatch.
+- every other line is bash: values go through `shlex.quote`, so they are single-quoted words.
+Values that contain a newline (or NUL) could start a new line of either kind: refused with
+ValueError, which the caller reports as a UserError naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+
+# SLURM time limits: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (or "infinite"/"UNLIMITED")
+_TIME_RE = re.compile(r"^(\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|infinite|unlimited)$", re.I)
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_MODULE_RE = re.compile(r"^[\w./+@:=,-]+$")
+
+
+@dataclass(frozen=True)
+class SbatchSpec:
+    """Everything the batch script needs; one field per SLURM option or script part."""
+
+    job_name: str
+    # argv of the launcher run on every node after `srun`, e.g. ["dplaunch", "train", "run.yaml"]
+    command: list[str]
+    nodes: int = 1
+    # GPUs per node (`--gres=gpu:N`); ignored when `cpu` is True
+    gpus_per_node: int = 1
+    # CPUs for the one launcher task per node (it and its ranks share them)
+    cpus_per_task: int = 1
+    # wall time in a SLURM format: "20:00:00", "1-00:00:00", "30" (minutes)
+    time: str = "01:00:00"
+    partition: str | None = None
+    account: str | None = None  # e.g. "abc@h100" on Jean-Zay
+    qos: str | None = None
+    constraint: str | None = None  # e.g. "h100"
+    # `module load` these after `module purge` (nothing module-related when empty)
+    modules: list[str] = field(default_factory=list)
+    # raw shell lines the user asked for (conda activate, exports), run before srun as written
+    setup_lines: list[str] = field(default_factory=list)
+    # directory for %x-%j.out / %x-%j.err; sbatch does not create it, the caller must
+    log_dir: str = "slurm-logs"
+    requeue: bool = False
+    # seconds before the time limit at which every process of the srun step gets SIGUSR1
+    signal_seconds: int | None = None
+    # CPU-only job: no --gres line
+    cpu: bool = False
+    # exported before srun (srun passes the whole environment to the step)
+    env: dict[str, str] = field(default_factory=dict)
+    # --hint=nomultithread: one task thread per physical core (IDRIS recommendation)
+    nomultithread: bool = True
+
+
+def render_sbatch(spec: SbatchSpec) -> str:
+    """Render the batch script for `spec`; ValueError names the first unusable field."""
+    _validate(spec)
+    directives = [
+        ("job-name", spec.job_name),
+        ("nodes", str(spec.nodes)),
+        # one launcher per node; it spawns one rank per GPU itself
+        ("ntasks-per-node", "1"),
+    ]
+    if not spec.cpu:
+        directives.append(("gres", f"gpu:{spec.gpus_per_node}"))
+    directives.append(("cpus-per-task", str(spec.cpus_per_task)))
+    if spec.nomultithread:
+        directives.append(("hint", "nomultithread"))
+    directives.append(("time", spec.time))
+    for option in ("account", "partition", "qos", "constraint"):
+        value = getattr(spec, option)
+        if value:
+            directives.append((option, value))
+    log_dir = spec.log_dir.rstrip("/") or "/"
+    # '%' starts a filename pattern in --output; '%%' is a literal percent
+    log_prefix = f"{log_dir.replace('%', '%%')}/%x-%j"
+    directives.append(("output", f"{log_prefix}.out"))
+    directives.append(("error", f"{log_prefix}.err"))
+    if spec.signal_seconds is not None:
+        # no "B:" prefix: SLURM then signals every process of the srun step (the launcher on
+        # each node and the training ranks below it, via proctrack), and not the batch shell.
+        # With "B:USR1" only this bash script would get it, and bash runs a trap only after
+        # the foreground srun returns, i.e. too late. The launcher must ignore/handle USR1
+        # (its default action is to terminate) and the ranks checkpoint on it.
+        # SLURM checks time limits about every 30 s, so the signal can come that much later.
+        directives.append(("signal", f"USR1@{spec.signal_seconds}"))
+    if spec.requeue:
+        directives.append(("requeue", None))
+
+    lines = ["#!/bin/bash"]
+    lines += [sbatch_directive(option, value) for option, value in directives]
+    lines += ["", "set -euo pipefail", ""]
+    # exports first, so that setup lines can use them
+    for name, value in spec.env.items():
+        lines.append(f"export {name}={shlex.quote(value)}")
+    if spec.env:
+        lines.append("")
+    if spec.modules or spec.setup_lines:
+        # module and conda scripts read unset variables; relax -u while they run
+        lines.append("set +u")
+        if spec.modules:
+            lines.append("module purge")
+            lines += [f"module load {shlex.quote(module)}" for module in spec.modules]
+        for setup in spec.setup_lines:
+            lines.extend(setup.splitlines())
+        lines += ["set -u", ""]
+    srun = [
+        "srun",
+        "--kill-on-bad-exit=1",
+        # SLURM 22.05 stopped passing the job's --cpus-per-task to srun; say it again
+        f"--cpus-per-task={spec.cpus_per_task}",
+    ]
+    lines.append(" ".join(srun) + " " + shlex.join(spec.command))
+    return "\n".join(lines) + "\n"
+
+
+def sbatch_directive(option: str, value: str | None) -> str:
+    """One `#SBATCH --option=value` line, quoted the way sbatch (not bash) parses it."""
+    if value is None:
+        return f"#SBATCH --{option}"
+    return f"#SBATCH --{option}={quote_for_sbatch(value)}"
+
+
+def quote_for_sbatch(value: str) -> str:
+    """Quote a value for an #SBATCH line: escape \\ \" # and wrap in double quotes if needed."""
+    _refuse_line_breaks("value", value)
+    escaped = re.sub(r'([\\"#])', r"\\\1", value)
+    if escaped == value and value and not re.search(r"\s", value):
+        return value
+    return f'"{escaped}"'
+
+
+def _validate(spec: SbatchSpec) -> None:
+    if not spec.job_name:
+        raise ValueError("job_name: empty")
+    if "/" in spec.job_name:
+        raise ValueError(f"job_name: {spec.job_name!r} contains '/', but it names the log files")
+    for name in ("job_name", "time", "partition", "account", "qos", "constraint", "log_dir"):
+        value = getattr(spec, name)
+        if value is not None:
+            _refuse_line_breaks(name, value)
+    for name in ("nodes", "cpus_per_task") + (() if spec.cpu else ("gpus_per_node",)):
+        value = getattr(spec, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}: {value!r} is not a positive integer")
+    if not _TIME_RE.match(spec.time.strip()):
+        raise ValueError(
+            f"time: {spec.time!r} is not a SLURM time (e.g. 20:00:00, 1-00:00:00, 30)"
+        )
+    if spec.signal_seconds is not None and (
+        not isinstance(spec.signal_seconds, int) or not 0 < spec.signal_seconds <= 65535
+    ):
+        raise ValueError(f"signal_seconds: {spec.signal_seconds!r} is not in 1..65535")
+    if not spec.command:
+        raise ValueError("command: empty")
+    for index, arg in enumerate(spec.command):
+        _refuse_line_breaks(f"command[{index}]", arg)
+    for module in spec.modules:
+        if not _MODULE_RE.match(module):
+            raise ValueError(f"modules: {module!r} is not a module name")
+    for name, value in spec.env.items():
+        if not _ENV_NAME_RE.match(name):
+            raise ValueError(f"env: {name!r} is not a shell variable name")
+        _refuse_line_breaks(f"env.{name}", value)
+    for index, line in enumerate(spec.setup_lines):
+        if "\0" in line:
+            raise ValueError(f"setup_lines[{index}]: contains a NUL byte")
+
+
+def _refuse_line_breaks(name: str, value: str) -> None:
+    if any(char in value for char in "\n\r\0"):
+        raise ValueError(f"{name}: {value!r} contains a line break")

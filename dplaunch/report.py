@@ -1,0 +1,316 @@
+"""`dplaunch report`: plots and a text summary from the metrics.jsonl of one or more runs.
+
+metrics.jsonl (written by dplaunch/train/metrics.py, rank 0) holds one JSON object per line:
+a ``header`` (the plan: world size, dp/tp/pp, ZeRO stage, batch sizes), ``train`` lines (step,
+loss, lr, tokens_per_s, elapsed_s, optional memory_gb), ``eval`` lines (step, eval_* metrics) and
+a final ``summary`` (missing when the run crashed). A resumed run appends to the same file: a new
+header starts a new segment whose elapsed_s restarts at 0, and steps after the last checkpoint
+are logged again (the later line wins).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dplaunch.errors import UserError
+
+# the first steps are warm-up (compilation, allocator, data loader start) and bias the throughput
+WARMUP_FRACTION = 0.1
+
+
+@dataclass
+class RunMetrics:
+    """The records of one run's metrics.jsonl, deduplicated by step, in step order."""
+
+    name: str
+    path: Path
+    header: dict[str, Any]
+    train: list[dict[str, Any]]
+    eval: list[dict[str, Any]]
+    summary: dict[str, Any] | None
+    # segments (one per header): how many times the run was started or resumed
+    segments: int
+    wall_s: float
+    unreadable_lines: int = 0
+
+
+@dataclass
+class RunSummary:
+    """The numbers summary.txt reports for one run."""
+
+    name: str
+    steps: int
+    final_loss: float | None
+    final_eval: dict[str, float]
+    mean_tokens_per_s: float | None
+    wall_s: float
+    completed: bool
+    segments: int
+    header: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ReportResult:
+    """What make_report wrote."""
+
+    out_dir: Path
+    plots: list[Path]
+    summary_path: Path
+    runs: list[RunSummary]
+
+
+def read_metrics(run_dir: Path, name: str | None = None) -> RunMetrics:
+    """Parse a run directory's metrics.jsonl (or the file itself); torn lines are skipped."""
+    path = run_dir / "metrics.jsonl" if run_dir.is_dir() else run_dir
+    if not path.is_file():
+        raise UserError(
+            "report", f"{run_dir} has no metrics.jsonl", "give a dplaunch run directory"
+        )
+    header: dict[str, Any] = {}
+    train: dict[int, dict[str, Any]] = {}
+    evals: dict[int, dict[str, Any]] = {}
+    summary = None
+    segments, unreadable = 0, 0
+    wall_done, segment_elapsed = 0.0, 0.0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            unreadable += 1  # a line cut short when the run was killed
+            continue
+        if not isinstance(record, dict):
+            unreadable += 1
+            continue
+        kind = record.get("type")
+        if kind == "header":
+            if not header:
+                header = record
+            wall_done += segment_elapsed
+            segment_elapsed = 0.0
+            segments += 1
+            summary = None  # a later segment restarted the run: its summary is what counts
+        elif kind == "train" and "step" in record:
+            train[int(record["step"])] = record
+            segment_elapsed = max(segment_elapsed, float(record.get("elapsed_s") or 0.0))
+        elif kind == "eval" and "step" in record:
+            evals[int(record["step"])] = record
+        elif kind == "summary":
+            summary = record
+            segment_elapsed = max(segment_elapsed, float(record.get("wall_s") or 0.0))
+    return RunMetrics(
+        name=name or path.parent.name,
+        path=path,
+        header=header,
+        train=[train[step] for step in sorted(train)],
+        eval=[evals[step] for step in sorted(evals)],
+        summary=summary,
+        segments=max(segments, 1),
+        wall_s=wall_done + segment_elapsed,
+        unreadable_lines=unreadable,
+    )
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def summarize(run: RunMetrics) -> RunSummary:
+    """Steps, final loss and eval metrics, throughput after warm-up, wall time."""
+    last_step = run.train[-1]["step"] if run.train else 0
+    if run.summary is not None:
+        last_step = max(last_step, int(run.summary.get("step") or 0))
+    final_loss = _finite(run.train[-1].get("loss")) if run.train else None
+    final_eval: dict[str, float] = {}
+    if run.eval:
+        for key, value in run.eval[-1].items():
+            number = _finite(value)
+            if key.startswith("eval_") and number is not None:
+                final_eval[key] = number
+    # mean over the log lines after the first 10% of steps (all of them if that leaves none)
+    rates = [
+        (r["step"], _finite(r.get("tokens_per_s")))
+        for r in run.train
+        if _finite(r.get("tokens_per_s"))
+    ]
+    steady = [rate for step, rate in rates if step > WARMUP_FRACTION * last_step] or [
+        rate for _, rate in rates
+    ]
+    return RunSummary(
+        name=run.name,
+        steps=int(last_step),
+        final_loss=final_loss,
+        final_eval=final_eval,
+        mean_tokens_per_s=sum(steady) / len(steady) if steady else None,
+        wall_s=run.wall_s,
+        completed=run.summary is not None,
+        segments=run.segments,
+        header=run.header,
+    )
+
+
+def _layout_line(header: dict[str, Any]) -> str:
+    if not header:
+        return "no header line"
+    parts = [
+        f"world {header.get('world_size', '?')}",
+        f"dp {header.get('data_parallel_size', '?')}",
+        f"tp {header.get('tensor_parallel_size', '?')}",
+        f"pp {header.get('pipeline_parallel_size', '?')}",
+        f"ZeRO {header.get('zero_stage', '?')}",
+    ]
+    if header.get("offload") not in (None, "none"):
+        parts.append(f"offload {header['offload']}")
+    parts.append(
+        f"global batch {header.get('global_batch_size', '?')} = micro "
+        f"{header.get('micro_batch_size', '?')} × accum "
+        f"{header.get('gradient_accumulation_steps', '?')} × dp"
+    )
+    if header.get("mixed_precision"):
+        parts.append(str(header["mixed_precision"]))
+    return ", ".join(parts)
+
+
+def format_summary(runs: list[RunSummary]) -> str:
+    """summary.txt: one block per run."""
+    blocks = []
+    for run in runs:
+        status = "completed" if run.completed else "no summary line (crashed or still running)"
+        if run.segments > 1:
+            status += f", resumed {run.segments - 1}×"
+        lines = [
+            f"{run.name}",
+            f"  layout       {_layout_line(run.header)}",
+            f"  status       {status}",
+            f"  steps        {run.steps}",
+            f"  final loss   {run.final_loss:.4f}"
+            if run.final_loss is not None
+            else "  final loss   -",
+        ]
+        for key, value in run.final_eval.items():
+            lines.append(f"  {key:<12} {value:.4f}")
+        if run.mean_tokens_per_s is not None:
+            lines.append(
+                f"  tokens/s     {run.mean_tokens_per_s:.1f} "
+                f"(mean, first {WARMUP_FRACTION:.0%} of steps excluded)"
+            )
+        else:
+            lines.append("  tokens/s     -")
+        lines.append(f"  wall time    {run.wall_s:.1f} s")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n"
+
+
+def _unique_names(run_dirs: list[Path]) -> list[str]:
+    names = [d.name if d.is_dir() else d.parent.name for d in run_dirs]
+    if len(set(names)) == len(names):
+        return names
+    # same leaf name in different places: add the parent folder
+    return [
+        f"{d.parent.name}/{d.name}" if d.is_dir() else f"{d.parent.parent.name}/{d.parent.name}"
+        for d in run_dirs
+    ]
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    steps, values = [], []
+    for record in records:
+        value = _finite(record.get(key))
+        if value is not None:
+            steps.append(record["step"])
+            values.append(value)
+    return steps, values
+
+
+def make_report(run_dirs: list[Path], out_dir: Path) -> ReportResult:
+    """Plots (loss, eval, lr, throughput, memory) overlaying the runs, and summary.txt, in out_dir."""
+    if not run_dirs:
+        raise UserError("report", "no run directories given", "pass one or more run directories")
+    runs = [
+        read_metrics(Path(d), name)
+        for d, name in zip(run_dirs, _unique_names([Path(d) for d in run_dirs]), strict=True)
+    ]
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    plots: list[Path] = []
+
+    def save(fig: Any, name: str) -> None:
+        path = out_dir / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        plots.append(path)
+
+    def simple_plot(name: str, key: str, title: str, ylabel: str, log: bool = False) -> None:
+        if not any(_series(run.train, key)[0] for run in runs):
+            return
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for run in runs:
+            steps, values = _series(run.train, key)
+            if steps:
+                ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=run.name)
+        ax.set(title=title, xlabel="optimizer step", ylabel=ylabel)
+        if log:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        save(fig, name)
+
+    # loss: training loss per run, with its eval loss as markers in the same colour
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for run in runs:
+        steps, values = _series(run.train, "loss")
+        (line,) = ax.plot(steps, values, label=f"{run.name} train")
+        eval_steps, eval_values = _series(run.eval, "eval_loss")
+        if eval_steps:
+            ax.plot(
+                eval_steps, eval_values, "o--", color=line.get_color(), label=f"{run.name} eval"
+            )
+    ax.set(title="loss", xlabel="optimizer step", ylabel="loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    save(fig, "loss.png")
+
+    eval_keys = sorted(
+        {
+            k
+            for run in runs
+            for r in run.eval
+            for k in r
+            if k.startswith("eval_") and _finite(r[k]) is not None
+        }
+    )
+    if eval_keys:
+        fig, axes = plt.subplots(
+            1, len(eval_keys), figsize=(4.2 * len(eval_keys), 3.8), squeeze=False
+        )
+        for ax, key in zip(axes[0], eval_keys, strict=True):
+            for run in runs:
+                steps, values = _series(run.eval, key)
+                if steps:
+                    ax.plot(steps, values, "o-", label=run.name)
+            ax.set(title=key.removeprefix("eval_").replace("_", " "), xlabel="optimizer step")
+            ax.grid(alpha=0.3)
+            ax.legend()
+        save(fig, "eval.png")
+
+    simple_plot("lr.png", "lr", "learning rate", "lr")
+    simple_plot("throughput.png", "tokens_per_s", "throughput (all ranks)", "tokens / s")
+    simple_plot("memory.png", "memory_gb", "peak memory of rank 0", "GB")
+
+    summaries = [summarize(run) for run in runs]
+    summary_path = out_dir / "summary.txt"
+    summary_path.write_text(format_summary(summaries))
+    return ReportResult(out_dir=out_dir, plots=plots, summary_path=summary_path, runs=summaries)

@@ -1,0 +1,1 @@
+"""Files shipped with dplaunch: the embedded default run file and its dataset."""

@@ -1,0 +1,134 @@
+"""Step engines: what one optimizer step means for a parallel layout, behind one interface.
+
+The loop only calls ``train_step(micro_batches) -> loss``, ``eval_batch(batch) -> (loss_sum, count,
+correct)``, ``current_lr()``, ``save``/``load`` and ``export``. DDP, ZeRO and AutoTP run through
+Accelerate (``accelerator.backward`` averages gradients); the pipeline engine plugs in here too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from dplaunch.planning.plan import Plan
+
+
+class StepEngine(Protocol):
+    """The interface the training loop drives."""
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """One optimizer step over this rank's micro-batches; returns their mean loss (no host sync)."""
+
+    def eval_batch(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(summed loss, counted items, correct predictions) of one evaluation batch."""
+
+    def current_lr(self) -> float:
+        """The learning rate of the last step."""
+
+    def save(self, directory: str) -> None:
+        """Write this rank's part of a checkpoint (model, optimizer, scheduler, RNG)."""
+
+    def load(self, directory: str) -> None:
+        """Restore a checkpoint written by save()."""
+
+    def export(self, directory: str, tokenizer: Any) -> None:
+        """Write one consolidated HF model (safetensors) + tokenizer; every rank calls it."""
+
+
+def build_optimizer(model: Any, train: Any, plan: Plan) -> torch.optim.Optimizer:
+    """AdamW without weight decay on biases and norms; DeepSpeedCPUAdam when ZeRO offloads it."""
+    decay, no_decay = [], []
+    for name, parameter in model.named_parameters():
+        if not parameter.requires_grad:
+            continue
+        (no_decay if parameter.ndim < 2 or "norm" in name.lower() else decay).append(parameter)
+    groups = [
+        {"params": decay, "weight_decay": train.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    if plan.offload != "none":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=train.lr, adamw_mode=True)
+    fused = plan.target == "gpu"
+    return torch.optim.AdamW(groups, lr=train.lr, fused=fused)
+
+
+class AccelerateEngine:
+    """DDP, ZeRO-1/2/3 and AutoTP: the Accelerate idiom, with gradient accumulation and clipping."""
+
+    def __init__(self, accelerator: Any, model: Any, optimizer: Any, scheduler: Any, max_grad_norm: float, task: str):
+        self.accelerator = accelerator
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.max_grad_norm = max_grad_norm
+        self.task = task
+        self.uses_deepspeed = accelerator.distributed_type.value == "DEEPSPEED"
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        accelerator, model = self.accelerator, self.model
+        model.train()
+        total = torch.zeros((), device=accelerator.device)
+        for batch in micro_batches:
+            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                # DeepSpeed clips inside its step (gradient_clipping in the JSON)
+                if accelerator.sync_gradients and self.max_grad_norm > 0 and not self.uses_deepspeed:
+                    accelerator.clip_grad_norm_(model.parameters(), self.max_grad_norm)
+                self.optimizer.step()
+                if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                    self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            total += loss.detach().float()
+        return total / len(micro_batches)
+
+    @torch.no_grad()
+    def eval_batch(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.model.eval()
+        batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
+        output = self.model(**batch)
+        return loss_sums(output.logits, batch["labels"], self.task)
+
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def save(self, directory: str) -> None:
+        self.accelerator.save_state(directory)
+
+    def load(self, directory: str) -> None:
+        self.accelerator.load_state(directory)
+
+    def export(self, directory: str, tokenizer: Any) -> None:
+        accelerator = self.accelerator
+        state = accelerator.get_state_dict(self.model)  # gathers ZeRO-3 shards on rank 0
+        unwrapped = accelerator.unwrap_model(self.model)
+        unwrapped.save_pretrained(
+            directory,
+            state_dict=state,
+            is_main_process=accelerator.is_main_process,
+            save_function=accelerator.save,
+            safe_serialization=True,
+        )
+        if accelerator.is_main_process:
+            tokenizer.save_pretrained(directory)
+        accelerator.wait_for_everyone()
+
+
+def loss_sums(logits: torch.Tensor, labels: torch.Tensor, task: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy, number of predictions and number correct (per row weight applied by caller)."""
+    if task == "sequence-classification":
+        losses = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
+        correct = (logits.argmax(-1) == labels).float()
+        return losses, torch.ones_like(losses), correct
+    shifted_logits = logits[:, :-1].float()
+    shifted_labels = labels[:, 1:]
+    losses = torch.nn.functional.cross_entropy(
+        shifted_logits.reshape(-1, shifted_logits.size(-1)), shifted_labels.reshape(-1), reduction="none", ignore_index=-100
+    ).view(shifted_labels.shape)
+    mask = (shifted_labels != -100).float()
+    correct = ((shifted_logits.argmax(-1) == shifted_labels).float() * mask).sum(-1)
+    return losses.sum(-1), mask.sum(-1), correct

@@ -1,0 +1,279 @@
+"""The generic training loop: one loop for every layout, driving a StepEngine.
+
+Runs in every rank under `accelerate launch`. Reads the run directory's run.yaml and plan.json,
+so the ranks do exactly what the launcher planned and printed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from dplaunch.config.schema import RunConfig
+from dplaunch.planning.plan import Plan
+from dplaunch.train.data import Batcher, Sharding, load_splits, tokenize
+from dplaunch.train.engines import AccelerateEngine, StepEngine, build_optimizer
+from dplaunch.train.metrics import MetricsWriter
+from dplaunch.train.modeling import load_model, load_tokenizer
+
+EXPORT_DIR = "model"
+
+
+@dataclass
+class RankPlace:
+    """Where this process sits in the mesh."""
+
+    rank: int
+    world_size: int
+    stage: int
+    data_parallel_rank: int
+    tensor_parallel_rank: int
+    is_main: bool
+
+    @property
+    def counts_tokens(self) -> bool:
+        # one rank per data-parallel shard counts its tokens, so TP/PP copies are not double-counted
+        return self.tensor_parallel_rank == 0 and self.stage == 0
+
+
+def read_run(run_dir: Path) -> tuple[RunConfig, Plan]:
+    """The resolved run file and the plan the launcher wrote."""
+    config = RunConfig.model_validate(yaml.safe_load((run_dir / "run.yaml").read_text()))
+    plan = Plan.from_dict(json.loads((run_dir / "plan.json").read_text()))
+    return config, plan
+
+
+def make_accelerator(plan: Plan, config: RunConfig, run_dir: Path) -> Any:
+    """An Accelerator that matches the plan: gloo on CPU, DeepSpeed from the rendered JSON."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, DistributedDataParallelKwargs, InitProcessGroupKwargs
+
+    handlers: list[Any] = [InitProcessGroupKwargs(backend=plan.backend, timeout=timedelta(minutes=plan.timeout_minutes))]
+    kwargs: dict[str, Any] = {"cpu": plan.target == "cpu", "step_scheduler_with_optimizer": False}
+    if plan.engine == "deepspeed":
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=str(run_dir / "deepspeed.json"))
+    else:
+        handlers.append(DistributedDataParallelKwargs(bucket_cap_mb=100))
+        kwargs["mixed_precision"] = plan.mixed_precision if plan.engine == "ddp" else "no"
+        kwargs["gradient_accumulation_steps"] = plan.gradient_accumulation_steps
+    return Accelerator(kwargs_handlers=handlers, **kwargs)
+
+
+def train(run_dir: Path) -> int:
+    """Train as planned; return the process exit status."""
+    config, plan = read_run(run_dir)
+    accelerator = make_accelerator(plan, config, run_dir)
+    stage, dp_rank, tp_rank = plan.mesh.coordinates(accelerator.process_index)
+    place = RankPlace(accelerator.process_index, accelerator.num_processes, stage, dp_rank, tp_rank, accelerator.is_main_process)
+    if place.world_size != plan.world_size:
+        raise RuntimeError(f"launched {place.world_size} ranks but the plan has {plan.world_size}")
+    say = _printer(place.is_main)
+    _quiet_libraries(place.is_main)
+    say(f"[dplaunch] {plan.world_size} rank(s), {accelerator.distributed_type.value}, device {accelerator.device}")
+
+    tokenizer = load_tokenizer(config.model)
+    with accelerator.main_process_first():
+        train_raw, eval_raw = load_splits(config.data, config.train.seed)
+        train_set = tokenize(train_raw, tokenizer, config.data, config.model.task)
+        eval_set = tokenize(eval_raw, tokenizer, config.data, config.model.task) if eval_raw is not None else None
+    sharding = Sharding(dp_rank, plan.data_parallel_size, plan.micro_batch_size, plan.gradient_accumulation_steps)
+    batcher = Batcher(train_set, sharding, pad_id=tokenizer.pad_token_id, task=config.model.task, seed=config.train.seed)
+    if batcher.steps_per_epoch == 0:
+        raise ValueError(
+            f"the training set has {len(train_set)} samples, fewer than one global batch of {plan.global_batch_size}"
+        )
+    total_steps = config.train.max_steps or math.ceil((config.train.epochs or 1) * batcher.steps_per_epoch)
+    eval_batcher = (
+        Batcher(eval_set, sharding, pad_id=tokenizer.pad_token_id, task=config.model.task, seed=config.train.seed)
+        if eval_set is not None and len(eval_set) > 0
+        else None
+    )
+
+    model = load_model(config.model, tokenizer, config.train.seed)
+    engine = build_engine(plan, config, accelerator, model, total_steps, run_dir)
+    for line in getattr(engine, "layout_lines", lambda: [])():
+        say(f"[dplaunch] {line}")
+    metrics = MetricsWriter(run_dir, enabled=place.is_main)
+    parameters = sum(p.numel() for p in model.parameters())
+    metrics.write(
+        "header",
+        **plan.header(),
+        total_steps=total_steps,
+        train_samples=len(train_set),
+        eval_samples=len(eval_set) if eval_set is not None else 0,
+        steps_per_epoch=batcher.steps_per_epoch,
+        parameters=parameters,
+        task=config.model.task,
+    )
+    say(
+        f"[dplaunch] {plan.batch_line()}; {total_steps} steps, {batcher.steps_per_epoch} per epoch, "
+        f"{len(train_set)} training samples, {parameters / 1e6:.1f}M parameters"
+    )
+
+    start_step = 0
+    if config.train.eval_every and eval_batcher is not None:
+        _evaluate(engine, eval_batcher, accelerator, place, metrics, 0, plan, say)
+    code = _run_steps(engine, batcher, eval_batcher, accelerator, place, metrics, config, plan, start_step, total_steps, say)
+
+    export_dir = run_dir / EXPORT_DIR
+    engine.export(str(export_dir), tokenizer)
+    say(f"[dplaunch] exported the trained model to {export_dir}")
+    metrics.close()
+    accelerator.end_training()
+    return code
+
+
+def build_engine(plan: Plan, config: RunConfig, accelerator: Any, model: Any, total_steps: int, run_dir: Path) -> StepEngine:
+    """The step engine for the planned layout."""
+    from transformers import get_scheduler
+
+    def scheduler_for(optimizer: Any) -> Any:
+        return get_scheduler(config.train.scheduler, optimizer, num_warmup_steps=config.train.warmup_steps, num_training_steps=total_steps)
+
+    if plan.engine == "pipeline":
+        from dplaunch.train.pipeline import create_pipeline_engine
+
+        ds_config = json.loads((run_dir / "deepspeed.json").read_text())
+        return create_pipeline_engine(
+            model,
+            num_stages=plan.pipeline_parallel_size,
+            ds_config=ds_config,
+            lr_scheduler_factory=scheduler_for,
+            seed=config.train.seed,
+            optimizer_factory=lambda module: build_optimizer(module, config.train, plan),
+            task=config.model.task,
+        )
+    optimizer = build_optimizer(model, config.train, plan)
+    scheduler = scheduler_for(optimizer)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    return AccelerateEngine(accelerator, model, optimizer, scheduler, config.train.max_grad_norm, config.model.task)
+
+
+def _run_steps(
+    engine: StepEngine,
+    batcher: Batcher,
+    eval_batcher: Batcher | None,
+    accelerator: Any,
+    place: RankPlace,
+    metrics: MetricsWriter,
+    config: RunConfig,
+    plan: Plan,
+    start_step: int,
+    total_steps: int,
+    say: Any,
+) -> int:
+    train = config.train
+    device = accelerator.device
+    # losses and token counts stay on the device between log steps: no host sync per micro-step
+    interval = torch.zeros(2, device=device)
+    interval_steps = 0
+    order_epoch, order = -1, []
+    last_log = time.perf_counter()
+    last_eval_step = 0 if train.eval_every else -1
+    step = start_step
+    while step < total_steps:
+        epoch, in_epoch = divmod(step, batcher.steps_per_epoch)
+        if epoch != order_epoch:
+            order_epoch, order = epoch, batcher.epoch_order(epoch)
+        micro_batches = batcher.step_micro_batches(order, in_epoch)
+        loss = engine.train_step(micro_batches)
+        interval[0] += loss
+        if place.counts_tokens:
+            interval[1] += sum(int(b["attention_mask"].sum()) for b in micro_batches)
+        interval_steps += 1
+        step += 1
+        if step % train.log_every == 0 or step == total_steps:
+            totals = accelerator.reduce(interval.clone(), reduction="sum")
+            now = time.perf_counter()
+            record = {
+                "step": step,
+                "epoch": round(step / batcher.steps_per_epoch, 4),
+                "loss": float(totals[0]) / place.world_size / interval_steps,
+                "lr": engine.current_lr(),
+                "tokens_per_s": float(totals[1]) / (now - last_log),
+                "elapsed_s": round(time.time() - metrics.start, 3),
+                "memory_gb": _peak_memory_gb(device),
+            }
+            metrics.write("train", **record)
+            say(
+                f"step {step}/{total_steps}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+                f"tokens/s {record['tokens_per_s']:.0f}"
+            )
+            interval.zero_()
+            interval_steps = 0
+            last_log = now
+        if eval_batcher is not None and train.eval_every and step % train.eval_every == 0:
+            _evaluate(engine, eval_batcher, accelerator, place, metrics, step, plan, say)
+            last_eval_step = step
+            last_log = time.perf_counter()
+    if eval_batcher is not None and last_eval_step != step:
+        _evaluate(engine, eval_batcher, accelerator, place, metrics, step, plan, say)
+    metrics.write("summary", step=step, wall_s=round(time.time() - metrics.start, 3))
+    return 0
+
+
+def _evaluate(
+    engine: StepEngine,
+    batcher: Batcher,
+    accelerator: Any,
+    place: RankPlace,
+    metrics: MetricsWriter,
+    step: int,
+    plan: Plan,
+    say: Any,
+) -> None:
+    sums = torch.zeros(3, device=accelerator.device)
+    for batch, real in batcher.eval_micro_batches(plan.micro_batch_size):
+        losses, counts, correct = engine.eval_batch(batch)
+        # padded rows (weight 0) keep every rank's forward count equal without counting twice
+        weight = torch.zeros_like(losses)
+        weight[:real] = 1.0
+        sums += torch.stack([(losses * weight).sum(), (counts * weight).sum(), (correct * weight).sum()])
+    if not place.counts_tokens:
+        sums.zero_()  # TP/PP copies of a shard: counted once
+    totals = accelerator.reduce(sums, reduction="sum")
+    eval_loss = float(totals[0] / totals[1])
+    record: dict[str, Any] = {"step": step, "eval_loss": eval_loss}
+    if batcher.task == "sequence-classification":
+        record["eval_accuracy"] = float(totals[2] / totals[1])
+    else:
+        record["eval_perplexity"] = math.exp(min(eval_loss, 50.0))
+        record["eval_token_accuracy"] = float(totals[2] / totals[1])
+    metrics.write("eval", **record)
+    say("eval  " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()))
+
+
+def _peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return round(torch.cuda.max_memory_allocated(device) / 1e9, 3)
+    import resource
+
+    # CPU ranks: peak resident memory of this process (Linux reports KiB)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 3)
+
+
+def _quiet_libraries(is_main: bool) -> None:
+    # progress bars and load reports from every rank drown the log; rank 0 keeps the warnings
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_warning() if is_main else transformers.utils.logging.set_verbosity_error()
+
+
+def _printer(enabled: bool) -> Any:
+    def say(message: str) -> None:
+        if enabled:
+            print(message, file=sys.stdout, flush=True)
+
+    return say

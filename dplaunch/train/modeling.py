@@ -1,0 +1,48 @@
+"""Model and tokenizer from the run file: a pretrained checkpoint or a config dict (random init)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dplaunch.config.schema import ModelConfig
+from dplaunch.train.tokenizer import BYTE_LEVEL, byte_level_tokenizer
+
+
+def load_tokenizer(model: ModelConfig) -> Any:
+    """The tokenizer, with a pad token (the EOS token when the model has none)."""
+    from transformers import AutoTokenizer
+
+    name = model.tokenizer or model.name_or_path
+    if name == BYTE_LEVEL:
+        tokenizer = byte_level_tokenizer()
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=model.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(model: ModelConfig, tokenizer: Any, seed: int) -> Any:
+    """The HF model for the task; random initialisation is seeded so every rank builds the same weights."""
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        set_seed,
+    )
+
+    auto = AutoModelForCausalLM if model.task == "causal-lm" else AutoModelForSequenceClassification
+    extra: dict[str, Any] = {"num_labels": model.num_labels} if model.task == "sequence-classification" else {}
+    set_seed(seed)
+    if model.config is not None:
+        fields = dict(model.config)
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields, **extra)
+        config.pad_token_id = tokenizer.pad_token_id
+        built = auto.from_config(config, trust_remote_code=model.trust_remote_code)
+    else:
+        built = auto.from_pretrained(model.name_or_path, trust_remote_code=model.trust_remote_code, **extra)
+        if built.config.pad_token_id is None:
+            built.config.pad_token_id = tokenizer.pad_token_id
+    if model.gradient_checkpointing:
+        built.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return built

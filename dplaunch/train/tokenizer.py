@@ -1,0 +1,24 @@
+"""A built-in byte-level tokenizer (259 tokens) for randomly initialised models: no download needed."""
+
+from __future__ import annotations
+
+BYTE_LEVEL = "byte-level"
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
+
+
+def byte_level_tokenizer():
+    """Every UTF-8 byte is one token; ids 0-2 are <pad>, <s>, </s>. Saves/loads like any HF tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
+    for symbol in sorted(alphabet):
+        vocab[symbol] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 2)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", model_max_length=1 << 20
+    )
