@@ -171,7 +171,7 @@ def _layout_line(header: dict[str, Any]) -> str:
     parts.append(
         f"global batch {header.get('global_batch_size', '?')} = micro "
         f"{header.get('micro_batch_size', '?')} × accum "
-        f"{header.get('gradient_accumulation_steps', '?')} × dp"
+        f"{header.get('gradient_accumulation_steps', '?')} × dp {header.get('data_parallel_size', '?')}"
     )
     if header.get("mixed_precision"):
         parts.append(str(header["mixed_precision"]))
@@ -187,23 +187,23 @@ def format_summary(runs: list[RunSummary]) -> str:
             status += f", resumed {run.segments - 1}×"
         lines = [
             f"{run.name}",
-            f"  layout       {_layout_line(run.header)}",
-            f"  status       {status}",
-            f"  steps        {run.steps}",
-            f"  final loss   {run.final_loss:.4f}"
+            f"  layout           {_layout_line(run.header)}",
+            f"  status           {status}",
+            f"  steps            {run.steps}",
+            f"  final loss       {run.final_loss:.4f}"
             if run.final_loss is not None
-            else "  final loss   -",
+            else "  final loss       -",
         ]
         for key, value in run.final_eval.items():
-            lines.append(f"  {key:<12} {value:.4f}")
+            lines.append(f"  {key:<16} {value:.4f}")
         if run.mean_tokens_per_s is not None:
             lines.append(
-                f"  tokens/s     {run.mean_tokens_per_s:.1f} "
+                f"  tokens/s         {run.mean_tokens_per_s:.1f} "
                 f"(mean, first {WARMUP_FRACTION:.0%} of steps excluded)"
             )
         else:
-            lines.append("  tokens/s     -")
-        lines.append(f"  wall time    {run.wall_s:.1f} s")
+            lines.append("  tokens/s         -")
+        lines.append(f"  wall time        {run.wall_s:.1f} s")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks) + "\n"
 
@@ -301,7 +301,7 @@ def make_report(run_dirs: list[Path], out_dir: Path) -> ReportResult:
                 steps, values = _series(run.eval, key)
                 if steps:
                     ax.plot(steps, values, "o-", label=run.name)
-            ax.set(title=key.removeprefix("eval_").replace("_", " "), xlabel="optimizer step")
+            ax.set(title=key.replace("_", " "), xlabel="optimizer step")
             ax.grid(alpha=0.3)
             ax.legend()
         save(fig, "eval.png")

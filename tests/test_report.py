@@ -87,9 +87,9 @@ def test_two_runs_give_overlaid_plots_and_a_summary(tmp_path):
     assert by_name["zero2"].mean_tokens_per_s == pytest.approx(800.0)
     assert by_name["ddp"].wall_s == pytest.approx(51.0)
     assert by_name["ddp"].final_eval["eval_loss"] == pytest.approx(by_name["ddp"].final_loss + 0.1)
-    assert "tokens/s     1000.0" in text
-    assert f"final loss   {by_name['zero2'].final_loss:.4f}" in text
-    assert "wall time    51.0 s" in text
+    assert "tokens/s         1000.0" in text
+    assert f"final loss       {by_name['zero2'].final_loss:.4f}" in text
+    assert "wall time        51.0 s" in text
     assert "world 4, dp 2, tp 2, pp 1, ZeRO 1" in text
 
 
@@ -143,7 +143,7 @@ def test_classification_accuracy_is_in_the_summary(tmp_path):
     run = write_run(tmp_path / "cls", task="sequence-classification", memory=False)
     result = make_report([run], tmp_path / "out")
     assert result.runs[0].final_eval["eval_accuracy"] == pytest.approx(1.0)
-    assert "eval_accuracy 1.0000" in result.summary_path.read_text()
+    assert "eval_accuracy    1.0000" in result.summary_path.read_text()
     assert "memory.png" not in {p.name for p in result.plots}
 
 
