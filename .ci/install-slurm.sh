@@ -39,9 +39,11 @@ if [ ! -e "$policy" ]; then
     made_policy=1
 fi
 status=0
+# two test sessions may install at once: wait for dpkg's lock instead of failing on it
+apt_opts=(-o DPkg::Lock::Timeout=600 -o Dpkg::Use-Pty=0)
 {
-    $sudo apt-get update -qq &&
-    $sudo apt-get install -y -qq --no-install-recommends slurm-wlm munge
+    $sudo apt-get "${apt_opts[@]}" update -qq &&
+    $sudo apt-get "${apt_opts[@]}" install -y -qq --no-install-recommends slurm-wlm munge
 } >"$log" 2>&1 || status=$?
 if [ "$made_policy" = 1 ]; then $sudo rm -f "$policy"; fi
 if [ "$status" != 0 ]; then

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,6 +145,10 @@ MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+# batch jobs wait up to batch_sched_delay (3 s by default) before being scheduled
+SchedulerParameters=batch_sched_delay=0
+# no mail from a test cluster
+MailProg=/bin/true
 # no slurmdbd: sacct cannot answer, so finished jobs are kept in memory for an hour
 # (MinJobAge) and their final state is also appended to a text file (jobcomp/filetxt)
 AccountingStorageType=accounting_storage/none
@@ -169,7 +174,8 @@ class SlurmCluster:
     hostname: str
     cpus: int
     env: dict[str, str]
-    startup_seconds: float = 0.0
+    startup_seconds: float = 0.0  # daemons started until the node is idle
+    install_seconds: float = 0.0  # apt install of slurm-wlm/munge (0 when already there)
     _daemons: list[tuple[str, subprocess.Popen]] = field(default_factory=list, repr=False)
 
     @property
@@ -255,12 +261,24 @@ class SlurmCluster:
             if result.returncode == 0 and last.startswith("idle"):
                 return
             time.sleep(0.2)
-        raise SlurmUnavailable(f"node not idle after {timeout:.0f}s (sinfo: {last!r})\n{self.logs_tail()}")
+        raise SlurmUnavailable(
+            f"node not idle after {timeout:.0f}s (sinfo: {last!r})\n{self.logs_tail()}"
+        )
 
     def stop(self) -> None:
         """Cancel leftover jobs and stop the daemons (slurmd, slurmctld, munged)."""
-        if any(process.poll() is None for name, process in self._daemons if name == "slurmctld"):
-            self.run("scancel", "--full", "--quiet", "--user=root", check=False, timeout=10)
+        controller_up = any(
+            process.poll() is None for name, process in self._daemons if name == "slurmctld"
+        )
+        if controller_up:
+            # let slurmd end the jobs' processes (slurmstepd and below) before it goes away
+            self.run("scancel", "--quiet", "--user=root", check=False, timeout=10)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                queue = self.run("squeue", "-h", "-o", "%i", check=False, timeout=10)
+                if queue.returncode != 0 or not queue.stdout.strip():
+                    break
+                time.sleep(0.2)
         for _name, process in reversed(self._daemons):
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -283,6 +301,7 @@ def start_slurm_cluster(root: Path | None = None, keep: bool = False) -> Iterato
     """Start munged, slurmctld and slurmd for this host; stop them and clean up on exit."""
     if os.geteuid() != 0:
         raise SlurmUnavailable("the local SLURM cluster needs root (slurmd runs jobs as any user)")
+    installing = time.monotonic()
     ensure_slurm_installed()
     started = time.monotonic()
     # a short path: the munge socket path must fit in sun_path (108 bytes)
@@ -293,8 +312,9 @@ def start_slurm_cluster(root: Path | None = None, keep: bool = False) -> Iterato
     for sub in ("etc", "munge", "state", "spool", "run", "log"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     (root / "munge").chmod(0o755)
-
     hostname = _short_hostname()
+    (root / "spool" / f"slurmd-{hostname}").mkdir()
+
     cpus = _cpu_count()
     memory_mb = max(256, _memory_mb() // 2)
     conf = render_slurm_conf(root, hostname, cpus, memory_mb, _free_port(), _free_port())
@@ -309,6 +329,7 @@ def start_slurm_cluster(root: Path | None = None, keep: bool = False) -> Iterato
         if key.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")) and key != "SLURM_CONF":
             del env[key]
     cluster = SlurmCluster(root=root, hostname=hostname, cpus=cpus, env=env)
+    cluster.install_seconds = started - installing
 
     daemons = [
         (
@@ -371,27 +392,39 @@ def _wait_for_controller(cluster: SlurmCluster, process: subprocess.Popen) -> No
         time.sleep(0.1)
 
 
-def _skip_loudly(reason: str) -> None:
+def _to_terminal(request: pytest.FixtureRequest, text: str) -> None:
+    """Print past pytest's output capture, to stderr (what CI logs show)."""
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    context = capture.global_and_fixture_disabled() if capture else contextlib.nullcontext()
+    with context:
+        print(text, file=sys.stderr, flush=True)
+
+
+def _skip_loudly(request: pytest.FixtureRequest, reason: str) -> None:
     banner = "!" * 78
-    print(f"\n{banner}\nSLURM TESTS SKIPPED: {reason}\n{banner}", file=sys.stderr, flush=True)
+    message = f"SLURM TESTS SKIPPED: {reason}"
+    _to_terminal(request, f"\n{banner}\n{message}\n{banner}")
+    warnings.warn(message, pytest.PytestWarning, stacklevel=2)
+    if os.environ.get("DPLAUNCH_REQUIRE_SLURM") == "1":
+        pytest.fail(f"DPLAUNCH_REQUIRE_SLURM=1 but the local SLURM is unavailable: {reason}")
     pytest.skip(f"local SLURM unavailable: {reason}")
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[SlurmCluster]:
+def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[SlurmCluster]:
     """A started one-host SLURM for the whole test session (skipped loudly if impossible)."""
+    manager = start_slurm_cluster()
     try:
-        manager = start_slurm_cluster()
         cluster = manager.__enter__()
-    except SlurmUnavailable as error:
-        _skip_loudly(str(error))
+    except (SlurmUnavailable, OSError, subprocess.SubprocessError) as error:
+        _skip_loudly(request, str(error))
         return
-    print(
-        f"\nlocal SLURM up in {cluster.startup_seconds:.1f}s "
-        f"(node {cluster.hostname}, {cluster.cpus} CPUs, SLURM_CONF={cluster.conf_path})",
-        file=sys.stderr,
-        flush=True,
+    message = (
+        f"local SLURM up in {cluster.startup_seconds:.1f}s "
+        f"(+{cluster.install_seconds:.1f}s to install it) "
+        f"(node {cluster.hostname}, {cluster.cpus} CPUs, SLURM_CONF={cluster.conf_path})"
     )
+    _to_terminal(request, f"\n{message}")
     try:
         yield cluster
     finally:

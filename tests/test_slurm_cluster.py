@@ -99,7 +99,7 @@ print(json.dumps(dataclasses.asdict(alloc) | extra))
 def test_a_rendered_script_with_a_hostile_name_runs_and_sees_its_allocation(
     slurm_cluster, tmp_path
 ):
-    name = "my job $(touch canary) `touch canary` \"q\" #1 \\ end"
+    name = 'my job $(touch canary) `touch canary` "q" #1 \\ end'
     spec = SbatchSpec(
         job_name=name,
         command=[sys.executable, "detect.py"],
@@ -108,7 +108,7 @@ def test_a_rendered_script_with_a_hostile_name_runs_and_sees_its_allocation(
         time="5",
         log_dir="logs",
         env={"PYTHONPATH": str(REPO_ROOT), "EVIL": "$(touch canary)"},
-        setup_lines=['test "$EVIL" = \'$(touch canary)\''],
+        setup_lines=["test \"$EVIL\" = '$(touch canary)'"],
     )
     (tmp_path / "detect.py").write_text(DETECT)
     script = tmp_path / "job.sbatch"

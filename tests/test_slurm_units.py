@@ -35,7 +35,10 @@ from dplaunch.rendering.sbatch import SbatchSpec, quote_for_sbatch, render_sbatc
             "jean-zay-[1-3,7],gpu[01-02]",
             ["jean-zay-1", "jean-zay-2", "jean-zay-3", "jean-zay-7", "gpu01", "gpu02"],
         ),
-        ("jean-zay-iam[08-11]", ["jean-zay-iam08", "jean-zay-iam09", "jean-zay-iam10", "jean-zay-iam11"]),
+        (
+            "jean-zay-iam[08-11]",
+            ["jean-zay-iam08", "jean-zay-iam09", "jean-zay-iam10", "jean-zay-iam11"],
+        ),
         ("x[8-010]", ["x8", "x9", "x10"]),
         ("n[1-2]-ib[3-4]", ["n1-ib3", "n1-ib4", "n2-ib3", "n2-ib4"]),
         ("r[1-2]i0n[0-1]", ["r1i0n0", "r1i0n1", "r2i0n0", "r2i0n1"]),
@@ -323,7 +326,9 @@ def test_a_hostile_job_name_is_data_for_sbatch_and_never_runs(tmp_path):
         assert "$(" not in unquoted and "`" not in unquoted, line
     # run everything but srun itself (echoed instead): nothing may be created
     shell_part = script.replace("\nsrun ", "\necho srun ")
-    result = subprocess.run(["bash", "-c", shell_part], capture_output=True, text=True, cwd=tmp_path)
+    result = subprocess.run(
+        ["bash", "-c", shell_part], capture_output=True, text=True, cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     assert not (tmp_path / "canary").exists()
     assert f"X={evil}" in result.stdout

@@ -148,9 +148,7 @@ def _validate(spec: SbatchSpec) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}: {value!r} is not a positive integer")
     if not _TIME_RE.match(spec.time.strip()):
-        raise ValueError(
-            f"time: {spec.time!r} is not a SLURM time (e.g. 20:00:00, 1-00:00:00, 30)"
-        )
+        raise ValueError(f"time: {spec.time!r} is not a SLURM time (e.g. 20:00:00, 1-00:00:00, 30)")
     if spec.signal_seconds is not None and (
         not isinstance(spec.signal_seconds, int) or not 0 < spec.signal_seconds <= 65535
     ):
