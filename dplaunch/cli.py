@@ -128,6 +128,7 @@ def config(
 @app.command()
 @with_run_flags(config_option=True)
 def launch(
+    flags: Any,
     script: Annotated[Path, typer.Argument(help="Your Accelerate or torchrun-style Python script.")],
     script_args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script (after --).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and launch command; start nothing.")] = False,

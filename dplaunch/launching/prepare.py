@@ -69,7 +69,9 @@ class RunFlags:
 
     def overrides(self) -> dict[str, Any]:
         """Flags that were given, as dotted run-file keys."""
-        return {key: getattr(self, name) for name, key in FLAG_KEYS.items() if getattr(self, name) not in (None, False)}
+        given = {name: getattr(self, name) for name in FLAG_KEYS}
+        # 0 is a value (--gpus 0 must be refused, not ignored); only None/False mean "not given"
+        return {FLAG_KEYS[name]: value for name, value in given.items() if value is not None and value is not False}
 
 
 @dataclass

@@ -14,7 +14,10 @@ GRACE_SECONDS = 20
 
 def run_supervised(argv: Sequence[str], env: dict[str, str], cwd: str | None = None) -> int:
     """Run argv in its own process group; signals we receive go to the whole group."""
-    process = subprocess.Popen(list(argv), env=env, cwd=cwd, start_new_session=True)
+    # SIGUSR1 asks the ranks to checkpoint and stop (SLURM's time-limit warning). The launcher
+    # processes in between (accelerate, torchrun) would die of it, so they inherit it ignored;
+    # the ranks install their own handler.
+    process = subprocess.Popen(list(argv), env=env, cwd=cwd, start_new_session=True, preexec_fn=_ignore_usr1)
     group = process.pid
 
     def forward(signum: int, _frame: object) -> None:
@@ -31,6 +34,10 @@ def run_supervised(argv: Sequence[str], env: dict[str, str], cwd: str | None = N
             signal.signal(sig, handler)
         reap_group(group)
     return code if code >= 0 else 128 - code
+
+
+def _ignore_usr1() -> None:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def reap_group(group: int, grace: float = GRACE_SECONDS) -> None:

@@ -46,6 +46,9 @@ def deepspeed_config_dict(plan: Plan, *, max_grad_norm: float) -> dict[str, Any]
             }
         )
         zero.pop("allgather_bucket_size")
+    if plan.tensor_parallel_size > 1:
+        # the consolidated export gathers AutoTP shards through the same DeepSpeed path as ZeRO-3
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
     pin = plan.target == "gpu"
     if plan.offload in ("optimizer", "all"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}

@@ -57,11 +57,16 @@ def make_accelerator(plan: Plan, config: RunConfig, run_dir: Path) -> Any:
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
-    handlers: list[Any] = [InitProcessGroupKwargs(backend=plan.backend, timeout=timedelta(minutes=plan.timeout_minutes))]
-    kwargs: dict[str, Any] = {"cpu": plan.target == "cpu", "step_scheduler_with_optimizer": False}
+    handlers: list[Any] = []
+    if plan.world_size > 1 or plan.uses_deepspeed:
+        # a single non-DeepSpeed process has no process group: naming a backend would make Accelerate expect one
+        handlers.append(InitProcessGroupKwargs(backend=plan.backend, timeout=timedelta(minutes=plan.timeout_minutes)))
+    kwargs: dict[str, Any] = {"step_scheduler_with_optimizer": False}
     if plan.engine == "deepspeed":
+        # not cpu=True: that makes Accelerate drop the DeepSpeed plugin; gloo comes from the handler
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=str(run_dir / "deepspeed.json"))
     else:
+        kwargs["cpu"] = plan.target == "cpu"
         handlers.append(DistributedDataParallelKwargs(bucket_cap_mb=100))
         kwargs["mixed_precision"] = plan.mixed_precision if plan.engine == "ddp" else "no"
         kwargs["gradient_accumulation_steps"] = plan.gradient_accumulation_steps
@@ -76,6 +81,9 @@ def train(run_dir: Path) -> int:
     place = RankPlace(accelerator.process_index, accelerator.num_processes, stage, dp_rank, tp_rank, accelerator.is_main_process)
     if place.world_size != plan.world_size:
         raise RuntimeError(f"launched {place.world_size} ranks but the plan has {plan.world_size}")
+    expected_type = "DEEPSPEED" if plan.engine == "deepspeed" else None
+    if expected_type and accelerator.distributed_type.value != expected_type:
+        raise RuntimeError(f"planned {expected_type} but Accelerate set up {accelerator.distributed_type.value}")
     say = _printer(place.is_main)
     _quiet_libraries(place.is_main)
     say(f"[dplaunch] {plan.world_size} rank(s), {accelerator.distributed_type.value}, device {accelerator.device}")

@@ -1,0 +1,86 @@
+"""Shared test fixtures: the tiny models and data, and running dplaunch as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_LLAMA = REPO / "examples" / "tiny-llama.yaml"
+DEFAULT_CONFIG = REPO / "configs" / "default.yaml"
+# a GPT-2 with tied input/output embeddings, for the pipeline's tied-weight handling
+TINY_GPT2_CONFIG = {
+    "model_type": "gpt2",
+    "n_embd": 64,
+    "n_layer": 4,
+    "n_head": 4,
+    "n_positions": 128,
+    "vocab_size": 259,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+    "tie_word_embeddings": True,
+}
+
+
+def child_environment(**extra: str) -> dict[str, str]:
+    """The environment ranks run in during tests: one thread each, no GPU, no hub access."""
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(extra)
+    return env
+
+
+def run_dplaunch(*args: Any, timeout: float = 600, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`dplaunch ARGS…` in a subprocess, output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "dplaunch", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or child_environment(),
+        cwd=cwd or REPO,
+        check=False,
+    )
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """All records of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    """Per-step losses (log_every must be 1)."""
+    return [r["loss"] for r in read_metrics(run_dir) if r["type"] == "train"]
+
+
+def train(run_dir: Path, *args: Any, config: Path = TINY_LLAMA, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `dplaunch train CONFIG -o run_dir ARGS…` and insist that it succeeds."""
+    result = run_dplaunch("train", config, "-o", run_dir, *args, timeout=timeout)
+    assert result.returncode == 0, f"dplaunch train failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result
+
+
+def write_config(path: Path, base: Path = TINY_LLAMA, **sections: dict[str, Any]) -> Path:
+    """A run file derived from ``base`` with some sections' keys replaced."""
+    data = yaml.safe_load(base.read_text())
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            data.setdefault(section, {})
+            data[section].update(values)
+        else:
+            data[section] = values
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def max_relative_gap(left: list[float], right: list[float]) -> float:
+    """Largest |a − b| / |b| over paired steps."""
+    assert len(left) == len(right) and left, (left, right)
+    return max(abs(a - b) / abs(b) for a, b in zip(left, right, strict=True))

@@ -1,0 +1,181 @@
+"""Planning and rendering, as users describe their runs. Pure: no process is started."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from dplaunch.config.schema import LaunchConfig, ParallelConfig, TrainConfig
+from dplaunch.errors import UserError
+from dplaunch.planning.mesh import Mesh
+from dplaunch.planning.model_facts import ModelFacts
+from dplaunch.planning.plan import Machine, batch_math, make_plan
+from dplaunch.rendering.accelerate_config import accelerate_config_dict, render_accelerate_config
+from dplaunch.rendering.deepspeed_config import deepspeed_config_dict
+
+LLAMA = ModelFacts.from_config_dict(
+    {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 259}
+)
+BERT = ModelFacts.from_config_dict({"model_type": "bert", "hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12, "vocab_size": 30522})
+
+
+def plan_for(gpus=None, visible=0, render_only=False, model=None, **kwargs):
+    launch = LaunchConfig(gpus=gpus, **{k: v for k, v in kwargs.items() if k in LaunchConfig.model_fields})
+    parallel = ParallelConfig(**{k: v for k, v in kwargs.items() if k in ParallelConfig.model_fields})
+    train = TrainConfig(**{k: v for k, v in kwargs.items() if k in TrainConfig.model_fields})
+    return make_plan(launch, parallel, train, Machine(visible_gpus=visible, render_only=render_only), model)
+
+
+def test_16_gpus_zero2_global_512_micro_8_gives_grad_accum_4():
+    plan = plan_for(gpus=16, render_only=True, zero_stage=2, global_batch_size=512, micro_batch_size=8)
+    assert (plan.world_size, plan.data_parallel_size, plan.gradient_accumulation_steps) == (16, 16, 4)
+    assert plan.engine == "deepspeed"
+    assert plan.batch_line() == "micro batch 8 × grad-accum 4 × dp 16 = global batch 512"
+
+
+def test_the_global_batch_is_kept_when_the_gpu_count_changes():
+    for gpus, accumulation in ((1, 8), (2, 4), (4, 2), (8, 1)):
+        plan = plan_for(gpus=gpus, visible=8, global_batch_size=64, micro_batch_size=8)
+        assert plan.gradient_accumulation_steps == accumulation
+        assert plan.micro_batch_size * accumulation * plan.data_parallel_size == 64
+
+
+def test_a_batch_that_does_not_divide_names_the_three_numbers_and_the_nearest_valid_ones():
+    with pytest.raises(UserError) as caught:
+        plan_for(gpus=3, visible=4, global_batch_size=32, micro_batch_size=4)
+    line = caught.value.line()
+    assert "global batch 32" in line and "micro batch 4" in line and "data-parallel size 3" in line
+    assert "24 or 36" in line
+
+
+def test_without_a_micro_batch_the_planner_picks_the_largest_that_divides():
+    assert batch_math(96, None, 4) == (8, 3)
+    assert batch_math(12, None, 4) == (3, 1)
+
+
+def test_no_gpu_visible_runs_cpu_ranks_on_gloo_and_says_so():
+    plan = plan_for(gpus=2, visible=0)
+    assert plan.target == "cpu" and plan.backend == "gloo" and plan.world_size == 2
+    assert any("CPU rank" in note for note in plan.notes)
+
+
+def test_more_gpus_than_visible_on_one_node_points_to_nodes_and_slurm():
+    with pytest.raises(UserError) as caught:
+        plan_for(gpus=16, visible=8)
+    assert "--nodes" in caught.value.line() and "slurm" in caught.value.line()
+
+
+def test_config_renders_a_16_gpu_cluster_on_a_laptop():
+    plan = plan_for(gpus=16, visible=0, render_only=True, nodes=4)
+    assert (plan.target, plan.num_nodes, plan.processes_per_node) == ("gpu", 4, 4)
+    config = accelerate_config_dict(plan)
+    assert config["distributed_type"] == "MULTI_GPU"
+    assert (config["num_processes"], config["num_machines"], config["use_cpu"]) == (16, 4, False)
+
+
+def test_gpus_per_node_derives_the_node_count():
+    plan = plan_for(gpus=16, render_only=True, gpus_per_node=8)
+    assert (plan.num_nodes, plan.processes_per_node) == (2, 8)
+
+
+def test_mesh_layout_tp_fastest_then_dp_then_pp():
+    mesh = Mesh.for_world(8, tp=2, pp=2)
+    assert mesh.data_parallel_size == 2
+    assert mesh.tensor_parallel_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh.pipelines() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert mesh.data_parallel_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.coordinates(5) == (1, 0, 1)
+
+
+def test_impossible_mesh_is_refused():
+    with pytest.raises(UserError, match="does not divide 6 GPUs"):
+        Mesh.for_world(6, tp=4)
+
+
+def test_tp_must_divide_the_kv_heads():
+    with pytest.raises(UserError, match="2 KV heads"):
+        plan_for(gpus=4, visible=4, tp=4, model=LLAMA)
+
+
+def test_pipeline_with_zero2_is_refused_up_front():
+    with pytest.raises(UserError, match="pipeline"):
+        plan_for(gpus=2, visible=2, pp=2, zero_stage=2, model=LLAMA)
+
+
+def test_pipeline_needs_a_supported_family():
+    with pytest.raises(UserError, match="supported: llama"):
+        plan_for(gpus=2, visible=2, pp=2, model=BERT)
+
+
+def test_pipeline_stages_are_balanced_by_parameters():
+    plan = plan_for(gpus=2, visible=2, pp=2, model=LLAMA)
+    assert len(plan.stage_layers) == 2
+    assert plan.stage_layers[0].startswith("embeddings, blocks 0-")
+    assert "lm_head" in plan.stage_layers[1]
+
+
+def test_offload_needs_zero():
+    with pytest.raises(UserError, match="offload"):
+        plan_for(gpus=2, visible=2, offload="optimizer")
+
+
+def test_fp16_on_cpu_ranks_is_refused():
+    with pytest.raises(UserError, match="fp16"):
+        plan_for(gpus=2, visible=0, mixed_precision="fp16")
+
+
+def test_deepspeed_json_states_the_batch_trio_explicitly():
+    plan = plan_for(gpus=16, render_only=True, zero_stage=3, offload="all", global_batch_size=512, micro_batch_size=8)
+    config = deepspeed_config_dict(plan, max_grad_norm=1.0)
+    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (512, 8, 4)
+    assert config["zero_optimization"]["stage"] == 3
+    assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert config["gradient_clipping"] == 1.0
+    assert "auto" not in json.dumps(config)
+
+
+def test_tensor_parallel_batch_fields_count_every_rank_as_deepspeed_does():
+    plan = plan_for(gpus=4, visible=4, tp=2, global_batch_size=16, micro_batch_size=4, model=LLAMA)
+    config = deepspeed_config_dict(plan, max_grad_norm=1.0)
+    assert plan.data_parallel_size == 2 and plan.gradient_accumulation_steps == 2
+    # the user's global batch is micro × ga × dp = 16; DeepSpeed's assertion multiplies by all 4 ranks
+    assert config["train_batch_size"] == 4 * 2 * 4
+    assert config["tensor_parallel"] == {"autotp_size": 2}
+
+
+def test_rendered_yaml_loads_with_accelerates_own_loader(tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    for kwargs in ({"gpus": 2, "visible": 0}, {"gpus": 16, "render_only": True, "nodes": 4, "zero_stage": 2}):
+        plan = plan_for(**kwargs)
+        path = tmp_path / "accelerate.yaml"
+        path.write_text(render_accelerate_config(plan, str(tmp_path / "deepspeed.json")))
+        loaded = load_config_from_file(str(path))
+        assert loaded.num_processes == plan.world_size
+        assert loaded.num_machines == plan.num_nodes
+        assert yaml.safe_load(path.read_text())["machine_rank"] == 0
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_deepspeed_json_passes_deepspeeds_own_config_class_for_the_planned_world(monkeypatch, zero_stage):
+    import deepspeed.comm as ds_comm
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    plan = plan_for(gpus=16, render_only=True, zero_stage=zero_stage, global_batch_size=256, micro_batch_size=4)
+
+    class DataParallelWorld:  # what DeepSpeed asks a model-parallel unit for
+        def get_data_parallel_world_size(self):
+            return plan.data_parallel_size
+
+    monkeypatch.setattr(ds_comm, "get_rank", lambda *a, **k: 0)
+    checked = DeepSpeedConfig(deepspeed_config_dict(plan, max_grad_norm=1.0), mpu=DataParallelWorld())
+    assert checked.world_size == 16
+    assert checked.train_batch_size == 256 and checked.gradient_accumulation_steps == 4
+    assert checked.zero_optimization_stage == zero_stage
+    # a wrong trio is what DeepSpeed itself rejects: prove the check can fail
+    wrong = deepspeed_config_dict(plan, max_grad_norm=1.0) | {"train_batch_size": 128}
+    with pytest.raises(AssertionError):
+        DeepSpeedConfig(wrong, mpu=DataParallelWorld())
