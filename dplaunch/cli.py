@@ -68,7 +68,7 @@ def with_run_flags(command: Any = None, *, config_option: bool = False) -> Any:
     """Give a command the shared run flags; it receives them as one RunFlags object named `flags`."""
     if command is None:
         return functools.partial(with_run_flags, config_option=config_option)
-    own = [p for name, p in inspect.signature(command).parameters.items() if name != "flags"]
+    own = [p for name, p in inspect.signature(command, eval_str=True).parameters.items() if name != "flags"]
     shared = [
         inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
         for name, (annotation, default) in RUN_FLAG_PARAMETERS.items()
@@ -79,8 +79,11 @@ def with_run_flags(command: Any = None, *, config_option: bool = False) -> Any:
         config = None
     else:
         config = config.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    positional = [p for p in own if p.default is inspect.Parameter.empty]
-    keyword = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own if p.default is not inspect.Parameter.empty]
+    def is_argument(parameter: inspect.Parameter) -> bool:
+        return any(isinstance(meta, typer.models.ArgumentInfo) for meta in getattr(parameter.annotation, "__metadata__", ()))
+
+    positional = [p for p in own if is_argument(p)]
+    keyword = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own if not is_argument(p)]
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> Any:
@@ -93,7 +96,7 @@ def with_run_flags(command: Any = None, *, config_option: bool = False) -> Any:
                 values[name] = values[name].value
         return command(flags=RunFlags(**values), **kwargs)
 
-    parameters = [*positional, *([config] if config else []), *keyword, *shared]
+    parameters = [*positional[:1], *([config] if config else []), *positional[1:], *keyword, *shared]
     wrapper.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
     wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
     del wrapper.__wrapped__

@@ -120,6 +120,9 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
     plan = make_plan(config.launch, config.parallel, config.train, machine)
     if plan.engine == "pipeline":
         raise UserError("parallel.pp", "pipeline parallelism needs dplaunch's own loop", "use `dplaunch train` for pp > 1")
+    if plan.target == "cpu" and plan.uses_deepspeed:
+        plan = replace(plan, notes=(*plan.notes, "DeepSpeed on CPU ranks: the script must build its Accelerator with "
+                                    "kwargs_handlers=[InitProcessGroupKwargs(backend='gloo')] (dplaunch train does this)"))
     plan = _settle_port(plan, explicit=config.launch.master_port is not None, render_only=False)
     run_dir = Path(config.output_dir or _default_run_dir(Path(script[0]).stem))
     config.output_dir = str(run_dir)
@@ -145,6 +148,10 @@ def rank_environment(plan: Plan) -> dict[str, str]:
     env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     if plan.target == "cpu":
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed would otherwise probe for CUDA and warn in every rank
+        if not plan.uses_deepspeed or plan.engine == "pipeline":
+            # an unmodified Accelerate script sees a real gloo world only with this (DESIGN.md); with
+            # DeepSpeed it would make Accelerate drop the DeepSpeed plugin, so there gloo is asked for in code
+            env["ACCELERATE_USE_CPU"] = "1"
         cores = os.cpu_count() or 1
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // plan.processes_per_node))
     return env

@@ -106,12 +106,13 @@ def train(run_dir: Path) -> int:
         else None
     )
 
-    model = load_model(config.model, tokenizer, config.train.seed)
+    model = _build_model(config, tokenizer, accelerator)
+    # counted before the engine shards anything (ZeRO-3 partitions keep the full size in ds_numel)
+    parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     engine = build_engine(plan, config, accelerator, model, total_steps, run_dir)
     for line in getattr(engine, "layout_lines", lambda: [])():
         say(f"[dplaunch] {line}")
     metrics = MetricsWriter(run_dir, enabled=place.is_main)
-    parameters = sum(p.numel() for p in model.parameters())
     metrics.write(
         "header",
         **plan.header(),
@@ -140,6 +141,21 @@ def train(run_dir: Path) -> int:
     return code
 
 
+def _build_model(config: RunConfig, tokenizer: Any, accelerator: Any) -> Any:
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or config.model.config is None:
+        # under ZeRO-3, transformers builds pretrained models directly partitioned (zero.Init)
+        return load_model(config.model, tokenizer, config.train.seed)
+    # a randomly initialised model is built whole, so it starts from the same weights as under DDP
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        return load_model(config.model, tokenizer, config.train.seed)
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
 def build_engine(plan: Plan, config: RunConfig, accelerator: Any, model: Any, total_steps: int, run_dir: Path) -> StepEngine:
     """The step engine for the planned layout."""
     from transformers import get_scheduler
@@ -161,9 +177,19 @@ def build_engine(plan: Plan, config: RunConfig, accelerator: Any, model: Any, to
             task=config.model.task,
         )
     optimizer = build_optimizer(model, config.train, plan)
-    scheduler = scheduler_for(optimizer)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    # built on the optimizer that really steps (DeepSpeed's ZeRO optimizer regroups parameters), and
+    # stepped by the engine once per optimizer step: Accelerate's wrapper would step it once per rank
+    scheduler = scheduler_for(_innermost_optimizer(optimizer))
+    accelerator.register_for_checkpointing(scheduler)
     return AccelerateEngine(accelerator, model, optimizer, scheduler, config.train.max_grad_norm, config.model.task)
+
+
+def _innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    # Accelerate's wrapper → (DeepSpeed's ZeRO optimizer →) the torch optimizer whose groups really step
+    while not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def _run_steps(

