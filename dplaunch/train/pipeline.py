@@ -38,6 +38,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2")
 
 # key of the token embedding that the lm_head shares when the embeddings are tied
 TIED_EMBEDDING_KEY = "token_embedding"
+# DeepSpeed checkpoint tag used by the loop's save()/load()
+CHECKPOINT_TAG = "pipeline"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,7 +53,9 @@ class TokenEmbeddingPipe(nn.Module):
         super().__init__()
         self.embedding = embedding
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, inputs: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids, attention_mask = inputs
         return self.embedding(input_ids), attention_mask
 
@@ -69,7 +73,9 @@ class GPT2PositionEmbeddingPipe(nn.Module):
         self.position_embedding = position_embedding
         self.dropout = dropout
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, inputs: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         inputs_embeds, attention_mask = inputs
         position_ids = _position_ids(inputs_embeds)
         hidden_states = inputs_embeds + self.position_embedding(position_ids)
@@ -79,16 +85,26 @@ class GPT2PositionEmbeddingPipe(nn.Module):
 class DecoderLayerPipe(nn.Module):
     """One HF decoder block; rebuilds the attention mask and rotary embeddings it needs."""
 
-    def __init__(self, block: nn.Module, config: Any, mask_builder: Callable, rotary: nn.Module | None):
+    def __init__(
+        self,
+        block: nn.Module,
+        config: Any,
+        mask_builder: Callable,
+        rotary: nn.Module | None,
+        layer_index: int,
+    ):
         super().__init__()
         self.block = block
+        self.layer_index = layer_index
         # plain attributes, not submodules: the config is shared, and the rotary module (buffers
         # only, no parameters) must stay fp32 and out of every stage's state dict
         object.__setattr__(self, "config", config)
         object.__setattr__(self, "mask_builder", mask_builder)
         object.__setattr__(self, "rotary", rotary)
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, inputs: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden_states, attention_mask = inputs
         position_ids = _position_ids(hidden_states)
         mask = self.mask_builder(
@@ -176,7 +192,7 @@ def _mask_builders(model: nn.Module) -> list[Callable]:
     return [create_causal_mask] * num_layers
 
 
-def _layers(model: nn.Module) -> list[nn.Module | LayerSpec]:
+def pipeline_layers(model: nn.Module) -> list[nn.Module | LayerSpec]:
     """The model as a sequence of pipeline layers (modules or specs) wrapping its own submodules."""
     config = model.config
     model_type = config.model_type
@@ -185,7 +201,9 @@ def _layers(model: nn.Module) -> list[nn.Module | LayerSpec]:
     output_embedding = model.get_output_embeddings()
     tied = output_embedding.weight is input_embedding.weight
     if output_embedding.bias is not None:
-        raise ValueError(f"pipeline parallelism: an lm_head with a bias is not supported ({model_type})")
+        raise ValueError(
+            f"pipeline parallelism: an lm_head with a bias is not supported ({model_type})"
+        )
 
     if model_type == "gpt2":
         body = model.transformer
@@ -210,8 +228,8 @@ def _layers(model: nn.Module) -> list[nn.Module | LayerSpec]:
         layers.append(TokenEmbeddingPipe(input_embedding))
     if model_type == "gpt2":
         layers.append(GPT2PositionEmbeddingPipe(body.wpe, body.drop))
-    for block, mask_builder in zip(blocks, _mask_builders(model), strict=True):
-        layers.append(DecoderLayerPipe(block, config, mask_builder, rotary))
+    for index, (block, mask_builder) in enumerate(zip(blocks, _mask_builders(model), strict=True)):
+        layers.append(DecoderLayerPipe(block, config, mask_builder, rotary, index))
     layers.append(FinalNormPipe(final_norm))
     if tied:
         layers.append(
@@ -239,7 +257,7 @@ def build_pipeline_module(
     model: nn.Module, num_stages: int, *, activation_checkpoint_interval: int = 0
 ) -> PipelineModule:
     """Cut a loaded HF causal LM into a DeepSpeed PipelineModule of `num_stages` stages."""
-    layers = _layers(model)
+    layers = pipeline_layers(model)
     pipe = PipelineModule(
         layers=layers,
         num_stages=num_stages,
@@ -252,6 +270,8 @@ def build_pipeline_module(
         # micro-batches of a step, and eval batches, may differ in sequence length
         dynamic_shape=True,
     )
+    # the whole sequence (the module itself keeps only this stage's layers), for export
+    pipe.hf_layers = layers
     return pipe
 
 
@@ -259,7 +279,7 @@ def hf_parameter_owners(pipe: PipelineModule, model: nn.Module) -> list[tuple[st
     """Every HF parameter name of `model`, in layer order, with the pipeline stage that owns it."""
     names = {id(p): n for n, p in model.named_parameters()}
     owners: dict[str, int] = {}
-    for index, layer in enumerate(pipe._layer_specs):
+    for index, layer in enumerate(pipe.hf_layers):
         for parameter in _layer_parameters(layer):
             # a tied weight belongs to its first stage; DeepSpeed keeps the copies equal
             owners.setdefault(names[id(parameter)], pipe.stage_owner(index))
@@ -280,6 +300,19 @@ def _micro_batch_iterator(micro_batches: list[dict[str, torch.Tensor]]) -> Itera
         if attention_mask is None:
             attention_mask = torch.ones_like(batch["input_ids"])
         yield (batch["input_ids"], attention_mask.long()), batch["labels"]
+
+
+def _layer_name(layer: nn.Module | LayerSpec) -> str:
+    if isinstance(layer, TiedLayerSpec):
+        return "lm_head (tied)" if layer.forward_fn is not None else "embedding (tied)"
+    if isinstance(layer, DecoderLayerPipe):
+        return f"block {layer.layer_index}"
+    return {
+        TokenEmbeddingPipe: "embedding",
+        GPT2PositionEmbeddingPipe: "position embedding",
+        FinalNormPipe: "final norm",
+        LMHeadPipe: "lm_head",
+    }[type(layer)]
 
 
 class PipelineTrainEngine:
@@ -341,8 +374,53 @@ class PipelineTrainEngine:
         self.pipe.train(was_training)
         return loss.detach().reshape(())
 
+    @torch.no_grad()
+    def eval_batch(
+        self, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-row (summed loss, counted tokens, correct tokens) of one batch, on every stage.
+
+        The loop's StepEngine interface (dplaunch/train/engines.py): the last stage computes them
+        from the logits and broadcasts them along its pipeline, so stage 0 can report them.
+        """
+        from dplaunch.train.engines import loss_sums
+
+        rows = batch["input_ids"].shape[0]
+        _, logits = self.engine.eval_batch(
+            data_iter=_micro_batch_iterator([batch]),
+            return_logits=True,
+            # the mean loss is computed and dropped: with compute_loss=False DeepSpeed adds the
+            # logits to the loss total left over from training and fails on the shape
+            compute_loss=True,
+            reduce_output=None,
+            bcast_loss=False,
+            num_micro_batches=1,
+        )
+        if self.engine.is_last_stage():
+            labels = batch["labels"].to(logits.device)
+            stats = torch.stack(loss_sums(logits, labels, "causal-lm")).float()
+        else:
+            stats = torch.zeros(3, rows, device=self.engine.device)
+        grid = self.engine.grid
+        dist.broadcast(
+            stats,
+            src=grid.stage_to_global(stage_id=self.num_stages - 1, data=grid.data_parallel_id),
+            group=grid.get_pipe_parallel_group(),
+        )
+        return stats[0], stats[1], stats[2]
+
     def current_lr(self) -> float:
         return float(self.engine.get_lr()[0])
+
+    def layout_lines(self) -> list[str]:
+        """Which layers each pipeline stage holds, for the run log."""
+        names = [_layer_name(layer) for layer in self.pipe.hf_layers]
+        parts = [int(p) for p in self.pipe.parts]
+        return [
+            f"pipeline stage {stage}: layers {parts[stage]}-{parts[stage + 1] - 1} "
+            f"({', '.join(names[parts[stage] : parts[stage + 1]])})"
+            for stage in range(self.num_stages)
+        ]
 
     def train(self) -> None:
         self.pipe.train()
@@ -362,6 +440,21 @@ class PipelineTrainEngine:
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} in {directory}")
         return client_state or {}
+
+    def save(self, directory: str) -> None:
+        """The loop's checkpoint call: layers, optimizer and scheduler of every stage."""
+        self.save_checkpoint(directory, CHECKPOINT_TAG, {})
+
+    def load(self, directory: str) -> None:
+        """The loop's resume call: restore what save() wrote."""
+        self.load_checkpoint(directory, CHECKPOINT_TAG)
+
+    def export(self, directory: str, tokenizer: Any) -> None:
+        """The loop's export call: one HF model + tokenizer in `directory`; every rank calls it."""
+        self.export_hf(directory, self.model)
+        if dist.get_rank() == 0 and tokenizer is not None:
+            tokenizer.save_pretrained(directory)
+        dist.barrier()
 
     def export_hf(self, out_dir: str | os.PathLike, hf_config_model: nn.Module) -> None:
         """Write one consolidated HF model to `out_dir`; every rank calls it, rank 0 writes.
@@ -406,6 +499,13 @@ def _check_config(ds_config: dict, num_stages: int) -> None:
             f"zero_optimization.stage {stage} cannot be combined with pipeline parallelism "
             "(DeepSpeed supports ZeRO stage 0 or 1 with pp>1)"
         )
+    if int(ds_config.get("tensor_parallel", {}).get("autotp_size", 1)) > 1:
+        # DeepSpeed 0.19: AutoTP swaps the engine's process grid for its own TP/DP mesh, so
+        # pipeline stages are treated as data-parallel replicas (weights broadcast across stages)
+        raise ValueError(
+            "tensor_parallel.autotp_size > 1 cannot be combined with pipeline parallelism "
+            "(DeepSpeed AutoTP does not work with its pipeline engine)"
+        )
     if num_stages < 1:
         raise ValueError(f"num_stages must be at least 1, got {num_stages}")
 
@@ -417,14 +517,20 @@ def create_pipeline_engine(
     ds_config: dict,
     lr_scheduler_factory: Callable[[torch.optim.Optimizer], Any],
     seed: int,
+    optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+    task: str = "causal-lm",
 ) -> PipelineTrainEngine:
     """Cut `model` into `num_stages` stages and wrap it in a DeepSpeed PipelineEngine.
 
     `ds_config["train_batch_size"]` must be micro × grad-accum × data-parallel size, where the
     data-parallel size is world size / num_stages (pipeline stages do not multiply the batch).
+    The optimizer is `optimizer_factory(stage_module)` (this stage's parameters only) when
+    given, otherwise the one `ds_config["optimizer"]` describes.
     """
     from transformers import set_seed
 
+    if task != "causal-lm":
+        raise ValueError(f"pipeline parallelism (pp>1) supports task causal-lm only, not {task}")
     _check_supported(model.config.model_type)
     _check_config(ds_config, num_stages)
     # deepspeed.comm keeps its own handle on the process group even when torch's exists (the
@@ -452,6 +558,7 @@ def create_pipeline_engine(
             parameter.model_parallel = True
     engine, _, _, _ = deepspeed.initialize(
         model=pipe,
+        optimizer=optimizer_factory(pipe) if optimizer_factory is not None else None,
         model_parameters=[p for p in pipe.parameters() if p.requires_grad],
         config=ds_config,
         lr_scheduler=lr_scheduler_factory,
@@ -465,4 +572,5 @@ __all__ = [
     "build_pipeline_module",
     "create_pipeline_engine",
     "hf_parameter_owners",
+    "pipeline_layers",
 ]
