@@ -39,38 +39,195 @@ _PLAN = "Plan"
 _BATCH = "Batch"
 # the flags every planning command shares, declared once; `with_run_flags` adds them to a command
 RUN_FLAG_PARAMETERS: dict[str, tuple[Any, Any]] = {
-    "config": (Annotated[Path | None, typer.Argument(help="Run file (YAML). Default: the embedded configs/default.yaml.", show_default=False)], None),
-    "gpus": (Annotated[int | None, typer.Option("--gpus", help="Total GPUs (ranks). Without GPUs: that many CPU ranks.", rich_help_panel=_PLAN)], None),
-    "cpu": (Annotated[bool, typer.Option("--cpu", help="Run ranks on CPU (gloo) even when GPUs are visible.", rich_help_panel=_PLAN)], False),
-    "nodes": (Annotated[int | None, typer.Option("--nodes", help="Number of nodes.", rich_help_panel=_PLAN)], None),
-    "gpus_per_node": (Annotated[int | None, typer.Option("--gpus-per-node", help="GPUs per node (default gpus/nodes).", rich_help_panel=_PLAN)], None),
-    "node_rank": (Annotated[int | None, typer.Option("--node-rank", help="This node's rank (multi-node without SLURM).", rich_help_panel=_PLAN)], None),
-    "master_addr": (Annotated[str | None, typer.Option("--master-addr", help="Head node address for the rendezvous.", rich_help_panel=_PLAN)], None),
-    "master_port": (Annotated[int | None, typer.Option("--master-port", help="Rendezvous port.", rich_help_panel=_PLAN)], None),
-    "hostfile": (Annotated[str | None, typer.Option("--hostfile", help="DeepSpeed hostfile ('host slots=G'): launch all nodes from here.", rich_help_panel=_PLAN)], None),
-    "zero": (Annotated[int | None, typer.Option("--zero", min=0, max=3, help="DeepSpeed ZeRO stage (0 = plain DDP).", rich_help_panel=_PLAN)], None),
-    "offload": (Annotated[Offload | None, typer.Option("--offload", help="ZeRO CPU offload.", rich_help_panel=_PLAN)], None),
-    "tp": (Annotated[int | None, typer.Option("--tp", help="Tensor-parallel degree (DeepSpeed AutoTP).", rich_help_panel=_PLAN)], None),
-    "pp": (Annotated[int | None, typer.Option("--pp", help="Pipeline-parallel degree.", rich_help_panel=_PLAN)], None),
-    "global_batch": (Annotated[int | None, typer.Option("--global-batch", help="Samples per optimizer step over all ranks.", rich_help_panel=_BATCH)], None),
-    "micro_batch": (Annotated[int | None, typer.Option("--micro-batch", help="Samples per forward pass per rank.", rich_help_panel=_BATCH)], None),
-    "max_steps": (Annotated[int | None, typer.Option("--max-steps", help="Optimizer steps.", rich_help_panel=_BATCH)], None),
-    "mixed_precision": (Annotated[Precision | None, typer.Option("--mixed-precision", help="no, fp16 or bf16.", rich_help_panel=_BATCH)], None),
-    "output_dir": (Annotated[str | None, typer.Option("--output-dir", "-o", help="Run directory.")], None),
-    "assignments": (Annotated[list[str] | None, typer.Option("--set", help="Override any run-file key: --set train.lr=1e-4 (repeatable).")], None),
+    "config": (
+        Annotated[
+            Path | None,
+            typer.Argument(
+                help="Run file (YAML). Default: the embedded configs/default.yaml.",
+                show_default=False,
+            ),
+        ],
+        None,
+    ),
+    "gpus": (
+        Annotated[
+            int | None,
+            typer.Option(
+                "--gpus",
+                help="Total GPUs (ranks). Without GPUs: that many CPU ranks.",
+                rich_help_panel=_PLAN,
+            ),
+        ],
+        None,
+    ),
+    "cpu": (
+        Annotated[
+            bool,
+            typer.Option(
+                "--cpu",
+                help="Run ranks on CPU (gloo) even when GPUs are visible.",
+                rich_help_panel=_PLAN,
+            ),
+        ],
+        False,
+    ),
+    "nodes": (
+        Annotated[
+            int | None, typer.Option("--nodes", help="Number of nodes.", rich_help_panel=_PLAN)
+        ],
+        None,
+    ),
+    "gpus_per_node": (
+        Annotated[
+            int | None,
+            typer.Option(
+                "--gpus-per-node", help="GPUs per node (default gpus/nodes).", rich_help_panel=_PLAN
+            ),
+        ],
+        None,
+    ),
+    "node_rank": (
+        Annotated[
+            int | None,
+            typer.Option(
+                "--node-rank",
+                help="This node's rank (multi-node without SLURM).",
+                rich_help_panel=_PLAN,
+            ),
+        ],
+        None,
+    ),
+    "master_addr": (
+        Annotated[
+            str | None,
+            typer.Option(
+                "--master-addr", help="Head node address for the rendezvous.", rich_help_panel=_PLAN
+            ),
+        ],
+        None,
+    ),
+    "master_port": (
+        Annotated[
+            int | None,
+            typer.Option("--master-port", help="Rendezvous port.", rich_help_panel=_PLAN),
+        ],
+        None,
+    ),
+    "hostfile": (
+        Annotated[
+            str | None,
+            typer.Option(
+                "--hostfile",
+                help="DeepSpeed hostfile ('host slots=G'): launch all nodes from here.",
+                rich_help_panel=_PLAN,
+            ),
+        ],
+        None,
+    ),
+    "zero": (
+        Annotated[
+            int | None,
+            typer.Option(
+                "--zero",
+                min=0,
+                max=3,
+                help="DeepSpeed ZeRO stage (0 = plain DDP).",
+                rich_help_panel=_PLAN,
+            ),
+        ],
+        None,
+    ),
+    "offload": (
+        Annotated[
+            Offload | None,
+            typer.Option("--offload", help="ZeRO CPU offload.", rich_help_panel=_PLAN),
+        ],
+        None,
+    ),
+    "tp": (
+        Annotated[
+            int | None,
+            typer.Option(
+                "--tp", help="Tensor-parallel degree (DeepSpeed AutoTP).", rich_help_panel=_PLAN
+            ),
+        ],
+        None,
+    ),
+    "pp": (
+        Annotated[
+            int | None,
+            typer.Option("--pp", help="Pipeline-parallel degree.", rich_help_panel=_PLAN),
+        ],
+        None,
+    ),
+    "global_batch": (
+        Annotated[
+            int | None,
+            typer.Option(
+                "--global-batch",
+                help="Samples per optimizer step over all ranks.",
+                rich_help_panel=_BATCH,
+            ),
+        ],
+        None,
+    ),
+    "micro_batch": (
+        Annotated[
+            int | None,
+            typer.Option(
+                "--micro-batch", help="Samples per forward pass per rank.", rich_help_panel=_BATCH
+            ),
+        ],
+        None,
+    ),
+    "max_steps": (
+        Annotated[
+            int | None, typer.Option("--max-steps", help="Optimizer steps.", rich_help_panel=_BATCH)
+        ],
+        None,
+    ),
+    "mixed_precision": (
+        Annotated[
+            Precision | None,
+            typer.Option("--mixed-precision", help="no, fp16 or bf16.", rich_help_panel=_BATCH),
+        ],
+        None,
+    ),
+    "output_dir": (
+        Annotated[str | None, typer.Option("--output-dir", "-o", help="Run directory.")],
+        None,
+    ),
+    "assignments": (
+        Annotated[
+            list[str] | None,
+            typer.Option(
+                "--set", help="Override any run-file key: --set train.lr=1e-4 (repeatable)."
+            ),
+        ],
+        None,
+    ),
 }
 
 
-CONFIG_OPTION = Annotated[Path | None, typer.Option("--config", help="Run file (YAML) with launch/parallel/train sections.")]
+CONFIG_OPTION = Annotated[
+    Path | None,
+    typer.Option("--config", help="Run file (YAML) with launch/parallel/train sections."),
+]
 
 
 def with_run_flags(command: Any = None, *, config_option: bool = False) -> Any:
     """Give a command the shared run flags; it receives them as one RunFlags object named `flags`."""
     if command is None:
         return functools.partial(with_run_flags, config_option=config_option)
-    own = [p for name, p in inspect.signature(command, eval_str=True).parameters.items() if name != "flags"]
+    own = [
+        p
+        for name, p in inspect.signature(command, eval_str=True).parameters.items()
+        if name != "flags"
+    ]
     shared = [
-        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
+        inspect.Parameter(
+            name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default
+        )
         for name, (annotation, default) in RUN_FLAG_PARAMETERS.items()
     ]
     config = shared.pop(0)
@@ -79,8 +236,12 @@ def with_run_flags(command: Any = None, *, config_option: bool = False) -> Any:
         config = None
     else:
         config = config.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
     def is_argument(parameter: inspect.Parameter) -> bool:
-        return any(isinstance(meta, typer.models.ArgumentInfo) for meta in getattr(parameter.annotation, "__metadata__", ()))
+        return any(
+            isinstance(meta, typer.models.ArgumentInfo)
+            for meta in getattr(parameter.annotation, "__metadata__", ())
+        )
 
     positional = [p for p in own if is_argument(p)]
     keyword = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own if not is_argument(p)]
@@ -96,7 +257,13 @@ def with_run_flags(command: Any = None, *, config_option: bool = False) -> Any:
                 values[name] = values[name].value
         return command(flags=RunFlags(**values), **kwargs)
 
-    parameters = [*positional[:1], *([config] if config else []), *positional[1:], *keyword, *shared]
+    parameters = [
+        *positional[:1],
+        *([config] if config else []),
+        *positional[1:],
+        *keyword,
+        *shared,
+    ]
     wrapper.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
     wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
     del wrapper.__wrapped__
@@ -107,8 +274,16 @@ def with_run_flags(command: Any = None, *, config_option: bool = False) -> Any:
 @with_run_flags
 def train(
     flags: Any,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, rendered files and launch command; start nothing.")] = False,
-    resume: Annotated[str | None, typer.Option("--resume", help="'auto' (newest complete checkpoint) or a checkpoint path.")] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run", help="Print the plan, rendered files and launch command; start nothing."
+        ),
+    ] = False,
+    resume: Annotated[
+        str | None,
+        typer.Option("--resume", help="'auto' (newest complete checkpoint) or a checkpoint path."),
+    ] = None,
 ) -> None:
     """Train a Hugging Face model with the planned parallel layout."""
     from dplaunch.commands.train import run_train
@@ -120,7 +295,13 @@ def train(
 @with_run_flags
 def config(
     flags: Any,
-    out: Annotated[Path, typer.Option("--out", help="Directory to write accelerate.yaml, deepspeed.json, run.yaml, launch.sh into.")],
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out",
+            help="Directory to write accelerate.yaml, deepspeed.json, run.yaml, launch.sh into.",
+        ),
+    ],
 ) -> None:
     """Render the run's Accelerate/DeepSpeed files for the target the flags describe (GPUs need not be here)."""
     from dplaunch.commands.train import run_config
@@ -132,9 +313,15 @@ def config(
 @with_run_flags(config_option=True)
 def launch(
     flags: Any,
-    script: Annotated[Path, typer.Argument(help="Your Accelerate or torchrun-style Python script.")],
-    script_args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script (after --).")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and launch command; start nothing.")] = False,
+    script: Annotated[
+        Path, typer.Argument(help="Your Accelerate or torchrun-style Python script.")
+    ],
+    script_args: Annotated[
+        list[str] | None, typer.Argument(help="Arguments for the script (after --).")
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the plan and launch command; start nothing.")
+    ] = False,
 ) -> None:
     """Launch any Accelerate or plain PyTorch DDP script with the same plan: dplaunch launch SCRIPT [flags] -- ARGS."""
     from dplaunch.commands.train import run_launch

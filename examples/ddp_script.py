@@ -17,7 +17,9 @@ def main() -> None:
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     torch.manual_seed(0)
-    model = DistributedDataParallel(torch.nn.Linear(4, 1).to(device), device_ids=[local_rank] if use_cuda else None)
+    model = DistributedDataParallel(
+        torch.nn.Linear(4, 1).to(device), device_ids=[local_rank] if use_cuda else None
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(3):
         loss = model(torch.randn(8, 4, device=device)).pow(2).mean()
@@ -26,8 +28,12 @@ def main() -> None:
         optimizer.zero_grad()
     total = torch.ones(1, device=device)
     dist.all_reduce(total)
-    report = {"rank": rank, "world_size": dist.get_world_size(), "ranks_counted_by_all_reduce": int(total.item()),
-              "master_addr": os.environ["MASTER_ADDR"]}
+    report = {
+        "rank": rank,
+        "world_size": dist.get_world_size(),
+        "ranks_counted_by_all_reduce": int(total.item()),
+        "master_addr": os.environ["MASTER_ADDR"],
+    }
     print("REPORT " + json.dumps(report), flush=True)
     dist.destroy_process_group()
 

@@ -10,12 +10,50 @@ import json
 import random
 import sys
 
-SUBJECTS = ["the film", "this phone", "the hotel", "our dinner", "the concert", "that book", "the service",
-            "the new album", "this laptop", "the museum", "the coffee", "the game", "the tour", "the class"]
-POSITIVE = ["great", "wonderful", "excellent", "delightful", "superb", "charming", "brilliant", "pleasant",
-            "fantastic", "lovely", "impressive", "enjoyable"]
-NEGATIVE = ["terrible", "awful", "boring", "disappointing", "dreadful", "mediocre", "poor", "annoying",
-            "horrible", "dull", "frustrating", "unpleasant"]
+SUBJECTS = [
+    "the film",
+    "this phone",
+    "the hotel",
+    "our dinner",
+    "the concert",
+    "that book",
+    "the service",
+    "the new album",
+    "this laptop",
+    "the museum",
+    "the coffee",
+    "the game",
+    "the tour",
+    "the class",
+]
+POSITIVE = [
+    "great",
+    "wonderful",
+    "excellent",
+    "delightful",
+    "superb",
+    "charming",
+    "brilliant",
+    "pleasant",
+    "fantastic",
+    "lovely",
+    "impressive",
+    "enjoyable",
+]
+NEGATIVE = [
+    "terrible",
+    "awful",
+    "boring",
+    "disappointing",
+    "dreadful",
+    "mediocre",
+    "poor",
+    "annoying",
+    "horrible",
+    "dull",
+    "frustrating",
+    "unpleasant",
+]
 OPENERS = ["", "honestly, ", "to be fair, ", "overall ", "in my opinion ", "sadly ", "frankly, "]
 ENDINGS = [".", "!", " and I would say so again.", ", as my friends agreed.", " this time.", "."]
 

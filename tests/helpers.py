@@ -32,12 +32,21 @@ TINY_GPT2_CONFIG = {
 def child_environment(**extra: str) -> dict[str, str]:
     """The environment ranks run in during tests: one thread each, no GPU, no hub access."""
     env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     env.update(extra)
     return env
 
 
-def run_dplaunch(*args: Any, timeout: float = 600, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_dplaunch(
+    *args: Any, timeout: float = 600, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     """`dplaunch ARGS…` in a subprocess, output captured as text."""
     return subprocess.run(
         [sys.executable, "-m", "dplaunch", *map(str, args)],
@@ -52,7 +61,11 @@ def run_dplaunch(*args: Any, timeout: float = 600, env: dict[str, str] | None = 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """All records of a run's metrics.jsonl."""
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
 
 
 def train_losses(run_dir: Path) -> list[float]:
@@ -60,10 +73,14 @@ def train_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir) if r["type"] == "train"]
 
 
-def train(run_dir: Path, *args: Any, config: Path = TINY_LLAMA, timeout: float = 600) -> subprocess.CompletedProcess:
+def train(
+    run_dir: Path, *args: Any, config: Path = TINY_LLAMA, timeout: float = 600
+) -> subprocess.CompletedProcess:
     """Run `dplaunch train CONFIG -o run_dir ARGS…` and insist that it succeeds."""
     result = run_dplaunch("train", config, "-o", run_dir, *args, timeout=timeout)
-    assert result.returncode == 0, f"dplaunch train failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    assert result.returncode == 0, (
+        f"dplaunch train failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    )
     return result
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import DEFAULT_CONFIG, TINY_LLAMA, run_dplaunch, child_environment, write_config
+from tests.helpers import DEFAULT_CONFIG, TINY_LLAMA, child_environment, run_dplaunch, write_config
 
 
 def _bad_yaml(tmp: Path) -> list:
@@ -29,11 +29,30 @@ def _tiny(tmp: Path, **sections) -> Path:
 
 def _no_config_json(tmp: Path) -> list:
     (tmp / "empty-model").mkdir()
-    return ["train", TINY_LLAMA, "--set", "model.config=null", "--set", f"model.name_or_path={tmp / 'empty-model'}"]
+    return [
+        "train",
+        TINY_LLAMA,
+        "--set",
+        "model.config=null",
+        "--set",
+        f"model.name_or_path={tmp / 'empty-model'}",
+    ]
 
 
 def _busy_port(tmp: Path) -> list:
-    return ["train", TINY_LLAMA, "--cpu", "--gpus", "2", "--nodes", "2", "--node-rank", "0", "--master-port", str(BUSY_PORT)]
+    return [
+        "train",
+        TINY_LLAMA,
+        "--cpu",
+        "--gpus",
+        "2",
+        "--nodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--master-port",
+        str(BUSY_PORT),
+    ]
 
 
 def _existing_run(tmp: Path) -> list:
@@ -56,35 +75,141 @@ CASES = [
     ("config-is-a-directory", lambda t: ["train", t], "is a directory"),
     ("config-not-yaml", _bad_yaml, "not valid YAML at line"),
     ("config-not-a-mapping", _list_yaml, "must hold a mapping"),
-    ("unknown-top-level-key", lambda t: ["train", _tiny(t, optimiser={"name": "adam"})], "optimiser: unknown key"),
-    ("unknown-nested-key", lambda t: ["train", TINY_LLAMA, "--set", "train.lrr=1"], "train.lrr: unknown key — known keys here"),
-    ("wrong-type", lambda t: ["train", TINY_LLAMA, "--set", "train.lr=fast"], "train.lr: 'fast' is invalid"),
-    ("out-of-range", lambda t: ["train", TINY_LLAMA, "--set", "train.global_batch_size=0"], "train.global_batch_size"),
-    ("bad-set-syntax", lambda t: ["train", TINY_LLAMA, "--set", "train.lr"], "--set: 'train.lr' is not key.path=value"),
-    ("batch-not-divisible", lambda t: ["train", TINY_LLAMA, "--cpu", "--gpus", "3"], "not divisible by the data-parallel size 3"),
-    ("micro-larger-than-global", lambda t: ["train", TINY_LLAMA, "--micro-batch", "16"], "micro_batch_size 16 is larger"),
+    (
+        "unknown-top-level-key",
+        lambda t: ["train", _tiny(t, optimiser={"name": "adam"})],
+        "optimiser: unknown key",
+    ),
+    (
+        "unknown-nested-key",
+        lambda t: ["train", TINY_LLAMA, "--set", "train.lrr=1"],
+        "train.lrr: unknown key — known keys here",
+    ),
+    (
+        "wrong-type",
+        lambda t: ["train", TINY_LLAMA, "--set", "train.lr=fast"],
+        "train.lr: 'fast' is invalid",
+    ),
+    (
+        "out-of-range",
+        lambda t: ["train", TINY_LLAMA, "--set", "train.global_batch_size=0"],
+        "train.global_batch_size",
+    ),
+    (
+        "bad-set-syntax",
+        lambda t: ["train", TINY_LLAMA, "--set", "train.lr"],
+        "--set: 'train.lr' is not key.path=value",
+    ),
+    (
+        "batch-not-divisible",
+        lambda t: ["train", TINY_LLAMA, "--cpu", "--gpus", "3"],
+        "not divisible by the data-parallel size 3",
+    ),
+    (
+        "micro-larger-than-global",
+        lambda t: ["train", TINY_LLAMA, "--micro-batch", "16"],
+        "micro_batch_size 16 is larger",
+    ),
     ("zero-gpus", lambda t: ["train", TINY_LLAMA, "--gpus", "0"], "launch.gpus"),
     ("negative-gpus", lambda t: ["train", TINY_LLAMA, "--set", "launch.gpus=-2"], "launch.gpus"),
-    ("more-gpus-than-visible", lambda t: ["train", TINY_LLAMA, "--gpus", "4"], "4 GPUs requested but this machine shows 2"),
-    ("bad-zero-stage", lambda t: ["train", TINY_LLAMA, "--set", "parallel.zero_stage=5"], "parallel.zero_stage"),
-    ("impossible-mesh", lambda t: ["train", TINY_LLAMA, "--cpu", "--gpus", "4", "--tp", "3"], "does not divide 4 GPUs"),
-    ("pp-with-zero3", lambda t: ["train", TINY_LLAMA, "--cpu", "--gpus", "2", "--pp", "2", "--zero", "3"], "ZeRO-3 cannot be combined with pipeline"),
-    ("tp-not-dividing-heads", lambda t: ["train", TINY_LLAMA, "--cpu", "--gpus", "4", "--tp", "4"], "does not divide the model's 2 KV heads"),
-    ("pp-unsupported-family", lambda t: ["train", DEFAULT_CONFIG, "--cpu", "--gpus", "2", "--pp", "2"], "not supported for 'bert'"),
-    ("pp-more-stages-than-layers", lambda t: ["train", TINY_LLAMA, "--cpu", "--gpus", "8", "--pp", "8"], "more stages than the model's 4 layers"),
-    ("offload-without-zero", lambda t: ["train", TINY_LLAMA, "--offload", "optimizer"], "optimizer offload needs ZeRO"),
-    ("fp16-on-cpu", lambda t: ["train", TINY_LLAMA, "--cpu", "--mixed-precision", "fp16"], "fp16 needs GPUs"),
-    ("model-dir-missing", lambda t: ["train", TINY_LLAMA, "--set", "model.config=null", "--set", f"model.name_or_path={t}/no-model"], "does not exist"),
+    (
+        "more-gpus-than-visible",
+        lambda t: ["train", TINY_LLAMA, "--gpus", "4"],
+        "4 GPUs requested but this machine shows 2",
+    ),
+    (
+        "bad-zero-stage",
+        lambda t: ["train", TINY_LLAMA, "--set", "parallel.zero_stage=5"],
+        "parallel.zero_stage",
+    ),
+    (
+        "impossible-mesh",
+        lambda t: ["train", TINY_LLAMA, "--cpu", "--gpus", "4", "--tp", "3"],
+        "does not divide 4 GPUs",
+    ),
+    (
+        "pp-with-zero3",
+        lambda t: ["train", TINY_LLAMA, "--cpu", "--gpus", "2", "--pp", "2", "--zero", "3"],
+        "ZeRO-3 cannot be combined with pipeline",
+    ),
+    (
+        "tp-not-dividing-heads",
+        lambda t: ["train", TINY_LLAMA, "--cpu", "--gpus", "4", "--tp", "4"],
+        "does not divide the model's 2 KV heads",
+    ),
+    (
+        "pp-unsupported-family",
+        lambda t: ["train", DEFAULT_CONFIG, "--cpu", "--gpus", "2", "--pp", "2"],
+        "not supported for 'bert'",
+    ),
+    (
+        "pp-more-stages-than-layers",
+        lambda t: ["train", TINY_LLAMA, "--cpu", "--gpus", "8", "--pp", "8"],
+        "more stages than the model's 4 layers",
+    ),
+    (
+        "offload-without-zero",
+        lambda t: ["train", TINY_LLAMA, "--offload", "optimizer"],
+        "optimizer offload needs ZeRO",
+    ),
+    (
+        "fp16-on-cpu",
+        lambda t: ["train", TINY_LLAMA, "--cpu", "--mixed-precision", "fp16"],
+        "fp16 needs GPUs",
+    ),
+    (
+        "model-dir-missing",
+        lambda t: [
+            "train",
+            TINY_LLAMA,
+            "--set",
+            "model.config=null",
+            "--set",
+            f"model.name_or_path={t}/no-model",
+        ],
+        "does not exist",
+    ),
     ("model-dir-without-config-json", _no_config_json, "has no config.json"),
-    ("model-config-without-type", lambda t: ["train", _tiny(t, model={"config": {"hidden_size": 8}})], "model_type"),
-    ("dataset-missing", lambda t: ["train", TINY_LLAMA, "--set", f"data.dataset={t}/nope.jsonl"], "data.dataset: "),
-    ("text-column-missing", lambda t: ["train", TINY_LLAMA, "--set", "data.text_column=body"], "data.text_column: column 'body'"),
-    ("label-column-missing", lambda t: ["train", DEFAULT_CONFIG, "--set", "data.label_column=stars"], "data.label_column: column 'stars'"),
-    ("eval-split-missing", lambda t: ["train", TINY_LLAMA, "--set", "data.eval_fraction=null", "--set", "data.eval_split=validation"], "data.eval_split"),
+    (
+        "model-config-without-type",
+        lambda t: ["train", _tiny(t, model={"config": {"hidden_size": 8}})],
+        "model_type",
+    ),
+    (
+        "dataset-missing",
+        lambda t: ["train", TINY_LLAMA, "--set", f"data.dataset={t}/nope.jsonl"],
+        "data.dataset: ",
+    ),
+    (
+        "text-column-missing",
+        lambda t: ["train", TINY_LLAMA, "--set", "data.text_column=body"],
+        "data.text_column: column 'body'",
+    ),
+    (
+        "label-column-missing",
+        lambda t: ["train", DEFAULT_CONFIG, "--set", "data.label_column=stars"],
+        "data.label_column: column 'stars'",
+    ),
+    (
+        "eval-split-missing",
+        lambda t: [
+            "train",
+            TINY_LLAMA,
+            "--set",
+            "data.eval_fraction=null",
+            "--set",
+            "data.eval_split=validation",
+        ],
+        "data.eval_split",
+    ),
     ("output-dir-under-a-file", _output_under_a_file, "output_dir: "),
     ("output-dir-holds-a-run", _existing_run, "already holds a run"),
     ("port-in-use-multi-node", _busy_port, "port"),
-    ("node-rank-too-large", lambda t: ["train", TINY_LLAMA, "--cpu", "--gpus", "2", "--nodes", "2", "--node-rank", "2"], "launch.node_rank"),
+    (
+        "node-rank-too-large",
+        lambda t: ["train", TINY_LLAMA, "--cpu", "--gpus", "2", "--nodes", "2", "--node-rank", "2"],
+        "launch.node_rank",
+    ),
     ("launch-script-missing", lambda t: ["launch", t / "nope.py", "--cpu"], "SCRIPT: "),
 ]
 

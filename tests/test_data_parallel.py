@@ -17,7 +17,11 @@ def test_two_data_parallel_ranks_match_one_rank_on_the_same_global_batch(tmp_pat
     train(single, "--cpu", "--gpus", "1", *COMPARISON_FLAGS)
     header_1, header_2 = read_metrics(single)[0], read_metrics(dp_reference)[0]
     assert (header_1["world_size"], header_1["gradient_accumulation_steps"]) == (1, 4)
-    assert (header_2["world_size"], header_2["data_parallel_size"], header_2["gradient_accumulation_steps"]) == (2, 2, 2)
+    assert (
+        header_2["world_size"],
+        header_2["data_parallel_size"],
+        header_2["gradient_accumulation_steps"],
+    ) == (2, 2, 2)
     one, two = train_losses(single), train_losses(dp_reference)
     assert len(one) == 6 and one[-1] < one[0], one  # it trained
     assert max_relative_gap(two, one) < 1e-5, (one, two)

@@ -16,22 +16,49 @@ from dplaunch.rendering.accelerate_config import accelerate_config_dict, render_
 from dplaunch.rendering.deepspeed_config import deepspeed_config_dict
 
 LLAMA = ModelFacts.from_config_dict(
-    {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 259}
+    {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 259,
+    }
 )
-BERT = ModelFacts.from_config_dict({"model_type": "bert", "hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12, "vocab_size": 30522})
+BERT = ModelFacts.from_config_dict(
+    {
+        "model_type": "bert",
+        "hidden_size": 384,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 12,
+        "vocab_size": 30522,
+    }
+)
 
 
 def plan_for(gpus=None, visible=0, render_only=False, model=None, **kwargs):
-    launch = LaunchConfig(gpus=gpus, **{k: v for k, v in kwargs.items() if k in LaunchConfig.model_fields})
-    parallel = ParallelConfig(**{k: v for k, v in kwargs.items() if k in ParallelConfig.model_fields})
+    launch = LaunchConfig(
+        gpus=gpus, **{k: v for k, v in kwargs.items() if k in LaunchConfig.model_fields}
+    )
+    parallel = ParallelConfig(
+        **{k: v for k, v in kwargs.items() if k in ParallelConfig.model_fields}
+    )
     train = TrainConfig(**{k: v for k, v in kwargs.items() if k in TrainConfig.model_fields})
-    return make_plan(launch, parallel, train, Machine(visible_gpus=visible, render_only=render_only), model)
+    return make_plan(
+        launch, parallel, train, Machine(visible_gpus=visible, render_only=render_only), model
+    )
 
 
 def test_16_gpus_zero2_global_512_micro_8_gives_grad_accum_4():
-    plan = plan_for(gpus=16, render_only=True, zero_stage=2, global_batch_size=512, micro_batch_size=8)
-    assert (plan.world_size, plan.data_parallel_size, plan.gradient_accumulation_steps) == (16, 16, 4)
+    plan = plan_for(
+        gpus=16, render_only=True, zero_stage=2, global_batch_size=512, micro_batch_size=8
+    )
+    assert (plan.world_size, plan.data_parallel_size, plan.gradient_accumulation_steps) == (
+        16,
+        16,
+        4,
+    )
     assert plan.engine == "deepspeed"
     assert plan.batch_line() == "micro batch 8 × grad-accum 4 × dp 16 = global batch 512"
 
@@ -128,9 +155,20 @@ def test_fp16_on_cpu_ranks_is_refused():
 
 
 def test_deepspeed_json_states_the_batch_trio_explicitly():
-    plan = plan_for(gpus=16, render_only=True, zero_stage=3, offload="all", global_batch_size=512, micro_batch_size=8)
+    plan = plan_for(
+        gpus=16,
+        render_only=True,
+        zero_stage=3,
+        offload="all",
+        global_batch_size=512,
+        micro_batch_size=8,
+    )
     config = deepspeed_config_dict(plan, max_grad_norm=1.0)
-    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (512, 8, 4)
+    assert (
+        config["train_batch_size"],
+        config["train_micro_batch_size_per_gpu"],
+        config["gradient_accumulation_steps"],
+    ) == (512, 8, 4)
     assert config["zero_optimization"]["stage"] == 3
     assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert config["gradient_clipping"] == 1.0
@@ -149,7 +187,10 @@ def test_tensor_parallel_batch_fields_count_every_rank_as_deepspeed_does():
 def test_rendered_yaml_loads_with_accelerates_own_loader(tmp_path):
     from accelerate.commands.config.config_args import load_config_from_file
 
-    for kwargs in ({"gpus": 2, "visible": 0}, {"gpus": 16, "render_only": True, "nodes": 4, "zero_stage": 2}):
+    for kwargs in (
+        {"gpus": 2, "visible": 0},
+        {"gpus": 16, "render_only": True, "nodes": 4, "zero_stage": 2},
+    ):
         plan = plan_for(**kwargs)
         path = tmp_path / "accelerate.yaml"
         path.write_text(render_accelerate_config(plan, str(tmp_path / "deepspeed.json")))
@@ -160,18 +201,24 @@ def test_rendered_yaml_loads_with_accelerates_own_loader(tmp_path):
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
-def test_deepspeed_json_passes_deepspeeds_own_config_class_for_the_planned_world(monkeypatch, zero_stage):
+def test_deepspeed_json_passes_deepspeeds_own_config_class_for_the_planned_world(
+    monkeypatch, zero_stage
+):
     import deepspeed.comm as ds_comm
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    plan = plan_for(gpus=16, render_only=True, zero_stage=zero_stage, global_batch_size=256, micro_batch_size=4)
+    plan = plan_for(
+        gpus=16, render_only=True, zero_stage=zero_stage, global_batch_size=256, micro_batch_size=4
+    )
 
     class DataParallelWorld:  # what DeepSpeed asks a model-parallel unit for
         def get_data_parallel_world_size(self):
             return plan.data_parallel_size
 
     monkeypatch.setattr(ds_comm, "get_rank", lambda *a, **k: 0)
-    checked = DeepSpeedConfig(deepspeed_config_dict(plan, max_grad_norm=1.0), mpu=DataParallelWorld())
+    checked = DeepSpeedConfig(
+        deepspeed_config_dict(plan, max_grad_norm=1.0), mpu=DataParallelWorld()
+    )
     assert checked.world_size == 16
     assert checked.train_batch_size == 256 and checked.gradient_accumulation_steps == 4
     assert checked.zero_optimization_stage == zero_stage

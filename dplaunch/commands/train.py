@@ -8,7 +8,12 @@ from pathlib import Path
 
 import typer
 
-from dplaunch.launching.prepare import PreparedRun, RunFlags, prepare_script_launch, prepare_training_run
+from dplaunch.launching.prepare import (
+    PreparedRun,
+    RunFlags,
+    prepare_script_launch,
+    prepare_training_run,
+)
 from dplaunch.launching.process import run_supervised
 from dplaunch.launching.rundir import check_run_dir, write_run_files
 
@@ -53,7 +58,10 @@ def start(prepared: PreparedRun) -> int:
     env = {**os.environ, **prepared.env}
     code = run_supervised(prepared.argv, env)
     if code != 0:
-        typer.echo(f"dplaunch: training exited with status {code} (run directory: {prepared.run_dir})", err=True)
+        typer.echo(
+            f"dplaunch: training exited with status {code} (run directory: {prepared.run_dir})",
+            err=True,
+        )
     return code
 
 

@@ -31,7 +31,9 @@ def read_yaml_file(path: str | Path) -> dict[str, Any]:
     try:
         text = path.read_text()
     except OSError as exc:
-        raise UserError("CONFIG", f"cannot read {path}: {exc.strerror}", "check its permissions") from None
+        raise UserError(
+            "CONFIG", f"cannot read {path}: {exc.strerror}", "check its permissions"
+        ) from None
     return parse_yaml_text(text, str(path))
 
 
@@ -43,22 +45,32 @@ def parse_yaml_text(text: str, source: str) -> dict[str, Any]:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise UserError("CONFIG", f"{source} is not valid YAML{where}: {problem}", "fix the syntax") from None
+        raise UserError(
+            "CONFIG", f"{source} is not valid YAML{where}: {problem}", "fix the syntax"
+        ) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise UserError("CONFIG", f"{source} must hold a mapping of sections (model:, data:, …)", "see configs/default.yaml")
+        raise UserError(
+            "CONFIG",
+            f"{source} must hold a mapping of sections (model:, data:, …)",
+            "see configs/default.yaml",
+        )
     return data
 
 
 def parse_override(assignment: str) -> tuple[list[str], Any]:
     """Split ``a.b.c=value`` into a key path and a YAML-typed value."""
     if "=" not in assignment:
-        raise UserError("--set", f"{assignment!r} is not key.path=value", "write e.g. --set train.lr=1e-4")
+        raise UserError(
+            "--set", f"{assignment!r} is not key.path=value", "write e.g. --set train.lr=1e-4"
+        )
     key, _, raw = assignment.partition("=")
     keys = [part for part in key.strip().split(".") if part]
     if not keys:
-        raise UserError("--set", f"{assignment!r} has an empty key", "write e.g. --set train.lr=1e-4")
+        raise UserError(
+            "--set", f"{assignment!r} has an empty key", "write e.g. --set train.lr=1e-4"
+        )
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError:
@@ -74,7 +86,9 @@ def apply_override(data: dict[str, Any], keys: list[str], value: Any) -> None:
         if child is None:
             child = node[key] = {}
         if not isinstance(child, dict):
-            raise UserError("--set", f"{'.'.join(keys)}: {key} is not a section", "check the key path")
+            raise UserError(
+                "--set", f"{'.'.join(keys)}: {key} is not a section", "check the key path"
+            )
         node = child
     node[keys[-1]] = value
 
@@ -119,7 +133,9 @@ def load_run_config(
     else:
         data = read_yaml_file(path)
         base_dir = Path(path).resolve().parent
-    return build_run_config(data, overrides=overrides, assignments=assignments, base_dir=base_dir, schema=schema)
+    return build_run_config(
+        data, overrides=overrides, assignments=assignments, base_dir=base_dir, schema=schema
+    )
 
 
 def resolve_package_path(value: str) -> str:
@@ -132,7 +148,11 @@ def resolve_package_path(value: str) -> str:
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.submodule_search_locations:
-        raise UserError(value, f"Python package {module!r} is not installed", f"pip install {module.replace('_', '-')}")
+        raise UserError(
+            value,
+            f"Python package {module!r} is not installed",
+            f"pip install {module.replace('_', '-')}",
+        )
     return str(Path(list(spec.submodule_search_locations)[0]) / rest)
 
 
@@ -153,7 +173,11 @@ def _resolve_relative_paths(config: RunConfig, base_dir: Path | None) -> None:
     else:
         data.dataset = resolve(data.dataset)
     if data.eval_dataset is not None:
-        data.eval_dataset = [resolve(item) for item in data.eval_dataset] if isinstance(data.eval_dataset, list) else resolve(data.eval_dataset)
+        data.eval_dataset = (
+            [resolve(item) for item in data.eval_dataset]
+            if isinstance(data.eval_dataset, list)
+            else resolve(data.eval_dataset)
+        )
     if config.model.name_or_path:
         config.model.name_or_path = resolve(config.model.name_or_path)
     if config.model.tokenizer:
@@ -171,7 +195,9 @@ def _validation_error(exc: ValidationError) -> UserError:
         hint = f"known keys here: {', '.join(known)}" if known else "remove it"
         return UserError(location, "unknown key", hint)
     if kind == "missing":
-        return UserError(location, "is required", f"add {location} to the run file or pass it with --set")
+        return UserError(
+            location, "is required", f"add {location} to the run file or pass it with --set"
+        )
     message = error["msg"].removeprefix("Value error, ")
     if kind in ("value_error", "assertion_error"):
         return UserError(location or "config", message, "")

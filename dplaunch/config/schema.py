@@ -39,7 +39,9 @@ class ModelConfig(Section):
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
         if self.name_or_path is None and self.config is None:
-            raise ValueError("set model.name_or_path (hub id or local dir) or model.config (a dict)")
+            raise ValueError(
+                "set model.name_or_path (hub id or local dir) or model.config (a dict)"
+            )
         if self.name_or_path is not None and self.config is not None:
             raise ValueError("set only one of model.name_or_path and model.config")
         if self.config is not None and "model_type" not in self.config:
@@ -71,7 +73,9 @@ class DataConfig(Section):
     def _eval_choice(self) -> DataConfig:
         chosen = [self.eval_split, self.eval_dataset, self.eval_fraction]
         if sum(item is not None for item in chosen) > 1:
-            raise ValueError("set only one of data.eval_split, data.eval_dataset and data.eval_fraction")
+            raise ValueError(
+                "set only one of data.eval_split, data.eval_dataset and data.eval_fraction"
+            )
         return self
 
 

@@ -71,7 +71,11 @@ class RunFlags:
         """Flags that were given, as dotted run-file keys."""
         given = {name: getattr(self, name) for name in FLAG_KEYS}
         # 0 is a value (--gpus 0 must be refused, not ignored); only None/False mean "not given"
-        return {FLAG_KEYS[name]: value for name, value in given.items() if value is not None and value is not False}
+        return {
+            FLAG_KEYS[name]: value
+            for name, value in given.items()
+            if value is not None and value is not False
+        }
 
 
 @dataclass
@@ -93,16 +97,24 @@ def model_facts(model: ModelConfig) -> ModelFacts:
     return ModelFacts.from_config_dict(load_config_json(model.name_or_path or ""))
 
 
-def prepare_training_run(flags: RunFlags, *, render_only: bool = False, out_dir: Path | None = None) -> PreparedRun:
+def prepare_training_run(
+    flags: RunFlags, *, render_only: bool = False, out_dir: Path | None = None
+) -> PreparedRun:
     """Load, validate and plan a training run; render its files. Raises UserError, writes nothing."""
-    config: RunConfig = load_run_config(flags.config, overrides=flags.overrides(), assignments=flags.assignments)
+    config: RunConfig = load_run_config(
+        flags.config, overrides=flags.overrides(), assignments=flags.assignments
+    )
     facts = model_facts(config.model)
     check_data(config.data, config.model.task)
     if config.parallel.auto:
-        raise UserError("parallel", "auto is chosen by `dplaunch plan`", "run `dplaunch plan` and copy its pick")
+        raise UserError(
+            "parallel", "auto is chosen by `dplaunch plan`", "run `dplaunch plan` and copy its pick"
+        )
     machine = Machine(visible_gpus=visible_gpu_count(), render_only=render_only)
     plan = make_plan(config.launch, config.parallel, config.train, machine, facts)
-    plan = _settle_port(plan, explicit=config.launch.master_port is not None, render_only=render_only)
+    plan = _settle_port(
+        plan, explicit=config.launch.master_port is not None, render_only=render_only
+    )
     run_dir = out_dir or Path(config.output_dir or _default_run_dir(config.name or "run"))
     config.output_dir = str(run_dir)
     target = ["-m", "dplaunch.train", str(run_dir.absolute())]
@@ -112,24 +124,39 @@ def prepare_training_run(flags: RunFlags, *, render_only: bool = False, out_dir:
 def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
     """Plan a launch of a user's own Accelerate or torchrun-style script."""
     config: ScriptRunConfig = load_run_config(
-        flags.config, overrides=flags.overrides(), assignments=flags.assignments, schema=ScriptRunConfig
+        flags.config,
+        overrides=flags.overrides(),
+        assignments=flags.assignments,
+        schema=ScriptRunConfig,
     )
     if not Path(script[0]).is_file():
         raise UserError("SCRIPT", f"{script[0]} does not exist", "give the path of a Python script")
     machine = Machine(visible_gpus=visible_gpu_count())
     plan = make_plan(config.launch, config.parallel, config.train, machine)
     if plan.engine == "pipeline":
-        raise UserError("parallel.pp", "pipeline parallelism needs dplaunch's own loop", "use `dplaunch train` for pp > 1")
+        raise UserError(
+            "parallel.pp",
+            "pipeline parallelism needs dplaunch's own loop",
+            "use `dplaunch train` for pp > 1",
+        )
     if plan.target == "cpu" and plan.uses_deepspeed:
-        plan = replace(plan, notes=(*plan.notes, "DeepSpeed on CPU ranks: the script must build its Accelerator with "
-                                    "kwargs_handlers=[InitProcessGroupKwargs(backend='gloo')] (dplaunch train does this)"))
+        plan = replace(
+            plan,
+            notes=(
+                *plan.notes,
+                "DeepSpeed on CPU ranks: the script must build its Accelerator with "
+                "kwargs_handlers=[InitProcessGroupKwargs(backend='gloo')] (dplaunch train does this)",
+            ),
+        )
     plan = _settle_port(plan, explicit=config.launch.master_port is not None, render_only=False)
     run_dir = Path(config.output_dir or _default_run_dir(Path(script[0]).stem))
     config.output_dir = str(run_dir)
     return _render(config, plan, run_dir, script, max_grad_norm=config.train.max_grad_norm)
 
 
-def _render(config: Any, plan: Plan, run_dir: Path, target: list[str], *, max_grad_norm: float) -> PreparedRun:
+def _render(
+    config: Any, plan: Plan, run_dir: Path, target: list[str], *, max_grad_norm: float
+) -> PreparedRun:
     files: dict[str, str] = {}
     run_abs = run_dir.absolute()
     if plan.uses_deepspeed:
@@ -147,13 +174,17 @@ def rank_environment(plan: Plan) -> dict[str, str]:
     """Variables dplaunch sets for the ranks on top of the user's environment (never secrets)."""
     env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     if plan.target == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed would otherwise probe for CUDA and warn in every rank
+        env["DS_ACCELERATOR"] = (
+            "cpu"  # DeepSpeed would otherwise probe for CUDA and warn in every rank
+        )
         if not plan.uses_deepspeed or plan.engine == "pipeline":
             # an unmodified Accelerate script sees a real gloo world only with this (DESIGN.md); with
             # DeepSpeed it would make Accelerate drop the DeepSpeed plugin, so there gloo is asked for in code
             env["ACCELERATE_USE_CPU"] = "1"
         cores = os.cpu_count() or 1
-        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // plan.processes_per_node))
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(
+            max(1, cores // plan.processes_per_node)
+        )
     return env
 
 
@@ -171,7 +202,11 @@ def _settle_port(plan: Plan, *, explicit: bool, render_only: bool) -> Plan:
         )
     port = free_port()
     reason = "given" if explicit else "default"
-    return replace(plan, master_port=port, notes=(*plan.notes, f"port {plan.master_port} ({reason}) is busy: using free port {port}"))
+    return replace(
+        plan,
+        master_port=port,
+        notes=(*plan.notes, f"port {plan.master_port} ({reason}) is busy: using free port {port}"),
+    )
 
 
 def _default_run_dir(name: str) -> str:

@@ -17,7 +17,9 @@ def run_supervised(argv: Sequence[str], env: dict[str, str], cwd: str | None = N
     # SIGUSR1 asks the ranks to checkpoint and stop (SLURM's time-limit warning). The launcher
     # processes in between (accelerate, torchrun) would die of it, so they inherit it ignored;
     # the ranks install their own handler.
-    process = subprocess.Popen(list(argv), env=env, cwd=cwd, start_new_session=True, preexec_fn=_ignore_usr1)
+    process = subprocess.Popen(
+        list(argv), env=env, cwd=cwd, start_new_session=True, preexec_fn=_ignore_usr1
+    )
     group = process.pid
 
     def forward(signum: int, _frame: object) -> None:

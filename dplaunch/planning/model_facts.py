@@ -84,11 +84,15 @@ def load_config_json(name_or_path: str, field: str = "model.name_or_path") -> di
     if path.exists():
         config_file = path / "config.json" if path.is_dir() else path
         if not config_file.is_file():
-            raise UserError(field, f"{path} has no config.json", "point it at a Hugging Face model folder")
+            raise UserError(
+                field, f"{path} has no config.json", "point it at a Hugging Face model folder"
+            )
         try:
             return json.loads(config_file.read_text())
         except (OSError, ValueError) as exc:
-            raise UserError(field, f"cannot read {config_file}: {exc}", "fix or replace the file") from None
+            raise UserError(
+                field, f"cannot read {config_file}: {exc}", "fix or replace the file"
+            ) from None
     cached = _hub_cache_config(name_or_path)
     if cached is not None:
         return json.loads(cached.read_text())

@@ -24,7 +24,11 @@ def main(argv: list[str]) -> int:
         report = run_dir / ERRORS_DIR / f"rank-{rank}.txt"
         report.parent.mkdir(parents=True, exist_ok=True)
         report.write_text(traceback.format_exc())
-        print(f"[rank {rank}] {type(error).__name__}: {error} (traceback: {report})", file=sys.stderr, flush=True)
+        print(
+            f"[rank {rank}] {type(error).__name__}: {error} (traceback: {report})",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
 
 

@@ -30,7 +30,9 @@ def load_splits(data: DataConfig, seed: int) -> tuple[Any, Any | None]:
         if is_local(source):
             files = source if isinstance(source, list) else [source]
             files = [str(Path(item).expanduser()) for item in files]
-            return load_dataset(local_format(files, "data.dataset"), data_files=files, split="train")
+            return load_dataset(
+                local_format(files, "data.dataset"), data_files=files, split="train"
+            )
         return load_dataset(source, split=split)
 
     train = load(data.dataset, data.split)
@@ -52,8 +54,13 @@ def tokenize(dataset: Any, tokenizer: Any, data: DataConfig, task: str) -> Any:
 
         def encode(batch: dict[str, list]) -> dict[str, list]:
             pair = batch[data.text_pair_column] if data.text_pair_column else None
-            out = tokenizer(batch[data.text_column], pair, truncation=True, max_length=data.max_length)
-            return {"input_ids": out["input_ids"], "labels": [int(x) for x in batch[data.label_column]]}
+            out = tokenizer(
+                batch[data.text_column], pair, truncation=True, max_length=data.max_length
+            )
+            return {
+                "input_ids": out["input_ids"],
+                "labels": [int(x) for x in batch[data.label_column]],
+            }
 
         return dataset.map(encode, batched=True, remove_columns=columns, keep_in_memory=True)
 
@@ -67,10 +74,14 @@ def tokenize(dataset: Any, tokenizer: Any, data: DataConfig, task: str) -> Any:
             return {"input_ids": [row[: data.max_length] for row in ids]}
         flat = list(chain.from_iterable(ids))
         usable = (len(flat) // data.max_length) * data.max_length
-        return {"input_ids": [flat[i : i + data.max_length] for i in range(0, usable, data.max_length)]}
+        return {
+            "input_ids": [flat[i : i + data.max_length] for i in range(0, usable, data.max_length)]
+        }
 
     # packing concatenates across rows, so use large map batches to lose little at block edges
-    return dataset.map(encode_lm, batched=True, batch_size=10_000, remove_columns=columns, keep_in_memory=True)
+    return dataset.map(
+        encode_lm, batched=True, batch_size=10_000, remove_columns=columns, keep_in_memory=True
+    )
 
 
 @dataclass(frozen=True)
@@ -103,14 +114,20 @@ class Batcher:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(len(self.dataset), generator=generator).tolist()
 
-    def step_micro_batches(self, order: list[int], step_in_epoch: int) -> list[dict[str, torch.Tensor]]:
+    def step_micro_batches(
+        self, order: list[int], step_in_epoch: int
+    ) -> list[dict[str, torch.Tensor]]:
         """This rank's micro-batches for one optimizer step."""
         shard = self.sharding
         start = step_in_epoch * shard.global_batch_size
         per_rank = shard.micro_batch_size * shard.gradient_accumulation_steps
-        mine = order[start + shard.data_parallel_rank * per_rank : start + (shard.data_parallel_rank + 1) * per_rank]
+        mine = order[
+            start + shard.data_parallel_rank * per_rank : start
+            + (shard.data_parallel_rank + 1) * per_rank
+        ]
         return [
-            self.collate(mine[i : i + shard.micro_batch_size]) for i in range(0, per_rank, shard.micro_batch_size)
+            self.collate(mine[i : i + shard.micro_batch_size])
+            for i in range(0, per_rank, shard.micro_batch_size)
         ]
 
     def collate(self, indices: list[int]) -> dict[str, torch.Tensor]:

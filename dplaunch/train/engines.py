@@ -20,7 +20,9 @@ class StepEngine(Protocol):
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; returns their mean loss (no host sync)."""
 
-    def eval_batch(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def eval_batch(
+        self, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(summed loss, counted items, correct predictions) of one evaluation batch."""
 
     def current_lr(self) -> float:
@@ -58,7 +60,15 @@ def build_optimizer(model: Any, train: Any, plan: Plan) -> torch.optim.Optimizer
 class AccelerateEngine:
     """DDP, ZeRO-1/2/3 and AutoTP: the Accelerate idiom, with gradient accumulation and clipping."""
 
-    def __init__(self, accelerator: Any, model: Any, optimizer: Any, scheduler: Any, max_grad_norm: float, task: str):
+    def __init__(
+        self,
+        accelerator: Any,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any,
+        max_grad_norm: float,
+        task: str,
+    ):
         self.accelerator = accelerator
         self.model = model
         self.optimizer = optimizer
@@ -77,7 +87,11 @@ class AccelerateEngine:
                 loss = model(**batch).loss
                 accelerator.backward(loss)
                 # DeepSpeed clips inside its step (gradient_clipping in the JSON)
-                if accelerator.sync_gradients and self.max_grad_norm > 0 and not self.uses_deepspeed:
+                if (
+                    accelerator.sync_gradients
+                    and self.max_grad_norm > 0
+                    and not self.uses_deepspeed
+                ):
                     accelerator.clip_grad_norm_(model.parameters(), self.max_grad_norm)
                 self.optimizer.step()
                 if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
@@ -87,7 +101,9 @@ class AccelerateEngine:
         return total / len(micro_batches)
 
     @torch.no_grad()
-    def eval_batch(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def eval_batch(
+        self, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         self.model.eval()
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
         output = self.model(**batch)
@@ -118,7 +134,9 @@ class AccelerateEngine:
         accelerator.wait_for_everyone()
 
 
-def loss_sums(logits: torch.Tensor, labels: torch.Tensor, task: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def loss_sums(
+    logits: torch.Tensor, labels: torch.Tensor, task: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Summed cross-entropy, number of predictions and number correct (per row weight applied by caller)."""
     if task == "sequence-classification":
         losses = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
@@ -127,7 +145,10 @@ def loss_sums(logits: torch.Tensor, labels: torch.Tensor, task: str) -> tuple[to
     shifted_logits = logits[:, :-1].float()
     shifted_labels = labels[:, 1:]
     losses = torch.nn.functional.cross_entropy(
-        shifted_logits.reshape(-1, shifted_logits.size(-1)), shifted_labels.reshape(-1), reduction="none", ignore_index=-100
+        shifted_logits.reshape(-1, shifted_logits.size(-1)),
+        shifted_labels.reshape(-1),
+        reduction="none",
+        ignore_index=-100,
     ).view(shifted_labels.shape)
     mask = (shifted_labels != -100).float()
     correct = ((shifted_logits.argmax(-1) == shifted_labels).float() * mask).sum(-1)

@@ -55,12 +55,20 @@ def read_run(run_dir: Path) -> tuple[RunConfig, Plan]:
 def make_accelerator(plan: Plan, config: RunConfig, run_dir: Path) -> Any:
     """An Accelerator that matches the plan: gloo on CPU, DeepSpeed from the rendered JSON."""
     from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, DistributedDataParallelKwargs, InitProcessGroupKwargs
+    from accelerate.utils import (
+        DeepSpeedPlugin,
+        DistributedDataParallelKwargs,
+        InitProcessGroupKwargs,
+    )
 
     handlers: list[Any] = []
     if plan.world_size > 1 or plan.uses_deepspeed:
         # a single non-DeepSpeed process has no process group: naming a backend would make Accelerate expect one
-        handlers.append(InitProcessGroupKwargs(backend=plan.backend, timeout=timedelta(minutes=plan.timeout_minutes)))
+        handlers.append(
+            InitProcessGroupKwargs(
+                backend=plan.backend, timeout=timedelta(minutes=plan.timeout_minutes)
+            )
+        )
     kwargs: dict[str, Any] = {"step_scheduler_with_optimizer": False}
     if plan.engine == "deepspeed":
         # not cpu=True: that makes Accelerate drop the DeepSpeed plugin; gloo comes from the handler
@@ -78,30 +86,61 @@ def train(run_dir: Path) -> int:
     config, plan = read_run(run_dir)
     accelerator = make_accelerator(plan, config, run_dir)
     stage, dp_rank, tp_rank = plan.mesh.coordinates(accelerator.process_index)
-    place = RankPlace(accelerator.process_index, accelerator.num_processes, stage, dp_rank, tp_rank, accelerator.is_main_process)
+    place = RankPlace(
+        accelerator.process_index,
+        accelerator.num_processes,
+        stage,
+        dp_rank,
+        tp_rank,
+        accelerator.is_main_process,
+    )
     if place.world_size != plan.world_size:
         raise RuntimeError(f"launched {place.world_size} ranks but the plan has {plan.world_size}")
     expected_type = "DEEPSPEED" if plan.engine == "deepspeed" else None
     if expected_type and accelerator.distributed_type.value != expected_type:
-        raise RuntimeError(f"planned {expected_type} but Accelerate set up {accelerator.distributed_type.value}")
+        raise RuntimeError(
+            f"planned {expected_type} but Accelerate set up {accelerator.distributed_type.value}"
+        )
     say = _printer(place.is_main)
     _quiet_libraries(place.is_main)
-    say(f"[dplaunch] {plan.world_size} rank(s), {accelerator.distributed_type.value}, device {accelerator.device}")
+    say(
+        f"[dplaunch] {plan.world_size} rank(s), {accelerator.distributed_type.value}, device {accelerator.device}"
+    )
 
     tokenizer = load_tokenizer(config.model)
     with accelerator.main_process_first():
         train_raw, eval_raw = load_splits(config.data, config.train.seed)
         train_set = tokenize(train_raw, tokenizer, config.data, config.model.task)
-        eval_set = tokenize(eval_raw, tokenizer, config.data, config.model.task) if eval_raw is not None else None
-    sharding = Sharding(dp_rank, plan.data_parallel_size, plan.micro_batch_size, plan.gradient_accumulation_steps)
-    batcher = Batcher(train_set, sharding, pad_id=tokenizer.pad_token_id, task=config.model.task, seed=config.train.seed)
+        eval_set = (
+            tokenize(eval_raw, tokenizer, config.data, config.model.task)
+            if eval_raw is not None
+            else None
+        )
+    sharding = Sharding(
+        dp_rank, plan.data_parallel_size, plan.micro_batch_size, plan.gradient_accumulation_steps
+    )
+    batcher = Batcher(
+        train_set,
+        sharding,
+        pad_id=tokenizer.pad_token_id,
+        task=config.model.task,
+        seed=config.train.seed,
+    )
     if batcher.steps_per_epoch == 0:
         raise ValueError(
             f"the training set has {len(train_set)} samples, fewer than one global batch of {plan.global_batch_size}"
         )
-    total_steps = config.train.max_steps or math.ceil((config.train.epochs or 1) * batcher.steps_per_epoch)
+    total_steps = config.train.max_steps or math.ceil(
+        (config.train.epochs or 1) * batcher.steps_per_epoch
+    )
     eval_batcher = (
-        Batcher(eval_set, sharding, pad_id=tokenizer.pad_token_id, task=config.model.task, seed=config.train.seed)
+        Batcher(
+            eval_set,
+            sharding,
+            pad_id=tokenizer.pad_token_id,
+            task=config.model.task,
+            seed=config.train.seed,
+        )
         if eval_set is not None and len(eval_set) > 0
         else None
     )
@@ -131,7 +170,19 @@ def train(run_dir: Path) -> int:
     start_step = 0
     if config.train.eval_every and eval_batcher is not None:
         _evaluate(engine, eval_batcher, accelerator, place, metrics, 0, plan, say)
-    code = _run_steps(engine, batcher, eval_batcher, accelerator, place, metrics, config, plan, start_step, total_steps, say)
+    code = _run_steps(
+        engine,
+        batcher,
+        eval_batcher,
+        accelerator,
+        place,
+        metrics,
+        config,
+        plan,
+        start_step,
+        total_steps,
+        say,
+    )
 
     export_dir = run_dir / EXPORT_DIR
     engine.export(str(export_dir), tokenizer)
@@ -156,12 +207,19 @@ def _build_model(config: RunConfig, tokenizer: Any, accelerator: Any) -> Any:
         plugin.set_deepspeed_weakref()
 
 
-def build_engine(plan: Plan, config: RunConfig, accelerator: Any, model: Any, total_steps: int, run_dir: Path) -> StepEngine:
+def build_engine(
+    plan: Plan, config: RunConfig, accelerator: Any, model: Any, total_steps: int, run_dir: Path
+) -> StepEngine:
     """The step engine for the planned layout."""
     from transformers import get_scheduler
 
     def scheduler_for(optimizer: Any) -> Any:
-        return get_scheduler(config.train.scheduler, optimizer, num_warmup_steps=config.train.warmup_steps, num_training_steps=total_steps)
+        return get_scheduler(
+            config.train.scheduler,
+            optimizer,
+            num_warmup_steps=config.train.warmup_steps,
+            num_training_steps=total_steps,
+        )
 
     if plan.engine == "pipeline":
         from dplaunch.train.pipeline import create_pipeline_engine
@@ -182,7 +240,9 @@ def build_engine(plan: Plan, config: RunConfig, accelerator: Any, model: Any, to
     # stepped by the engine once per optimizer step: Accelerate's wrapper would step it once per rank
     scheduler = scheduler_for(_innermost_optimizer(optimizer))
     accelerator.register_for_checkpointing(scheduler)
-    return AccelerateEngine(accelerator, model, optimizer, scheduler, config.train.max_grad_norm, config.model.task)
+    return AccelerateEngine(
+        accelerator, model, optimizer, scheduler, config.train.max_grad_norm, config.model.task
+    )
 
 
 def _innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -271,7 +331,9 @@ def _evaluate(
         # padded rows (weight 0) keep every rank's forward count equal without counting twice
         weight = torch.zeros_like(losses)
         weight[:real] = 1.0
-        sums += torch.stack([(losses * weight).sum(), (counts * weight).sum(), (correct * weight).sum()])
+        sums += torch.stack(
+            [(losses * weight).sum(), (counts * weight).sum(), (correct * weight).sum()]
+        )
     if not place.counts_tokens:
         sums.zero_()  # TP/PP copies of a shard: counted once
     totals = accelerator.reduce(sums, reduction="sum")
@@ -283,7 +345,12 @@ def _evaluate(
         record["eval_perplexity"] = math.exp(min(eval_loss, 50.0))
         record["eval_token_accuracy"] = float(totals[2] / totals[1])
     metrics.write("eval", **record)
-    say("eval  " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()))
+    say(
+        "eval  "
+        + "  ".join(
+            f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()
+        )
+    )
 
 
 def _peak_memory_gb(device: torch.device) -> float:

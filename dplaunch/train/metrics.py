@@ -34,7 +34,11 @@ class MetricsWriter:
         self._file.write(json.dumps(record) + "\n")
         if self._board is not None and "step" in fields:
             for name, value in fields.items():
-                if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                if (
+                    name != "step"
+                    and isinstance(value, (int, float))
+                    and not isinstance(value, bool)
+                ):
                     self._board.add_scalar(f"{record_type}/{name}", value, fields["step"])
 
     def close(self) -> None:

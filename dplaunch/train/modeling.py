@@ -32,7 +32,9 @@ def load_model(model: ModelConfig, tokenizer: Any, seed: int) -> Any:
     )
 
     auto = AutoModelForCausalLM if model.task == "causal-lm" else AutoModelForSequenceClassification
-    extra: dict[str, Any] = {"num_labels": model.num_labels} if model.task == "sequence-classification" else {}
+    extra: dict[str, Any] = (
+        {"num_labels": model.num_labels} if model.task == "sequence-classification" else {}
+    )
     set_seed(seed)
     if model.config is not None:
         fields = dict(model.config)
@@ -40,7 +42,9 @@ def load_model(model: ModelConfig, tokenizer: Any, seed: int) -> Any:
         config.pad_token_id = tokenizer.pad_token_id
         built = auto.from_config(config, trust_remote_code=model.trust_remote_code)
     else:
-        built = auto.from_pretrained(model.name_or_path, trust_remote_code=model.trust_remote_code, **extra)
+        built = auto.from_pretrained(
+            model.name_or_path, trust_remote_code=model.trust_remote_code, **extra
+        )
         if built.config.pad_token_id is None:
             built.config.pad_token_id = tokenizer.pad_token_id
     if model.gradient_checkpointing:

@@ -18,7 +18,13 @@ def byte_level_tokenizer():
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
-    core.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 2)])
+    core.post_processor = processors.TemplateProcessing(
+        single="$A </s>", special_tokens=[("</s>", 2)]
+    )
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", model_max_length=1 << 20
+        tokenizer_object=core,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        model_max_length=1 << 20,
     )
