@@ -149,3 +149,19 @@ def test_the_embedded_default_fine_tunes_the_pretrained_model_on_two_ranks(tmp_p
     model = AutoModelForSequenceClassification.from_pretrained(run / "model")
     assert model.config.num_labels == 2
     assert DEFAULT_CONFIG.resolve().name == "default.yaml"
+
+
+@pytest.mark.parametrize("name", ["default", "ddp", "zero2", "zero3-offload", "tp", "pp"])
+def test_every_shipped_run_file_plans_cleanly(tmp_path, name):
+    result = run_dplaunch(
+        "train",
+        REPO / "configs" / f"{name}.yaml",
+        "--cpu",
+        "--gpus",
+        "2",
+        "--dry-run",
+        "-o",
+        tmp_path / "r",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "world size 2" in result.stdout

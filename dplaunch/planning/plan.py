@@ -176,6 +176,10 @@ def make_plan(
             f"{per_node} GPUs per node planned but this node shows {machine.visible_gpus}",
             "lower --gpus or raise --nodes",
         )
+    if nodes > 1 and launch.master_addr in ("127.0.0.1", "localhost"):
+        notes.append(
+            "several nodes rendezvous at 127.0.0.1: pass --master-addr <head node> unless all run here"
+        )
     mesh = Mesh.for_world(total, parallel.tp, parallel.pp)
     _check_parallel(parallel, mesh, per_node, model)
     mixed_precision = _mixed_precision(train.mixed_precision, target)
