@@ -7,6 +7,7 @@ reference, on real CPU ranks; per-step losses must stay within 1e-3 (relative) o
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -58,6 +59,21 @@ def exported_eval_loss(run_dir) -> float:
     return total / count
 
 
+def planned_stage_blocks(stdout: str) -> list[list[int]]:
+    """Blocks per stage as the plan printed them ('  stage 0: embeddings, blocks 0-1 (…)')."""
+    stages = []
+    for found in re.findall(r"^  stage \d+: (.*)$", stdout, flags=re.M):
+        span = re.search(r"blocks? (\d+)(?:-(\d+))?", found)
+        stages.append(list(range(int(span[1]), int(span[2] or span[1]) + 1)) if span else [])
+    return stages
+
+
+def engine_stage_blocks(stdout: str) -> list[list[int]]:
+    """Blocks per stage as the pipeline engine reported them after partitioning."""
+    lines = re.findall(r"pipeline stage \d+: [^(]*\((.*)\)", stdout)
+    return [[int(b) for b in re.findall(r"block (\d+)", line)] for line in lines]
+
+
 def final_eval_loss(run_dir) -> float:
     return [r for r in read_metrics(run_dir) if r["type"] == "eval"][-1]["eval_loss"]
 
@@ -84,6 +100,8 @@ def test_layout_matches_data_parallel_at_every_step(tmp_path, dp_reference, layo
     gap = max_relative_gap(train_losses(run), train_losses(dp_reference))
     print(f"{layout}: largest relative loss gap vs DP {gap:.2e}")
     assert gap < TOLERANCE, gap
+    if pp > 1:
+        assert planned_stage_blocks(result.stdout) == engine_stage_blocks(result.stdout)
     if layout in ("tp2", "pp2"):
         # one consolidated HF model that reproduces the sharded model's numbers on one process
         assert math.isclose(exported_eval_loss(run), final_eval_loss(run), rel_tol=1e-4)

@@ -1,6 +1,6 @@
 """Pipeline stage partition, balanced by parameters, computed without building the model.
 
-The pipeline engine cuts a causal LM into layers [embeddings, block 0 … block N-1, final norm + head]
+The pipeline engine cuts a causal LM into layers [embeddings, block 0 … block N-1, final norm, head]
 and partitions them with DeepSpeed's "parameters" method: contiguous stages whose parameter sums
 differ as little as possible (smallest max − min). This module applies the same rule to counts
 derived from config.json, so `--dry-run` can show the split before launch; the run's first log
@@ -9,27 +9,23 @@ line shows the split the engine really made.
 
 from __future__ import annotations
 
+from dplaunch.planning.estimate import count_parameters
 from dplaunch.planning.model_facts import ModelFacts
 
 
-def layer_parameter_counts(model: ModelFacts) -> list[int]:
-    """Parameters of each pipeline layer: embeddings, each block, then final norm + head."""
-    h, vocab = model.hidden_size, model.vocab_size
-    if model.model_type == "gpt2":
-        inner = model.intermediate_size or 4 * h
-        positions = model.max_positions or 1024
-        block = (
-            2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * inner + inner) + (inner * h + h)
-        )
-        return [vocab * h + positions * h, *([block] * model.num_layers), 2 * h + vocab * h]
-    head_dim = int(model.raw.get("head_dim") or h // model.num_heads)
-    q = model.num_heads * head_dim
-    kv = model.num_kv_heads * head_dim
-    bias = bool(model.raw.get("attention_bias")) or model.model_type == "qwen2"
-    attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if bias else 0)
-    inner = model.intermediate_size or 4 * h
-    block = attention + 3 * h * inner + 2 * h
-    return [vocab * h, *([block] * model.num_layers), h + vocab * h]
+def pipeline_layers(model: ModelFacts) -> list[tuple[str, int]]:
+    """(name, parameters) of each pipeline layer, in the order dplaunch/train/pipeline.py builds them:
+    token embedding, [GPT-2 position embedding], blocks, final norm, lm_head."""
+    count = count_parameters(model)
+    token = count.vocab_size * count.hidden_size
+    norm = (2 if model.model_type == "gpt2" else 1) * count.hidden_size
+    # a tied head is a TiedLayerSpec on the last stage: DeepSpeed counts the shared matrix there too
+    head = count.tied_params if count.tied_head else count.head - norm
+    layers = [("embeddings", token)]
+    if count.embedding > token:
+        layers.append(("embeddings", count.embedding - token))
+    layers += [(f"block {i}", count.per_layer) for i in range(count.num_layers)]
+    return [*layers, ("norm", norm), ("lm_head", head)]
 
 
 def balanced_boundaries(weights: list[int], parts: int) -> list[int]:
@@ -64,19 +60,24 @@ def balanced_boundaries(weights: list[int], parts: int) -> list[int]:
 
 
 def partition_layers(model: ModelFacts, stages: int) -> list[str]:
-    """One description per stage, e.g. 'embeddings, blocks 0-1' — what each stage holds."""
-    counts = layer_parameter_counts(model)
-    cuts = balanced_boundaries(counts, stages)
-    names = ["embeddings", *[f"block {i}" for i in range(model.num_layers)], "norm + lm_head"]
+    """One description per stage, e.g. 'embeddings, blocks 0-1 (0.09M params)' — what each stage holds."""
+    layers = pipeline_layers(model)
+    cuts = balanced_boundaries([params for _, params in layers], stages)
     described = []
     for start, end in zip(cuts[:-1], cuts[1:], strict=True):
-        held = names[start:end]
-        blocks = [n for n in held if n.startswith("block")]
-        parts = [n for n in held if not n.startswith("block")]
-        if blocks:
-            first, last = blocks[0].split()[1], blocks[-1].split()[1]
-            span = f"block {first}" if first == last else f"blocks {first}-{last}"
-            parts.insert(1 if held[0] == "embeddings" else 0, span)
-        params = sum(counts[start:end])
-        described.append(f"{', '.join(parts) or '(empty)'} ({params / 1e6:.2f}M params)")
+        held = layers[start:end]
+        names: list[str] = []
+        blocks = [name.split()[1] for name, _ in held if name.startswith("block ")]
+        for name, _ in held:
+            if name.startswith("block "):
+                if name.split()[1] == blocks[0]:
+                    names.append(
+                        f"block {blocks[0]}"
+                        if len(blocks) == 1
+                        else f"blocks {blocks[0]}-{blocks[-1]}"
+                    )
+            elif name not in names:
+                names.append(name)
+        params = sum(p for _, p in held)
+        described.append(f"{', '.join(names) or '(empty)'} ({params / 1e6:.2f}M params)")
     return described
