@@ -329,6 +329,197 @@ def launch(
     raise typer.Exit(run_launch(flags, [str(script), *(script_args or [])], dry_run=dry_run))
 
 
+class Task(str, Enum):
+    causal_lm = "causal-lm"
+    sequence_classification = "sequence-classification"
+
+
+_WORKLOAD = "Workload"
+
+
+@app.command()
+def plan(
+    config: Annotated[
+        Path | None,
+        typer.Argument(
+            help="Run file (YAML): its model, train, data.max_length and launch sections. "
+            "Default: the embedded default run file.",
+            show_default=False,
+        ),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model", help="Instead of a run file: hub id, model folder or config.json path."
+        ),
+    ] = None,
+    gpus: Annotated[
+        int | None, typer.Option("--gpus", help="Total GPUs to plan for.", rich_help_panel=_PLAN)
+    ] = None,
+    nodes: Annotated[
+        int | None, typer.Option("--nodes", help="Number of nodes.", rich_help_panel=_PLAN)
+    ] = None,
+    gpus_per_node: Annotated[
+        int | None,
+        typer.Option(
+            "--gpus-per-node", help="GPUs per node (default gpus/nodes).", rich_help_panel=_PLAN
+        ),
+    ] = None,
+    gpu_memory: Annotated[
+        float | None,
+        typer.Option(
+            "--gpu-memory",
+            help="GiB of one GPU (default: launch.gpu_memory_gb, else nvidia-smi).",
+            rich_help_panel=_PLAN,
+        ),
+    ] = None,
+    micro_batch: Annotated[
+        int | None,
+        typer.Option(
+            "--micro-batch", help="Samples per forward pass per GPU.", rich_help_panel=_WORKLOAD
+        ),
+    ] = None,
+    global_batch: Annotated[
+        int | None,
+        typer.Option(
+            "--global-batch", help="Samples per optimizer step.", rich_help_panel=_WORKLOAD
+        ),
+    ] = None,
+    seq_len: Annotated[
+        int | None,
+        typer.Option(
+            "--seq-len",
+            help="Tokens per sample (default data.max_length, or 2048).",
+            rich_help_panel=_WORKLOAD,
+        ),
+    ] = None,
+    mixed_precision: Annotated[
+        Precision | None,
+        typer.Option(
+            "--mixed-precision",
+            help="no, fp16 or bf16 (--model default: bf16).",
+            rich_help_panel=_WORKLOAD,
+        ),
+    ] = None,
+    activation_checkpointing: Annotated[
+        bool,
+        typer.Option(
+            "--activation-checkpointing",
+            help="Plan with activation checkpointing.",
+            rich_help_panel=_WORKLOAD,
+        ),
+    ] = False,
+    task: Annotated[
+        Task | None, typer.Option("--task", help="The model's head.", rich_help_panel=_WORKLOAD)
+    ] = None,
+    safety_margin: Annotated[
+        float, typer.Option("--safety-margin", help="Fraction of GPU memory kept free.")
+    ] = 0.1,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the rows as a JSON list instead of a table.")
+    ] = False,
+    assignments: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a run-file key: --set data.max_length=4096."),
+    ] = None,
+) -> None:
+    """Memory per GPU and traffic of every DDP / ZeRO / offload / tp / pp plan; marks the one to use."""
+    from dplaunch.commands.plan import PlanOptions, run_plan
+
+    options = PlanOptions(
+        config=config,
+        model=model,
+        gpus=gpus,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        gpu_memory=gpu_memory,
+        micro_batch=micro_batch,
+        global_batch=global_batch,
+        seq_len=seq_len,
+        mixed_precision=mixed_precision.value if mixed_precision else None,
+        activation_checkpointing=activation_checkpointing,
+        task=task.value if task else None,
+        safety_margin=safety_margin,
+        as_json=as_json,
+        assignments=assignments or [],
+    )
+    raise typer.Exit(run_plan(options))
+
+
+@app.command()
+@with_run_flags
+def verify(
+    flags: Any,
+    steps: Annotated[int, typer.Option("--steps", help="Optimizer steps of each run.")] = 4,
+    tolerance: Annotated[
+        float | None,
+        typer.Option(
+            "--tolerance",
+            help="Largest relative loss gap (default 1e-3 fp32, 2e-2 bf16, 1e-2 fp16).",
+        ),
+    ] = None,
+    shrink: Annotated[
+        bool,
+        typer.Option(
+            "--shrink",
+            help="Same architecture and mesh with a few narrow layers (rehearse a GPU plan on CPU).",
+        ),
+    ] = False,
+    reference: Annotated[
+        Path | None,
+        typer.Option(
+            "--reference",
+            help="An existing pure-DDP run (same model, data and train keys) to compare with.",
+        ),
+    ] = None,
+    inject_fault: Annotated[str | None, typer.Option("--inject-fault", hidden=True)] = None,
+) -> None:
+    """Run K steps of the plan and K steps of pure DDP (same batch, seed, data); PASS or FAIL on the losses."""
+    from dplaunch.commands.verify import VerifyOptions, run_verify
+
+    options = VerifyOptions(
+        steps=steps,
+        tolerance=tolerance,
+        shrink=shrink,
+        inject_fault=inject_fault,
+        reference=reference,
+    )
+    raise typer.Exit(run_verify(flags, options))
+
+
+@app.command()
+def env(
+    all_ops: Annotated[
+        bool, typer.Option("--all-ops", help="Every DeepSpeed op, not only those plans use.")
+    ] = False,
+    no_ops: Annotated[
+        bool, typer.Option("--no-ops", help="Skip the DeepSpeed op probe (no torch import).")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Versions, GPUs, SLURM allocation, rendezvous port and DeepSpeed ops: paste it into a bug report."""
+    from dplaunch.commands.env import run_env
+
+    raise typer.Exit(run_env(probe_ops=not no_ops, all_ops=all_ops, as_json=as_json))
+
+
+@app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (with metrics.jsonl).")],
+    compare: Annotated[
+        list[Path] | None,
+        typer.Option("--compare", help="Another run to overlay (repeatable)."),
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Output folder (default RUN_DIR/report).")
+    ] = None,
+) -> None:
+    """PNG plots (loss, eval, lr, tokens/s, memory) and summary.txt from runs' metrics.jsonl."""
+    from dplaunch.commands.report import run_report
+
+    raise typer.Exit(run_report(run_dir, compare or [], out))
+
+
 def main() -> None:
     """Console entry point: user errors become one line and exit code 2."""
     try:

@@ -122,6 +122,23 @@ def _gpus() -> tuple[list[dict[str, Any]], str]:
     return gpus, "ok"
 
 
+def smallest_gpu_memory_gb(env: Mapping[str, str] = os.environ) -> float | None:
+    """GiB of the smallest GPU this process may use (nvidia-smi memory.total); None when unknown.
+
+    ``CUDA_VISIBLE_DEVICES`` given as indices narrows the list; as UUIDs it is ignored (all GPUs).
+    """
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1", "none", "NoDevFiles"):
+        return None
+    gpus, _ = _gpus()
+    if visible is not None:
+        wanted = [item.strip() for item in visible.split(",") if item.strip()]
+        if all(item.isdigit() for item in wanted):
+            gpus = [gpu for gpu in gpus if str(gpu["index"]) in wanted]
+    sizes = [gpu["memory_mib"] for gpu in gpus if gpu["memory_mib"]]
+    return min(sizes) / 1024 if sizes else None
+
+
 def _slurm(env: Mapping[str, str]) -> dict[str, str | None] | None:
     """The allocation as SLURM's environment describes it; None outside a job."""
     if not env.get("SLURM_JOB_ID"):

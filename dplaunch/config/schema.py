@@ -147,6 +147,8 @@ class LaunchConfig(Section):
     timeout_minutes: float = Field(30, gt=0)
     # DeepSpeed hostfile ("host slots=G" lines) for multi-node launch over pdsh/ssh
     hostfile: str | None = None
+    # GiB per GPU that `parallel: auto` plans for; unset = what nvidia-smi reports
+    gpu_memory_gb: float | None = Field(None, gt=0)
 
     @field_validator("gpus")
     @classmethod

@@ -106,12 +106,17 @@ def prepare_training_run(
     )
     facts = model_facts(config.model)
     check_data(config.data, config.model.task)
-    if config.parallel.auto:
-        raise UserError(
-            "parallel", "auto is chosen by `dplaunch plan`", "run `dplaunch plan` and copy its pick"
-        )
     machine = Machine(visible_gpus=visible_gpu_count(), render_only=render_only)
+    auto = None
+    if config.parallel.auto:
+        from dplaunch.environment_report import smallest_gpu_memory_gb
+        from dplaunch.planning.auto import resolve_auto_parallel
+
+        auto = resolve_auto_parallel(config, facts, machine, smallest_gpu_memory_gb)
+        config.parallel = auto.parallel
     plan = make_plan(config.launch, config.parallel, config.train, machine, facts)
+    if auto is not None:
+        plan = replace(plan, notes=(*plan.notes, auto.note))
     plan = _settle_port(
         plan, explicit=config.launch.master_port is not None, render_only=render_only
     )

@@ -16,6 +16,7 @@ How one plan is recommended (among those that fit; ``_rank`` is the code):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from dplaunch.errors import UserError
@@ -114,7 +115,8 @@ def _layouts(facts: ModelFacts, count, gpus: int, gpus_per_node: int, task: str)
     ]
     for tp in tps:
         for pp in pps:
-            if gpus % (tp * pp) == 0:
+            # DeepSpeed's AutoTP does not compose with its pipeline engine (plan.py refuses it)
+            if gpus % (tp * pp) == 0 and (tp == 1 or pp == 1):
                 yield tp, pp
 
 
@@ -148,13 +150,16 @@ def candidate_plans(
     task: str = "causal-lm",
     num_labels: int | None = None,
     global_batch_size: int | None = None,
+    feasible: Callable[[Candidate], bool] | None = None,
 ) -> list[Candidate]:
     """Every layout for ``gpus`` GPUs with its memory per GPU and traffic per step; one recommended.
 
     ``gpu_memory_gb`` is GiB per GPU; a plan fits when total ≤ gpu_memory_gb × (1 − safety_margin).
     ``global_batch_size`` (optional) sets the micro-batches per step, which scale TP/PP traffic
     and cap the pipeline's in-flight micro-batches; unset = one micro-batch per step for traffic,
-    pp in flight for memory.
+    pp in flight for memory. ``feasible`` (optional) rules plans out of the recommendation that
+    fit but cannot run as configured (e.g. a global batch that dp does not divide); they stay
+    in the table.
     """
     if gpus < 1:
         raise UserError("launch.gpus", f"{gpus} GPUs", "plan for at least 1 GPU")
@@ -212,7 +217,7 @@ def candidate_plans(
                 fits=memory.total_gb <= usable,
             )
             candidates.append(candidate)
-    _recommend(candidates)
+    _recommend(candidates, feasible)
     return candidates
 
 
@@ -235,8 +240,18 @@ def _rank(candidate: Candidate) -> tuple:
     )
 
 
-def _recommend(candidates: list[Candidate]) -> None:
-    fitting = [c for c in candidates if c.fits]
+def _recommend(
+    candidates: list[Candidate], feasible: Callable[[Candidate], bool] | None = None
+) -> None:
+    fitting = [c for c in candidates if c.fits and (feasible is None or feasible(c))]
+    ruled_out = [c for c in candidates if c.fits and c not in fitting]
+    if not fitting and ruled_out:
+        best = min(ruled_out, key=_rank)
+        best.why = (
+            f"the plans that fit cannot run as configured; the best of them ({best.layout}, "
+            f"dp {best.dp}) was ruled out"
+        )
+        return
     if not fitting:
         smallest = min(candidates, key=lambda c: (c.total_gb, _rank(c)))
         smallest.why = (
@@ -313,12 +328,15 @@ def format_table(candidates: list[Candidate]) -> str:
         f"{'cpu':>8}{'comm/step':>11}{'fits':>6}"
     )
     lines = [header, "  " + "-" * (len(header) - 2)]
+    # small models: enough decimals that their numbers are not all 0.0
+    largest = max((c.total_gb for c in candidates), default=0.0)
+    d = 1 if largest >= 10 else 2 if largest >= 1 else 3
     for c in candidates:
         mark = "*" if c.recommended else " "
         lines.append(
-            f"{mark} {c.name:<26}{c.tp:>3}{c.pp:>4}{c.dp:>5}{c.model_states_gb:>9.1f}"
-            f"{c.activations_gb:>8.1f}{c.total_gb:>8.1f}{c.cpu_gb:>8.1f}{c.comm_gb_per_step:>11.1f}"
-            f"{'yes' if c.fits else 'no':>6}"
+            f"{mark} {c.name:<26}{c.tp:>3}{c.pp:>4}{c.dp:>5}{c.model_states_gb:>9.{d}f}"
+            f"{c.activations_gb:>8.{d}f}{c.total_gb:>8.{d}f}{c.cpu_gb:>8.{d}f}"
+            f"{c.comm_gb_per_step:>11.{d}f}{'yes' if c.fits else 'no':>6}"
         )
     if candidates:
         lines.append(

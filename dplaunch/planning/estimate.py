@@ -378,17 +378,21 @@ class MemoryEstimate:
     exact_parameters: bool
 
 
-def _bytes_per_param(mixed_precision: str) -> tuple[int, int, int]:
+def _bytes_per_param(mixed_precision: str, zero_stage: int = 0) -> tuple[int, int, int]:
     """(weights, gradients, optimizer) bytes per parameter for Adam (ZeRO paper, §3.1).
 
     Mixed precision: 16-bit weights (2) + 16-bit gradients (2) + fp32 master weights, momentum and
     variance (K = 12). fp32: 4 + 4 + momentum and variance (K = 8). (Plain DDP through Accelerate
     keeps fp32 weights and gradients under autocast: 4 + 4 + 8, the same 16 bytes in total.)
+
+    One measured exception to the paper's fp32 figure: DeepSpeed's ZeRO-1/2/3 optimizers keep an
+    fp32 master copy of their partition even when the model itself is fp32, so fp32 under ZeRO
+    is 4 + 4 + 12 (tests/memory_probe.py: per-rank storage on 2 CPU ranks, ZeRO 0-3).
     """
     if mixed_precision in ("bf16", "fp16"):
         return 2, 2, 12
     if mixed_precision == "no":
-        return 4, 4, 8
+        return 4, 4, 12 if zero_stage >= 1 else 8
     raise UserError(
         "train.mixed_precision", f"unknown value {mixed_precision!r}", "use no, bf16 or fp16"
     )
@@ -399,7 +403,8 @@ def model_state_bytes(
 ) -> tuple[float, float, float, float]:
     """(weights, gradients, optimizer, cpu) bytes on one GPU for Ψ = ``params`` and Nd = ``dp``.
 
-    With w, g, K from :func:`_bytes_per_param` (2, 2, 12 for mixed precision):
+    With w, g, K from :func:`_bytes_per_param` (2, 2, 12 for mixed precision; 4, 4, 8 for fp32
+    DDP, 4, 4, 12 for fp32 ZeRO):
 
     - DDP / ZeRO-0: (w + g + K)·Ψ
     - ZeRO-1: (w + g + K/Nd)·Ψ          optimizer states partitioned
@@ -424,7 +429,7 @@ def model_state_bytes(
         raise UserError(
             "parallel.offload", "offloading parameters needs ZeRO-3", "use offload: optimizer"
         )
-    w, g, k = _bytes_per_param(mixed_precision)
+    w, g, k = _bytes_per_param(mixed_precision, zero_stage)
     weights = w * params / (dp if zero_stage >= 3 else 1)
     gradients = g * params / (dp if zero_stage >= 2 else 1)
     optimizer = k * params / (dp if zero_stage >= 1 else 1)

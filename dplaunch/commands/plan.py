@@ -1,0 +1,225 @@
+"""`dplaunch plan`: every layout for N GPUs, its memory per GPU and traffic, and the one to use.
+
+Reads only the model's config.json (or a run file's ``model.config``), never the weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from dplaunch.config.schema import LaunchConfig
+from dplaunch.errors import UserError
+from dplaunch.planning.auto import Workload, plan_candidates, run_workload
+from dplaunch.planning.candidates import Candidate, format_table, to_json_rows
+from dplaunch.planning.estimate import count_parameters
+from dplaunch.planning.model_facts import ModelFacts, load_config_json
+from dplaunch.planning.plan import _nodes
+
+# what a bare `--model` plans for, when no run file says otherwise
+DEFAULT_SEQ_LEN = 2048
+DEFAULT_MIXED_PRECISION = "bf16"
+
+
+@dataclass
+class PlanOptions:
+    """The flags of `dplaunch plan` (None = not given)."""
+
+    config: Path | None = None
+    model: str | None = None
+    gpus: int | None = None
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    gpu_memory: float | None = None
+    micro_batch: int | None = None
+    global_batch: int | None = None
+    seq_len: int | None = None
+    mixed_precision: str | None = None
+    activation_checkpointing: bool = False
+    task: str | None = None
+    safety_margin: float = 0.1
+    as_json: bool = False
+    assignments: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PlanSetting:
+    """Everything the table is computed from, with where each value came from."""
+
+    facts: ModelFacts
+    model_label: str
+    workload: Workload
+    gpus: int
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_gb: float
+    memory_source: str
+
+
+def _from_run_file(options: PlanOptions) -> tuple[ModelFacts, str, Workload, Any]:
+    from dplaunch.config.load import load_run_config
+    from dplaunch.launching.prepare import model_facts
+
+    overrides = {
+        "launch.gpus": options.gpus,
+        "launch.nodes": options.nodes,
+        "launch.gpus_per_node": options.gpus_per_node,
+        "launch.gpu_memory_gb": options.gpu_memory,
+        "train.micro_batch_size": options.micro_batch,
+        "train.global_batch_size": options.global_batch,
+        "train.mixed_precision": options.mixed_precision,
+        "data.max_length": options.seq_len,
+        "model.gradient_checkpointing": options.activation_checkpointing or None,
+        "model.task": options.task,
+    }
+    config = load_run_config(options.config, overrides=overrides, assignments=options.assignments)
+    facts = model_facts(config.model)
+    label = config.model.name_or_path or f"{facts.model_type} from the run file's model.config"
+    return facts, label, run_workload(config), config.launch
+
+
+def _model_config(model: str) -> dict[str, Any]:
+    """config.json of a folder, a cached hub model, or (online) fetched alone from the hub."""
+    import os
+
+    try:
+        return load_config_json(model, field="--model")
+    except UserError:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+        if offline or model.startswith((".", "/", "~")) or model.count("/") > 1:
+            raise
+        try:
+            from huggingface_hub import hf_hub_download
+
+            path = hf_hub_download(model, "config.json")  # this one file, never the weights
+        except Exception:  # not on the hub, gated, or no network: the cache message says what to do
+            raise UserError(
+                "--model",
+                f"{model!r} is neither a local folder, in the Hugging Face cache, nor reachable",
+                "download its config first (huggingface-cli download ID config.json) or give a path",
+            ) from None
+        return json.loads(Path(path).read_text())
+
+
+def _from_model(options: PlanOptions) -> tuple[ModelFacts, str, Workload]:
+    if options.assignments:
+        raise UserError("--set", "overrides a run file's keys", "give a run file, or drop --set")
+    raw = _model_config(options.model or "")
+    facts = ModelFacts.from_config_dict(raw)
+    seq_len = options.seq_len or min(facts.max_positions or DEFAULT_SEQ_LEN, DEFAULT_SEQ_LEN)
+    workload = Workload(
+        micro_batch=options.micro_batch or 1,
+        seq_len=int(seq_len),
+        mixed_precision=options.mixed_precision or DEFAULT_MIXED_PRECISION,
+        activation_checkpointing=options.activation_checkpointing,
+        task=options.task or "causal-lm",
+        num_labels=None,
+        global_batch_size=options.global_batch,
+        fixed_micro_batch=options.micro_batch or 1,
+    )
+    return facts, str(options.model), workload
+
+
+def resolve_setting(options: PlanOptions) -> PlanSetting:
+    """Model facts, workload and GPUs from the flags, a run file, and the machine (in that order)."""
+    if options.model is not None and options.config is not None:
+        raise UserError(
+            "--model", "a run file already names the model", "give either CONFIG or --model"
+        )
+    launch = None
+    if options.model is not None:
+        facts, label, workload = _from_model(options)
+    else:
+        facts, label, workload, launch = _from_run_file(options)
+
+    gpus = options.gpus or (launch.gpus if launch else None)
+    if gpus is None:
+        from dplaunch.planning.devices import visible_gpu_count
+
+        gpus = visible_gpu_count() or None
+    if gpus is None or gpus < 1:
+        raise UserError(
+            "--gpus", "how many GPUs to plan for?", "give --gpus N (all nodes together)"
+        )
+    layout = LaunchConfig(
+        gpus=gpus,
+        nodes=options.nodes or (launch.nodes if launch else 1),
+        gpus_per_node=options.gpus_per_node or (launch.gpus_per_node if launch else None),
+    )
+    nodes, per_node = _nodes(layout, gpus)
+
+    memory, source = options.gpu_memory, "--gpu-memory"
+    if memory is None and launch is not None and launch.gpu_memory_gb is not None:
+        memory, source = launch.gpu_memory_gb, "launch.gpu_memory_gb"
+    if memory is None:
+        from dplaunch.environment_report import smallest_gpu_memory_gb
+
+        memory, source = smallest_gpu_memory_gb(), "nvidia-smi"
+    if memory is None:
+        raise UserError(
+            "--gpu-memory",
+            "no GPU here to read the memory from",
+            "give the GiB of one GPU, e.g. --gpu-memory 80 (H100 80GB) or 32 (V100 32GB)",
+        )
+    if memory <= 0:
+        raise UserError("--gpu-memory", f"{memory} GB", "give the GiB of one GPU, e.g. 80")
+    return PlanSetting(facts, label, workload, gpus, nodes, per_node, memory, source)
+
+
+def _short(count: int) -> str:
+    return f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.1f} M"
+
+
+def describe(setting: PlanSetting, safety_margin: float) -> list[str]:
+    """The lines above the table: model, workload, GPUs, and what the numbers assume."""
+    work = setting.workload
+    count = count_parameters(setting.facts, work.task, work.num_labels)
+    exact = "exact count from the config" if count.exact else "APPROXIMATE: " + count.note
+    usable = setting.gpu_memory_gb * (1 - safety_margin)
+    batch = f", global batch {work.global_batch_size}" if work.global_batch_size else ""
+    micro = str(work.micro_batch)
+    if work.fixed_micro_batch is None:
+        micro += " (the largest one dplaunch would derive; set train.micro_batch_size)"
+    return [
+        f"model: {setting.model_label} ({setting.facts.model_type}, {work.task}): "
+        f"{count.total:,} parameters ({_short(count.total)}; {exact})",
+        f"per GPU: micro batch {micro} × sequence {work.seq_len}{batch}, "
+        f"{work.mixed_precision if work.mixed_precision != 'no' else 'fp32'}, activation "
+        f"checkpointing {'on' if work.activation_checkpointing else 'off'}",
+        f"{setting.gpus} GPUs ({setting.nodes} node(s) × {setting.gpus_per_node}), "
+        f"{setting.gpu_memory_gb:g} GB each (from {setting.memory_source}); a plan fits in "
+        f"{usable:.1f} GB ({safety_margin:.0%} kept free)",
+        "states = weights + gradients + optimizer (Adam), busiest GPU; activ = activations; "
+        "comm/step = GB each GPU sends per optimizer step; cpu = host memory for offload",
+    ]
+
+
+def plan_table(options: PlanOptions) -> tuple[PlanSetting, list[Candidate]]:
+    """The setting and its candidate plans (one recommended unless nothing fits)."""
+    setting = resolve_setting(options)
+    candidates = plan_candidates(
+        setting.facts,
+        setting.workload,
+        gpus=setting.gpus,
+        gpus_per_node=setting.gpus_per_node,
+        gpu_memory_gb=setting.gpu_memory_gb,
+        safety_margin=options.safety_margin,
+    )
+    return setting, candidates
+
+
+def run_plan(options: PlanOptions) -> int:
+    """Print the table (or its JSON rows); exit 0 even when nothing fits (the table says so)."""
+    setting, candidates = plan_table(options)
+    if options.as_json:
+        typer.echo(json.dumps(to_json_rows(candidates), indent=2))
+        return 0
+    for line in describe(setting, options.safety_margin):
+        typer.echo(line)
+    typer.echo("")
+    typer.echo(format_table(candidates))
+    return 0

@@ -1,0 +1,168 @@
+"""`parallel: auto`: the run takes the plan `dplaunch plan` recommends, and says why in one line.
+
+Pure Python, like the rest of planning/: the GPU memory comes in from the caller (a run-file key,
+or a function that asks nvidia-smi, called only when needed).
+
+What the estimate assumes for the run (the same inputs `dplaunch plan CONFIG` uses):
+
+- the layout the launcher will use: total ranks and ranks per node, as ``make_plan`` decides them;
+- the micro batch: ``train.micro_batch_size``, or when unset the largest the planner could derive
+  for any layout (≤ 8 and dividing the global batch; an upper bound, so the estimate errs on
+  the side of memory);
+- sequence length ``data.max_length``, ``train.mixed_precision``, activation checkpointing from
+  ``model.gradient_checkpointing``, the model's task and labels.
+
+On CPU ranks there is no GPU memory to plan for: auto keeps DDP there and says so, unless
+``launch.gpu_memory_gb`` gives a memory per rank, in which case the same rule picks as on GPUs
+(this is how a GPU plan is rehearsed on CPU, and how the tests exercise it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dplaunch.config.schema import ParallelConfig, RunConfig, TrainConfig
+from dplaunch.errors import UserError
+from dplaunch.planning.candidates import Candidate, candidate_plans, recommendation_line
+from dplaunch.planning.model_facts import ModelFacts
+from dplaunch.planning.plan import DEFAULT_MAX_MICRO_BATCH, Machine, _devices, _nodes, batch_math
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one GPU computes per micro-batch: the inputs of the activation and traffic estimates."""
+
+    micro_batch: int
+    seq_len: int
+    mixed_precision: str
+    activation_checkpointing: bool = False
+    task: str = "causal-lm"
+    num_labels: int | None = None
+    # samples per optimizer step; None = unknown (one micro-batch per step for traffic)
+    global_batch_size: int | None = None
+    # the configured micro batch (None = derived per layout): decides which layouts can split the batch
+    fixed_micro_batch: int | None = None
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """The parallel section auto picked, the one line that says why, and the table it came from."""
+
+    parallel: ParallelConfig
+    note: str
+    candidates: tuple[Candidate, ...] = ()
+
+
+def planning_micro_batch(train: TrainConfig) -> int:
+    """The micro batch the memory estimate assumes (see the module docstring)."""
+    if train.micro_batch_size is not None:
+        return train.micro_batch_size
+    limit = min(train.global_batch_size, DEFAULT_MAX_MICRO_BATCH)
+    return max(m for m in range(1, limit + 1) if train.global_batch_size % m == 0)
+
+
+def run_workload(config: RunConfig) -> Workload:
+    """The workload of a run file."""
+    return Workload(
+        micro_batch=planning_micro_batch(config.train),
+        seq_len=config.data.max_length,
+        mixed_precision=config.train.mixed_precision,
+        activation_checkpointing=config.model.gradient_checkpointing,
+        task=config.model.task,
+        num_labels=config.model.num_labels,
+        global_batch_size=config.train.global_batch_size,
+        fixed_micro_batch=config.train.micro_batch_size,
+    )
+
+
+def _splits_the_batch(workload: Workload) -> Callable[[Candidate], bool] | None:
+    if workload.global_batch_size is None:
+        return None
+
+    def feasible(candidate: Candidate) -> bool:
+        try:
+            batch_math(workload.global_batch_size, workload.fixed_micro_batch, candidate.dp)
+        except UserError:
+            return False
+        return True
+
+    return feasible
+
+
+def plan_candidates(
+    facts: ModelFacts,
+    workload: Workload,
+    *,
+    gpus: int,
+    gpus_per_node: int,
+    gpu_memory_gb: float,
+    safety_margin: float = 0.1,
+) -> list[Candidate]:
+    """The plan table for this model and workload; layouts that cannot split the batch are not picked."""
+    return candidate_plans(
+        facts,
+        gpus=gpus,
+        gpus_per_node=gpus_per_node,
+        gpu_memory_gb=gpu_memory_gb,
+        micro_batch=workload.micro_batch,
+        seq_len=workload.seq_len,
+        mixed_precision=workload.mixed_precision,
+        activation_checkpointing=workload.activation_checkpointing,
+        safety_margin=safety_margin,
+        task=workload.task,
+        num_labels=workload.num_labels,
+        global_batch_size=workload.global_batch_size,
+        feasible=_splits_the_batch(workload),
+    )
+
+
+def resolve_auto_parallel(
+    config: RunConfig,
+    facts: ModelFacts,
+    machine: Machine,
+    measure_gpu_memory_gb: Callable[[], float | None] = lambda: None,
+) -> AutoChoice:
+    """Replace ``parallel: auto`` by the recommended plan for this run and machine."""
+    given = config.parallel
+    if (given.zero_stage, given.offload, given.tp, given.pp) != (0, "none", 1, 1):
+        raise UserError(
+            "parallel.auto",
+            "auto picks zero_stage, offload, tp and pp itself",
+            "drop --zero/--offload/--tp/--pp (or those keys), or drop auto",
+        )
+    launch = config.launch
+    target, gpus = _devices(launch, machine, [])
+    _, per_node = _nodes(launch, gpus)
+    memory = launch.gpu_memory_gb
+    if memory is None and target == "cpu":
+        return AutoChoice(
+            ParallelConfig(),
+            "parallel: auto → DDP: CPU ranks have no GPU memory to plan for "
+            "(set launch.gpu_memory_gb to plan as for GPUs of that size)",
+        )
+    if memory is None:
+        memory = measure_gpu_memory_gb()
+    if memory is None:
+        raise UserError(
+            "launch.gpu_memory_gb",
+            "parallel: auto needs the memory of one GPU and nvidia-smi did not report it",
+            "set launch.gpu_memory_gb (GiB per GPU), e.g. --set launch.gpu_memory_gb=80",
+        )
+    workload = run_workload(config)
+    candidates = plan_candidates(
+        facts, workload, gpus=gpus, gpus_per_node=per_node, gpu_memory_gb=memory
+    )
+    chosen = next((c for c in candidates if c.recommended), None)
+    if chosen is None:
+        if any(c.fits for c in candidates):
+            # the best plan that fits cannot split this global batch: batch_math says how to fix it
+            best = next(c for c in candidates if c.why)
+            batch_math(workload.global_batch_size or 1, workload.fixed_micro_batch, best.dp)
+        raise UserError("parallel.auto", recommendation_line(candidates))
+    parallel = ParallelConfig(
+        zero_stage=chosen.zero_stage, offload=chosen.offload, tp=chosen.tp, pp=chosen.pp
+    )
+    source = "launch.gpu_memory_gb" if launch.gpu_memory_gb is not None else "nvidia-smi"
+    note = f"parallel: auto → {chosen.why} ({memory:g} GB per GPU from {source})"
+    return AutoChoice(parallel, note, tuple(candidates))

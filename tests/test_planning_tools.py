@@ -1,0 +1,525 @@
+"""Choosing and trusting a plan: `dplaunch plan`, `parallel: auto`, `verify`, `env`, `report`,
+and the memory estimate checked against what real ranks hold."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dplaunch.config.load import build_run_config
+from dplaunch.errors import UserError
+from dplaunch.planning.auto import resolve_auto_parallel
+from dplaunch.planning.estimate import GIB, estimate_memory, model_state_bytes
+from dplaunch.planning.model_facts import ModelFacts
+from dplaunch.planning.plan import Machine
+from tests.conftest import COMPARISON_FLAGS
+from tests.helpers import REPO, TINY_LLAMA, child_environment, run_dplaunch, train_losses
+
+LLAMA_7B = dict(
+    model_type="llama",
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    intermediate_size=11008,
+    vocab_size=32000,
+)
+HEAVY = ("torch", "accelerate", "deepspeed", "transformers", "datasets")
+
+
+def llama_7b_run_file(path: Path, parallel: object = "auto", **train: object) -> Path:
+    """A run file for a 7B Llama config (never built here) with the tiny-llama data."""
+    data = yaml.safe_load(TINY_LLAMA.read_text())
+    data["name"] = "llama-7b"
+    data["model"]["config"] = dict(LLAMA_7B)
+    data["data"]["max_length"] = 2048
+    data["train"].update(
+        {"global_batch_size": 16, "micro_batch_size": 1, "mixed_precision": "bf16"}
+    )
+    data["train"].update(train)
+    data["parallel"] = parallel
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def run_config(path: Path, *assignments: str):
+    data = yaml.safe_load(path.read_text())
+    return build_run_config(data, assignments=list(assignments), base_dir=path.parent)
+
+
+# -- dplaunch plan --------------------------------------------------------------------------------
+
+
+def test_plan_for_a_7b_llama_on_16_x_80gb_recommends_zero1_and_says_why(tmp_path):
+    config_json = tmp_path / "llama-7b" / "config.json"
+    config_json.parent.mkdir()
+    config_json.write_text(json.dumps(LLAMA_7B))
+    result = run_dplaunch(
+        "plan", "--model", config_json.parent, "--gpus", "16", "--nodes", "4", "--gpu-memory", "80"
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "6,738,415,616 parameters" in out and "exact count" in out
+    assert "micro batch 1 × sequence 2048" in out and "bf16" in out
+    ddp = next(line for line in out.splitlines() if line.strip().startswith("DDP"))
+    assert ddp.split()[-1] == "no"  # 100.4 GB of model states alone
+    marked = [line for line in out.splitlines() if line.startswith("* ")]
+    assert marked[0].startswith("* ZeRO-1 ") and marked[0].endswith("yes")
+    assert marked[1].startswith("* ZeRO-1 fits in 80 GB with 27% headroom")
+
+    rows = json.loads(
+        run_dplaunch(
+            "plan",
+            "--model",
+            config_json,
+            "--gpus",
+            "16",
+            "--nodes",
+            "4",
+            "--gpu-memory",
+            "24",
+            "--json",
+        ).stdout
+    )
+    for key in ("zero_stage", "offload", "tp", "pp", "dp", "model_states_gb", "activations_gb"):
+        assert key in rows[0]
+    assert all("total_gb" in r and "fits" in r and "recommended" in r for r in rows)
+    [best] = [r for r in rows if r["recommended"]]
+    assert (best["zero_stage"], best["tp"], best["pp"], best["dp"]) == (1, 4, 1, 4)
+    assert not any(r["fits"] for r in rows if r["tp"] == 1 and r["pp"] == 1)
+    # dplaunch cannot run AutoTP inside the pipeline engine: such layouts are not offered
+    assert not any(r["tp"] > 1 and r["pp"] > 1 for r in rows)
+
+
+def test_plan_takes_the_workload_from_a_run_file():
+    result = run_dplaunch("plan", TINY_LLAMA, "--gpus", "2", "--gpu-memory", "16")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "181,184 parameters" in out  # the tiny Llama's exact count
+    assert "sequence 64, global batch 8, fp32" in out  # data.max_length, train section
+    assert "* DDP" in out and "2 GPUs (1 node(s) × 2), 16 GB each (from --gpu-memory)" in out
+
+
+def test_plan_without_a_gpu_asks_for_its_memory_in_one_line():
+    result = run_dplaunch("plan", TINY_LLAMA, "--gpus", "2")
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("dplaunch: error: --gpu-memory: no GPU here")
+    assert "Traceback" not in result.stderr
+
+
+def test_plan_reads_the_gpu_memory_from_nvidia_smi(tmp_path):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in *memory.total*) echo "0, NVIDIA A100-SXM4-40GB, 40960 MiB"; '
+        'echo "1, NVIDIA A100-SXM4-40GB, 40960 MiB";; *) echo 0; echo 1;; esac\n'
+    )
+    fake.chmod(0o755)
+    env = child_environment(PATH=f"{tmp_path}:{child_environment()['PATH']}")
+    del env["CUDA_VISIBLE_DEVICES"]
+    result = run_dplaunch("plan", TINY_LLAMA, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "2 GPUs (1 node(s) × 2), 40 GB each (from nvidia-smi)" in result.stdout
+
+
+def test_plan_imports_no_training_library():
+    probe = (
+        "import sys\n"
+        f"sys.argv = ['dplaunch', 'plan', '--model', {str(REPO / 'examples')!r}, '--gpus', '8']\n"
+        "from dplaunch.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        f"print('HEAVY', [m for m in {HEAVY!r} if m in sys.modules])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=child_environment(),
+        check=True,
+    )
+    assert "HEAVY []" in out.stdout, out.stdout + out.stderr
+
+
+# -- model states in fp32: what DeepSpeed really keeps -------------------------------------------
+
+
+def test_fp32_zero_keeps_a_master_copy_so_its_optimizer_share_is_12_bytes():
+    psi = 1_000_000
+    assert model_state_bytes(psi, dp=4, zero_stage=0, mixed_precision="no")[:3] == (
+        4 * psi,
+        4 * psi,
+        8 * psi,
+    )
+    assert model_state_bytes(psi, dp=4, zero_stage=2, mixed_precision="no")[:3] == (
+        4 * psi,
+        psi,
+        3 * psi,
+    )
+
+
+# -- parallel: auto ------------------------------------------------------------------------------
+
+
+def test_auto_picks_a_plan_that_fits_when_ddp_does_not(tmp_path):
+    config = run_config(
+        llama_7b_run_file(tmp_path / "7b.yaml"),
+        "launch.gpus=16",
+        "launch.nodes=4",
+        "launch.gpu_memory_gb=24",
+    )
+    facts = ModelFacts.from_config_dict(LLAMA_7B)
+    choice = resolve_auto_parallel(config, facts, Machine(visible_gpus=4))
+    ddp = next(c for c in choice.candidates if c.name == "DDP")
+    assert not ddp.fits
+    picked = next(c for c in choice.candidates if c.recommended)
+    assert picked.fits and picked.total_gb <= 24 * 0.9
+    p = choice.parallel
+    assert (p.zero_stage, p.offload, p.tp, p.pp, p.auto) == (1, "none", 4, 1, False)
+    assert choice.note.startswith("parallel: auto → ZeRO-1 with tp 4 fits in 24 GB")
+    assert "(24 GB per GPU from launch.gpu_memory_gb)" in choice.note
+
+
+def test_auto_picks_ddp_when_ddp_fits():
+    config = run_config(TINY_LLAMA, "parallel=auto", "launch.gpus=2", "launch.gpu_memory_gb=16")
+    facts = ModelFacts.from_config_dict(config.model.config)
+    choice = resolve_auto_parallel(config, facts, Machine(visible_gpus=2))
+    assert (choice.parallel.zero_stage, choice.parallel.tp, choice.parallel.pp) == (0, 1, 1)
+    assert choice.note.startswith("parallel: auto → DDP fits in 16 GB")
+
+
+def test_auto_asks_nvidia_smi_on_gpus_and_needs_an_answer(tmp_path):
+    config = run_config(llama_7b_run_file(tmp_path / "7b.yaml"), "launch.gpus=8")
+    facts = ModelFacts.from_config_dict(LLAMA_7B)
+    choice = resolve_auto_parallel(config, facts, Machine(visible_gpus=8), lambda: 80.0)
+    assert (choice.parallel.zero_stage, choice.parallel.tp) == (1, 1)
+    assert "80 GB per GPU from nvidia-smi" in choice.note
+    with pytest.raises(UserError, match="launch.gpu_memory_gb: parallel: auto needs the memory"):
+        resolve_auto_parallel(config, facts, Machine(visible_gpus=8), lambda: None)
+
+
+def test_auto_on_cpu_ranks_keeps_ddp_unless_told_the_memory():
+    config = run_config(TINY_LLAMA, "parallel=auto", "launch.gpus=2", "launch.cpu=true")
+    facts = ModelFacts.from_config_dict(config.model.config)
+    choice = resolve_auto_parallel(config, facts, Machine(visible_gpus=0))
+    assert (choice.parallel.zero_stage, choice.parallel.tp, choice.parallel.pp) == (0, 1, 1)
+    assert "CPU ranks have no GPU memory to plan for" in choice.note
+
+
+def test_auto_refuses_explicit_parallel_flags_and_says_when_nothing_fits(tmp_path):
+    path = llama_7b_run_file(tmp_path / "7b.yaml")
+    facts = ModelFacts.from_config_dict(LLAMA_7B)
+    config = run_config(
+        path, "parallel={auto: true, zero_stage: 2}", "launch.gpu_memory_gb=80", "launch.gpus=16"
+    )
+    with pytest.raises(UserError, match="auto picks zero_stage, offload, tp and pp itself"):
+        resolve_auto_parallel(config, facts, Machine(visible_gpus=16))
+    config = run_config(path, "launch.gpus=2", "launch.gpu_memory_gb=16")
+    with pytest.raises(UserError, match="nothing fits: the smallest plan"):
+        resolve_auto_parallel(config, facts, Machine(visible_gpus=2))
+
+
+def test_auto_only_picks_a_layout_that_can_split_the_global_batch(tmp_path):
+    # 16 GPUs, global batch 4: dp 16 or 8 cannot split it, so the smallest fitting plan with dp ≤ 4 wins
+    path = llama_7b_run_file(tmp_path / "7b.yaml", global_batch_size=4)
+    config = run_config(path, "launch.gpus=16", "launch.nodes=4", "launch.gpu_memory_gb=80")
+    choice = resolve_auto_parallel(config, ModelFacts.from_config_dict(LLAMA_7B), Machine())
+    assert 16 // (choice.parallel.tp * choice.parallel.pp) <= 4
+    assert any(c.fits and c.dp == 16 for c in choice.candidates)  # would have fitted
+
+
+def test_auto_dry_run_runs_the_recommended_plan_and_prints_why(tmp_path):
+    path = llama_7b_run_file(tmp_path / "7b.yaml")
+    result = run_dplaunch(
+        "train",
+        path,
+        "--gpus",
+        "16",
+        "--nodes",
+        "4",
+        "--set",
+        "launch.gpu_memory_gb=24",
+        "--master-port",
+        "29677",
+        "--dry-run",
+        "-o",
+        tmp_path / "run",
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "mesh: dp 4 × tp 4 × pp 1 = 16 ranks" in out and "ZeRO stage 1" in out
+    assert "note: parallel: auto → ZeRO-1 with tp 4 fits in 24 GB" in out
+    resolved = yaml.safe_load(out.split("run.yaml\n", 1)[1].split("\n---", 1)[0])
+    assert resolved["parallel"] == {
+        "zero_stage": 1,
+        "offload": "none",
+        "tp": 4,
+        "pp": 1,
+        "auto": False,
+    }
+    assert '"autotp_size": 4' in out  # the rendered deepspeed.json
+    assert not (tmp_path / "run").exists()
+
+    tiny = run_dplaunch(
+        "train", TINY_LLAMA, "--cpu", "--gpus", "2", "--set", "parallel=auto", "--dry-run"
+    )
+    assert tiny.returncode == 0, tiny.stderr
+    assert "engine: ddp" in tiny.stdout and "note: parallel: auto → DDP" in tiny.stdout
+
+
+# -- the estimate against the bytes real ranks hold ---------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bytes_each_rank_holds_are_within_10_percent_of_the_estimate(tmp_path, stage):
+    from tests.memory_probe import PROBE_CONFIG, SEQ_LEN
+
+    result = run_dplaunch(
+        "launch",
+        REPO / "tests" / "memory_probe.py",
+        "--cpu",
+        "--gpus",
+        "2",
+        "--zero",
+        str(stage),
+        "--global-batch",
+        "8",
+        "--micro-batch",
+        "2",
+        "-o",
+        tmp_path / "run",
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [json.loads(m) for m in re.findall(r"MEMORY (\{.*?\})", result.stdout)]
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    estimate = estimate_memory(
+        ModelFacts.from_config_dict(PROBE_CONFIG),
+        dp=2,
+        zero_stage=stage,
+        mixed_precision="no",
+        micro_batch=2,
+        seq_len=SEQ_LEN,
+    )
+    expected = {
+        "parameters": estimate.weights_gb * GIB,
+        "gradients": estimate.gradients_gb * GIB,
+        "optimizer": estimate.optimizer_gb * GIB,
+    }
+    assert estimate.params_per_gpu == ranks[0]["parameters_total"]  # the count is exact
+    for held in ranks:
+        print(f"ZeRO-{stage} rank {held['rank']}: held {held}, estimated {expected}")
+        for kind, estimated in expected.items():
+            assert held[kind] == pytest.approx(estimated, rel=0.10), kind
+        total = sum(held[kind] for kind in expected)
+        assert total == pytest.approx(estimate.model_states_gb * GIB, rel=0.10)
+
+
+# -- dplaunch verify ------------------------------------------------------------------------------
+
+
+def test_a_shrunk_model_keeps_its_architecture_and_the_mesh_divisibility():
+    import transformers
+
+    from dplaunch.commands.verify import shrunk_model_config
+
+    gqa_70b = {
+        **LLAMA_7B,
+        "hidden_size": 8192,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 80,
+    }
+    gpt2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257}
+    qwen3 = {
+        **LLAMA_7B,
+        "model_type": "qwen3",
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "awq"},
+    }
+    for raw, tp, pp in (
+        (LLAMA_7B, 4, 1),
+        (LLAMA_7B, 1, 4),
+        (gqa_70b, 8, 1),
+        (gpt2, 2, 1),
+        (qwen3, 2, 2),
+    ):
+        small = shrunk_model_config(raw, tp=tp, pp=pp)
+        facts, real = ModelFacts.from_config_dict(small), ModelFacts.from_config_dict(raw)
+        assert facts.model_type == real.model_type and facts.vocab_size == real.vocab_size
+        assert facts.num_heads % tp == 0 and facts.num_kv_heads % tp == 0
+        grouped = facts.num_heads > facts.num_kv_heads
+        assert grouped == (real.num_heads > real.num_kv_heads)  # GQA stays GQA, MHA stays MHA
+        assert facts.num_layers >= max(2, pp) and facts.num_layers % pp == 0
+        assert "quantization_config" not in small and "torch_dtype" not in small
+        fields = dict(small)
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+        )
+        assert sum(p.numel() for p in model.parameters()) < 20e6  # small enough for CPU ranks
+
+
+def verify(*args: object, timeout: float = 900) -> subprocess.CompletedProcess:
+    return run_dplaunch("verify", *args, timeout=timeout)
+
+
+@pytest.mark.multiprocess
+def test_verify_passes_for_zero2_against_a_ddp_run_and_report_overlays_them(tmp_path, dp_reference):
+    # the session's 2-rank DDP run (6 steps, global batch 8) serves as the reference
+    out = tmp_path / "verify"
+    result = verify(
+        TINY_LLAMA,
+        "--cpu",
+        "--gpus",
+        "2",
+        "--zero",
+        "2",
+        *COMPARISON_FLAGS[2:],
+        "--steps",
+        COMPARISON_FLAGS[1],
+        "--reference",
+        dp_reference,
+        "-o",
+        out,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert not (out / "dp").exists()  # the reference was not run again
+    table = result.stdout.split("verify: per-step training loss", 1)[1]
+    assert f"ZeRO-2 (dp 2) vs DDP (2 ranks, {dp_reference})" in table
+    rows = [line.split() for line in table.splitlines() if re.match(r"\s+\d+\s+\d", line)]
+    assert [int(row[0]) for row in rows] == [1, 2, 3, 4, 5, 6]
+    assert [float(row[1]) for row in rows] == pytest.approx(train_losses(out / "plan"), abs=1e-6)
+    assert [float(row[2]) for row in rows] == pytest.approx(train_losses(dp_reference), abs=1e-6)
+    header = json.loads((out / "plan" / "metrics.jsonl").read_text().splitlines()[0])
+    assert header["zero_stage"] == 2
+    assert re.search(
+        r"verify: PASS — largest relative gap \S+ \(step \d\) ≤ tolerance 1e-03", result.stdout
+    )
+
+    # the two runs as `dplaunch report` draws them
+    report = run_dplaunch(
+        "report", out / "plan", "--compare", dp_reference, "--out", tmp_path / "r"
+    )
+    assert report.returncode == 0, report.stderr
+    for name in ("loss.png", "lr.png", "throughput.png", "memory.png", "eval.png"):
+        png = (tmp_path / "r" / name).read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 10_000, name
+    summary = (tmp_path / "r" / "summary.txt").read_text()
+    assert summary.count("steps            6") == 2 and "ZeRO 2" in summary and "ZeRO 0" in summary
+    assert "final loss" in report.stdout and f"plot: {tmp_path / 'r' / 'loss.png'}" in report.stdout
+
+
+@pytest.mark.multiprocess
+def test_verify_rehearses_a_7b_tensor_parallel_plan_on_cpu_with_a_shrunk_model(tmp_path):
+    # the whole verify: the plan run, then its own DDP reference run
+    path = llama_7b_run_file(tmp_path / "7b.yaml", parallel={"tp": 2}, mixed_precision="no")
+    out = tmp_path / "verify"
+    result = verify(
+        path,
+        "--cpu",
+        "--gpus",
+        "2",
+        "--shrink",
+        "--steps",
+        "4",
+        "--global-batch",
+        "8",
+        "--micro-batch",
+        "2",
+        "--set",
+        "data.max_length=64",
+        "-o",
+        out,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "--shrink: llama with 2 layers, hidden 32, 2 heads / 2 KV heads" in result.stdout
+    assert "(real: 32 layers, hidden 4096), random init, sequence length 64" in result.stdout
+    assert train_losses(out / "dp") and not (out / "dp" / "deepspeed.json").exists()
+    header = json.loads((out / "plan" / "metrics.jsonl").read_text().splitlines()[0])
+    assert (header["tensor_parallel_size"], header["world_size"]) == (2, 2)
+    assert "DeepSpeed (dp 1 × tp 2) vs DDP (2 ranks" in result.stdout
+    assert "verify: PASS" in result.stdout
+
+
+@pytest.mark.multiprocess
+def test_verify_fails_when_the_plan_does_not_average_gradients(tmp_path, dp_reference):
+    steps = COMPARISON_FLAGS[1]
+    result = verify(
+        TINY_LLAMA,
+        "--cpu",
+        "--gpus",
+        "2",
+        *COMPARISON_FLAGS[2:],
+        "--steps",
+        steps,
+        "--reference",
+        dp_reference,
+        "--inject-fault",
+        "no-grad-average",
+        "-o",
+        tmp_path / "v",
+    )
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "FAULT INJECTED into the plan run: no-grad-average" in result.stdout
+    assert (
+        "dplaunch.commands.verify --inject-fault no-grad-average" in result.stdout
+    )  # the ranks' entry
+    match = re.search(
+        r"verify: FAIL — largest relative gap (\S+) \(step (\d)\) > tolerance", result.stdout
+    )
+    assert match and float(match.group(1)) > 1e-3 and int(match.group(2)) > 2, result.stdout[-1500:]
+    # the first two steps agree (step 1 is before any update, step 2 follows warm-up's lr 0)
+    losses, reference = train_losses(tmp_path / "v" / "plan"), train_losses(dp_reference)
+    assert losses[:2] == pytest.approx(reference[:2], rel=1e-6) and losses != reference
+
+
+@pytest.mark.multiprocess
+def test_verify_refuses_a_reference_with_other_maths_before_running_anything(
+    tmp_path, dp_reference
+):
+    result = verify(
+        TINY_LLAMA,
+        "--cpu",
+        "--gpus",
+        "2",
+        *COMPARISON_FLAGS[2:],
+        "--steps",
+        "6",
+        "--set",
+        "train.lr=3e-3",
+        "--reference",
+        dp_reference,
+        "-o",
+        tmp_path / "v",
+    )
+    assert result.returncode == 2
+    assert "--reference" in result.stderr and "train section differs: lr 0.001" in result.stderr
+    assert not (tmp_path / "v").exists()
+
+
+# -- dplaunch env --------------------------------------------------------------------------------
+
+
+def test_env_shows_versions_gpus_port_and_deepspeed_ops():
+    import importlib.metadata
+
+    result = run_dplaunch("env")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for package in ("torch", "accelerate", "deepspeed", "transformers", "datasets"):
+        assert re.search(
+            rf"^{package}\s+{re.escape(importlib.metadata.version(package))}$", out, re.M
+        )
+    assert re.search(r"^python\s+\d+\.\d+", out, re.M)
+    assert "GPUs                  none" in out and "CUDA_VISIBLE_DEVICES  ''" in out
+    assert re.search(r"^port 29500\s+(free|IN USE)", out, re.M)
+    assert re.search(r"^  cpu_adam\s+(compatible|NOT compatible)", out, re.M)
+    fast = run_dplaunch("env", "--no-ops", "--json")
+    assert json.loads(fast.stdout)["deepspeed_ops"] is None
