@@ -520,6 +520,22 @@ def report(
     raise typer.Exit(run_report(run_dir, compare or [], out))
 
 
+@app.command()
+def export(
+    checkpoint: Annotated[
+        Path,
+        typer.Argument(
+            help="A checkpoints/step-N directory, or a run directory (its newest checkpoint)."
+        ),
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Directory for the HF model + tokenizer.")],
+) -> None:
+    """One consolidated HF model + tokenizer (safetensors) from a checkpoint, in one process."""
+    from dplaunch.commands.export import run_export
+
+    raise typer.Exit(run_export(checkpoint, out))
+
+
 def main() -> None:
     """Console entry point: user errors become one line and exit code 2."""
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -17,21 +18,71 @@ from dplaunch.launching.prepare import (
 from dplaunch.launching.process import run_supervised
 from dplaunch.launching.rundir import check_run_dir, write_run_files
 
-RESUME_FILE = "resume.txt"
+if TYPE_CHECKING:
+    from dplaunch.train.checkpoint import ResumePoint
 
 
 def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
-    """Plan, write the run directory and start the ranks; return their exit status."""
+    """Plan, write the run directory and start the ranks; return their exit status.
+
+    75 (EXIT_CHECKPOINTED) means the ranks checkpointed on SIGUSR1/SIGTERM: continue with --resume auto.
+    """
+    from dplaunch.train import checkpoint
+
     prepared = prepare_training_run(flags)
     disk_line = check_run_dir(prepared.run_dir, resuming=resume is not None)
-    if resume is not None:
-        prepared.files[RESUME_FILE] = resume + "\n"
+    point = (
+        checkpoint.plan_resume(prepared.run_dir, resume, prepared.config, prepared.plan)
+        if resume is not None
+        else None
+    )
+    # always written: a stale resume.json of an earlier launch must not be read by these ranks
+    prepared.files[checkpoint.RESUME_FILE] = (
+        point.to_json() if point else checkpoint.FRESH_START_JSON
+    ) + "\n"
     if dry_run:
         print_prepared(prepared, show_files=True)
+        _print_resume(point, resume)
         return 0
     print_prepared(prepared, show_files=False)
     typer.echo(f"run directory: {prepared.run_dir} ({disk_line})")
-    return start(prepared)
+    _print_resume(point, resume)
+    if point is not None and point.reshard == "universal" and prepared.plan.node_rank == 0:
+        checkpoint.convert_to_universal(point, say=typer.echo)
+    checkpoint.clear_stop_record(prepared.run_dir)
+    code = start(prepared)
+    stop = checkpoint.read_stop_record(prepared.run_dir)
+    if stop is not None:
+        code = int(stop["exit_status"])
+        typer.echo(
+            f"dplaunch: stopped at step {stop['step']} ({stop['reason']}), checkpoint {stop['checkpoint']}; "
+            f"continue with --resume auto (exit status {code})",
+            err=True,
+        )
+    elif code != 0:
+        newest = checkpoint.newest_checkpoint(prepared.run_dir / checkpoint.CHECKPOINTS_DIR)
+        if newest is not None:
+            typer.echo(
+                f"dplaunch: the newest complete checkpoint is {newest.path} (step {newest.step}): "
+                "continue with --resume auto",
+                err=True,
+            )
+    return code
+
+
+def _print_resume(point: ResumePoint | None, resume: str | None) -> None:
+    if resume is None:
+        return
+    if point is None:
+        typer.echo("resume: no complete checkpoint in this run directory: starting from step 0")
+        return
+    info = point.checkpoint
+    typer.echo(
+        f"resume: {info.path} (step {info.step}, epoch {info.meta.get('epoch')}); "
+        f"training continues with step {info.step + 1}"
+    )
+    for note in point.notes:
+        typer.echo(f"resume note: {note}")
 
 
 def run_config(flags: RunFlags, out: Path) -> int:

@@ -60,6 +60,9 @@ def build_optimizer(model: Any, train: Any, plan: Plan) -> torch.optim.Optimizer
 class AccelerateEngine:
     """DDP, ZeRO-1/2/3 and AutoTP: the Accelerate idiom, with gradient accumulation and clipping."""
 
+    # accelerate's save_state stores the RNG of every rank next to the model and optimizer
+    saves_rng = True
+
     def __init__(
         self,
         accelerator: Any,
@@ -76,6 +79,11 @@ class AccelerateEngine:
         self.max_grad_norm = max_grad_norm
         self.task = task
         self.uses_deepspeed = accelerator.distributed_type.value == "DEEPSPEED"
+        if not self.uses_deepspeed:
+            # DDP checkpoints hold the unwrapped model's weights, so they load on any rank count
+            # (one rank has no DDP wrapper, and its keys lack the "module." prefix)
+            accelerator.register_save_state_pre_hook(self._save_unwrapped)
+            accelerator.register_load_state_pre_hook(self._load_unwrapped)
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         accelerator, model = self.accelerator, self.model
@@ -113,10 +121,36 @@ class AccelerateEngine:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def save(self, directory: str) -> None:
-        self.accelerator.save_state(directory)
+        # DDP: model, optimizer, scheduler (registered), RNG of every rank; DeepSpeed: its own
+        # checkpoint (ZeRO shards of every rank) under tag pytorch_model, plus scheduler and RNG
+        self.accelerator.save_state(directory, safe_serialization=True)
 
     def load(self, directory: str) -> None:
+        groups = _torch_optimizer(self.optimizer).param_groups
+        # the run file's hyperparameters (betas, eps, weight decay per group); lr is the scheduler's
+        settings = [
+            {k: v for k, v in group.items() if k not in ("params", "lr", "initial_lr")}
+            for group in groups
+        ]
         self.accelerator.load_state(directory)
+        # accelerate restores its micro-step counter from the checkpoint; gradient accumulation
+        # must restart at a step boundary with this run's accumulation (the GPU count may differ)
+        self.accelerator.step = 0
+        # DeepSpeed's ZeRO-3 universal loader (0.19) copies group 0's settings into every group:
+        # the no-decay group (biases, norms) would get the weight decay
+        for group, own in zip(groups, settings, strict=True):
+            group.update(own)
+        if self.uses_deepspeed:
+            _unshare_step_counters(self.optimizer)
+
+    def _save_unwrapped(self, models: list[Any], weights: list[dict], _directory: str) -> None:
+        for index, model in enumerate(models):
+            if index < len(weights):
+                weights[index] = self.accelerator.get_state_dict(model, unwrap=True)
+
+    def _load_unwrapped(self, models: list[Any], _directory: str) -> None:
+        for index, model in enumerate(models):
+            models[index] = self.accelerator.unwrap_model(model)
 
     def export(self, directory: str, tokenizer: Any) -> None:
         accelerator = self.accelerator
@@ -132,6 +166,23 @@ class AccelerateEngine:
         if accelerator.is_main_process:
             tokenizer.save_pretrained(directory)
         accelerator.wait_for_everyone()
+
+
+def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    # Accelerate's wrapper → (DeepSpeed's ZeRO optimizer →) the torch optimizer that really steps
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _unshare_step_counters(optimizer: Any) -> None:
+    # DeepSpeed's ZeRO-3 universal-checkpoint loader (0.19) gives every parameter group one shared
+    # `step` tensor; torch's Adam increments it in place, so it would advance once per group per
+    # step and skew the bias correction. One tensor per state, as a fresh optimizer has.
+    for state in _torch_optimizer(optimizer).state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            state["step"] = step.clone()
 
 
 def loss_sums(

@@ -1,7 +1,9 @@
 """The generic training loop: one loop for every layout, driving a StepEngine.
 
 Runs in every rank under `accelerate launch`. Reads the run directory's run.yaml and plan.json,
-so the ranks do exactly what the launcher planned and printed.
+so the ranks do exactly what the launcher planned and printed, and resume.json, the checkpoint the
+launcher chose to continue from. Checkpoints (periodic, on SIGUSR1/SIGTERM, at
+train.stop_after_steps) go through dplaunch/train/checkpoint.py.
 """
 
 from __future__ import annotations
@@ -20,12 +22,21 @@ import yaml
 
 from dplaunch.config.schema import RunConfig
 from dplaunch.planning.plan import Plan
+from dplaunch.train.checkpoint import (
+    EXIT_CHECKPOINTED,
+    RESUME_FILE,
+    Checkpointer,
+    ControlChannel,
+    StopSignals,
+)
 from dplaunch.train.data import Batcher, Sharding, load_splits, tokenize
 from dplaunch.train.engines import AccelerateEngine, StepEngine, build_optimizer
 from dplaunch.train.metrics import MetricsWriter
 from dplaunch.train.modeling import load_model, load_tokenizer
 
 EXPORT_DIR = "model"
+# the stop reason of train.stop_after_steps (exit 0); signals give their name (exit 75)
+STOP_AFTER_STEPS = "train.stop_after_steps"
 
 
 @dataclass
@@ -52,7 +63,18 @@ def read_run(run_dir: Path) -> tuple[RunConfig, Plan]:
     return config, plan
 
 
-def make_accelerator(plan: Plan, config: RunConfig, run_dir: Path) -> Any:
+def read_resume(run_dir: Path) -> dict[str, Any] | None:
+    """What the launcher decided to resume from (resume.json), or None for a fresh start."""
+    path = run_dir / RESUME_FILE
+    if not path.is_file():
+        return None
+    resume = json.loads(path.read_text())
+    return resume if resume.get("checkpoint") else None
+
+
+def make_accelerator(
+    plan: Plan, config: RunConfig, run_dir: Path, *, load_universal: bool = False
+) -> Any:
     """An Accelerator that matches the plan: gloo on CPU, DeepSpeed from the rendered JSON."""
     from accelerate import Accelerator
     from accelerate.utils import (
@@ -72,7 +94,12 @@ def make_accelerator(plan: Plan, config: RunConfig, run_dir: Path) -> Any:
     kwargs: dict[str, Any] = {"step_scheduler_with_optimizer": False}
     if plan.engine == "deepspeed":
         # not cpu=True: that makes Accelerate drop the DeepSpeed plugin; gloo comes from the handler
-        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=str(run_dir / "deepspeed.json"))
+        ds_config: Any = str(run_dir / "deepspeed.json")
+        if load_universal:
+            # a ZeRO checkpoint re-sharded for this data-parallel size (see checkpoint.py)
+            ds_config = json.loads((run_dir / "deepspeed.json").read_text())
+            ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds_config)
     else:
         kwargs["cpu"] = plan.target == "cpu"
         handlers.append(DistributedDataParallelKwargs(bucket_cap_mb=100))
@@ -83,8 +110,14 @@ def make_accelerator(plan: Plan, config: RunConfig, run_dir: Path) -> Any:
 
 def train(run_dir: Path) -> int:
     """Train as planned; return the process exit status."""
+    # first of all: a SIGUSR1/SIGTERM during start-up is kept for the first step boundary
+    signals = StopSignals()
+    signals.install()
     config, plan = read_run(run_dir)
-    accelerator = make_accelerator(plan, config, run_dir)
+    resume = read_resume(run_dir)
+    accelerator = make_accelerator(
+        plan, config, run_dir, load_universal=bool(resume and resume["universal"])
+    )
     stage, dp_rank, tp_rank = plan.mesh.coordinates(accelerator.process_index)
     place = RankPlace(
         accelerator.process_index,
@@ -103,6 +136,7 @@ def train(run_dir: Path) -> int:
         )
     say = _printer(place.is_main)
     _quiet_libraries(place.is_main)
+    control = ControlChannel(plan.timeout_minutes)
     say(
         f"[dplaunch] {plan.world_size} rank(s), {accelerator.distributed_type.value}, device {accelerator.device}"
     )
@@ -151,6 +185,25 @@ def train(run_dir: Path) -> int:
     engine = build_engine(plan, config, accelerator, model, total_steps, run_dir)
     for line in getattr(engine, "layout_lines", lambda: [])():
         say(f"[dplaunch] {line}")
+    checkpointer = Checkpointer(
+        run_dir,
+        engine,
+        control,
+        rank=place.rank,
+        keep_last=config.train.keep_last,
+        meta={**plan.header(), "engine": plan.engine, "total_steps": total_steps},
+        say=say,
+    )
+    start_step = 0
+    if resume is not None:
+        started = time.perf_counter()
+        start_step = checkpointer.load(resume)
+        epoch, in_epoch = divmod(start_step, batcher.steps_per_epoch)
+        say(
+            f"[dplaunch] resumed from {resume['checkpoint']} in {time.perf_counter() - started:.2f} s: "
+            f"step {start_step} (epoch {epoch}, step {in_epoch} of {batcher.steps_per_epoch}); "
+            f"the next batch is step {start_step + 1}"
+        )
     metrics = MetricsWriter(run_dir, enabled=place.is_main)
     metrics.write(
         "header",
@@ -161,16 +214,16 @@ def train(run_dir: Path) -> int:
         steps_per_epoch=batcher.steps_per_epoch,
         parameters=parameters,
         task=config.model.task,
+        resumed_from_step=start_step if resume is not None else None,
     )
     say(
         f"[dplaunch] {plan.batch_line()}; {total_steps} steps, {batcher.steps_per_epoch} per epoch, "
         f"{len(train_set)} training samples, {parameters / 1e6:.1f}M parameters"
     )
 
-    start_step = 0
-    if config.train.eval_every and eval_batcher is not None:
+    if config.train.eval_every and eval_batcher is not None and resume is None:
         _evaluate(engine, eval_batcher, accelerator, place, metrics, 0, plan, say)
-    code = _run_steps(
+    step, stop_reason = _run_steps(
         engine,
         batcher,
         eval_batcher,
@@ -182,14 +235,36 @@ def train(run_dir: Path) -> int:
         start_step,
         total_steps,
         say,
+        checkpointer,
+        control,
+        signals,
     )
+    if stop_reason is not None:
+        # stopped early (a signal or train.stop_after_steps): checkpoint, no export, the launcher requeues
+        if checkpointer.last_saved_step == step:
+            # the periodic save of this step, or the checkpoint this launch resumed from
+            saved = checkpointer.last_saved_path
+        else:
+            saved = checkpointer.save(step, batcher.steps_per_epoch, stop_reason)
+        status = 0 if stop_reason == STOP_AFTER_STEPS else EXIT_CHECKPOINTED
+        metrics.write("stop", step=step, reason=stop_reason, checkpoint=str(saved))
+        checkpointer.write_stop_record(step, stop_reason, saved, status)
+        say(
+            f"[dplaunch] stopped at step {step}/{total_steps} ({stop_reason}); checkpoint {saved}; "
+            "continue with `dplaunch train ... --resume auto`"
+        )
+        metrics.close()
+        accelerator.end_training()
+        # the rank itself exits 0 (torchrun would report any other status as a crash);
+        # `dplaunch train` turns the stop record into its exit status
+        return 0
 
     export_dir = run_dir / EXPORT_DIR
     engine.export(str(export_dir), tokenizer)
     say(f"[dplaunch] exported the trained model to {export_dir}")
     metrics.close()
     accelerator.end_training()
-    return code
+    return 0
 
 
 def _build_model(config: RunConfig, tokenizer: Any, accelerator: Any) -> Any:
@@ -264,7 +339,11 @@ def _run_steps(
     start_step: int,
     total_steps: int,
     say: Any,
-) -> int:
+    checkpointer: Checkpointer,
+    control: ControlChannel,
+    signals: StopSignals,
+) -> tuple[int, str | None]:
+    """Train from start_step; return (the step reached, why it stopped early or None)."""
     train = config.train
     device = accelerator.device
     # losses and token counts stay on the device between log steps: no host sync per micro-step
@@ -272,9 +351,18 @@ def _run_steps(
     interval_steps = 0
     order_epoch, order = -1, []
     last_log = time.perf_counter()
-    last_eval_step = 0 if train.eval_every else -1
-    step = start_step
+    last_eval_step = start_step if train.eval_every else -1
+    # a resumed run that is already past stop_after_steps goes on
+    stop_after = train.stop_after_steps if (train.stop_after_steps or 0) > start_step else None
+    step, stop_reason = start_step, None
     while step < total_steps:
+        # all ranks decide together: a signal may have reached only some of them, or at other moments
+        if control.any(signals.received is not None):
+            stop_reason = signals.received or "a signal to another rank"
+            break
+        if step == stop_after:
+            stop_reason = STOP_AFTER_STEPS
+            break
         epoch, in_epoch = divmod(step, batcher.steps_per_epoch)
         if epoch != order_epoch:
             order_epoch, order = epoch, batcher.epoch_order(epoch)
@@ -309,10 +397,17 @@ def _run_steps(
             _evaluate(engine, eval_batcher, accelerator, place, metrics, step, plan, say)
             last_eval_step = step
             last_log = time.perf_counter()
+        if train.checkpoint_every and step % train.checkpoint_every == 0:
+            checkpointer.save(
+                step, batcher.steps_per_epoch, f"every {train.checkpoint_every} steps"
+            )
+            last_log = time.perf_counter()
+    if stop_reason is not None:
+        return step, stop_reason
     if eval_batcher is not None and last_eval_step != step:
         _evaluate(engine, eval_batcher, accelerator, place, metrics, step, plan, say)
     metrics.write("summary", step=step, wall_s=round(time.time() - metrics.start, 3))
-    return 0
+    return step, None
 
 
 def _evaluate(

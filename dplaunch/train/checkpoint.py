@@ -1,0 +1,757 @@
+"""Checkpoints that never lose work: atomic directories, a `latest` pointer, rotation, resume points.
+
+    RUN/checkpoints/
+      step-4/            complete: every rank finished writing before it got this name
+        checkpoint.json  the data position (step, epoch) and the layout that wrote it; written last
+        run.yaml, plan.json   the resolved run file and plan of the run that wrote it
+        ...              the engine's state: accelerate's save_state (model, optimizer, scheduler,
+                         RNG of every rank) or DeepSpeed's checkpoint under ZeRO/TP/PP
+      latest             "step-4": the newest complete checkpoint (replaced via temp file + rename)
+      .tmp-step-6/       a save in progress (or killed): never read, removed by the next save
+      universal-step-4/  step-4 re-sharded for another GPU count (ZeRO); removed by the next save
+
+A save writes `.tmp-step-N/`; after a barrier (every rank done) rank 0 writes checkpoint.json,
+renames the directory to `step-N`, moves `latest`, and only then deletes checkpoints beyond
+`train.keep_last`. A kill -9 at any moment leaves the previous checkpoint and `latest` intact.
+
+The data order is a function of (seed, epoch, step) (dplaunch/train/data.py), so the data position
+is the global step: a resumed run continues with exactly the next batch, also in later epochs.
+
+The top of this module imports no torch: the launcher uses it to find and check a resume point
+before anything starts (`dplaunch train --resume`, `dplaunch export`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dplaunch.errors import UserError
+
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_FILE = "latest"
+META_FILE = "checkpoint.json"
+TEMP_PREFIX = ".tmp-"
+# the launcher tells the ranks where to resume from (always written by `dplaunch train`)
+RESUME_FILE = "resume.json"
+# rank 0 says why it stopped before the last step (signal or train.stop_after_steps)
+STOP_FILE = "stopped.json"
+# a ZeRO checkpoint converted for another data-parallel size: RUN/checkpoints/universal-step-N
+UNIVERSAL_PREFIX = "universal-"
+# accelerate's tag of the DeepSpeed checkpoint inside save_state's directory
+DEEPSPEED_TAG = "pytorch_model"
+# the pipeline engine's tag (dplaunch/train/pipeline.py)
+PIPELINE_TAG = "pipeline"
+
+# "checkpointed on a signal; continue with --resume auto" (EX_TEMPFAIL): the SLURM script requeues on it
+EXIT_CHECKPOINTED = 75
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+# Test hook, read here only: "STEP:sleep=SECONDS" sleeps in every rank after it wrote its part of
+# checkpoint step STEP and before the commit (a window to kill -9 a rank mid-save);
+# "STEP:max_file_bytes=N" caps the size of files the ranks write from that save on (RLIMIT_FSIZE:
+# the kernel then fails the writes, as on a full disk).
+FAULT_ENV = "DPLAUNCH_TEST_CHECKPOINT_FAULT"
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+# run-file sections that must be the same to continue a checkpoint: they decide the model and the data order
+_SAME_SECTIONS = ("model", "data")
+_SAME_TRAIN_KEYS = ("global_batch_size", "seed")
+# keys that only change how data is read, not which samples
+_DATA_KEYS_FREE = ("num_workers",)
+
+
+class CheckpointError(RuntimeError):
+    """A save that did not complete; the previous checkpoint is still valid."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A complete checkpoint on disk and what checkpoint.json says about it."""
+
+    path: Path
+    meta: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a launch continues from: the checkpoint, and how the ranks load it."""
+
+    checkpoint: CheckpointInfo
+    # the run being launched
+    run_dir: Path
+    # "universal": a ZeRO checkpoint re-sharded for another data-parallel size (see convert_to_universal)
+    reshard: str | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def load_dir(self) -> Path:
+        """The directory the engine loads: the checkpoint, or its universal conversion in this run."""
+        if self.reshard == "universal":
+            name = f"{UNIVERSAL_PREFIX}{self.checkpoint.name}"
+            return self.run_dir / CHECKPOINTS_DIR / name
+        return self.checkpoint.path
+
+    def to_json(self) -> str:
+        """resume.json for the ranks."""
+        return json.dumps(
+            {
+                "checkpoint": str(self.checkpoint.path.absolute()),
+                "step": self.checkpoint.step,
+                "load_dir": str(self.load_dir.absolute()),
+                "universal": self.reshard == "universal",
+            },
+            indent=2,
+        )
+
+
+FRESH_START_JSON = json.dumps({"checkpoint": None}, indent=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# finding checkpoints (torch-free: the launcher and `dplaunch export` use these)
+
+
+def read_checkpoint(path: Path) -> CheckpointInfo | None:
+    """The checkpoint at ``path`` if it is complete (has its checkpoint.json), else None."""
+    if path.name.startswith(TEMP_PREFIX):
+        return None
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or "step" not in meta:
+        return None
+    return CheckpointInfo(path, meta)
+
+
+def complete_checkpoints(checkpoints_dir: Path) -> list[CheckpointInfo]:
+    """Every complete checkpoint in a checkpoints directory, oldest step first."""
+    if not checkpoints_dir.is_dir():
+        return []
+    found = []
+    for entry in checkpoints_dir.iterdir():
+        if _STEP_DIR.match(entry.name) and entry.is_dir():
+            info = read_checkpoint(entry)
+            if info is not None:
+                found.append(info)
+    return sorted(found, key=lambda info: info.step)
+
+
+def newest_checkpoint(checkpoints_dir: Path) -> CheckpointInfo | None:
+    """What `latest` names when that is complete; otherwise the complete checkpoint of highest step."""
+    try:
+        name = (checkpoints_dir / LATEST_FILE).read_text().strip()
+    except OSError:
+        name = ""
+    if name and _STEP_DIR.match(name):
+        info = read_checkpoint(checkpoints_dir / name)
+        if info is not None:
+            return info
+    found = complete_checkpoints(checkpoints_dir)
+    return found[-1] if found else None
+
+
+def find_checkpoint(path: Path, field: str = "--resume") -> CheckpointInfo:
+    """A checkpoint directory, or the newest complete one in a checkpoints or run directory."""
+    if not path.exists():
+        raise UserError(field, f"{path} does not exist", "give a checkpoint or run directory")
+    info = read_checkpoint(path)
+    if info is not None:
+        return info
+    for candidate in (path, path / CHECKPOINTS_DIR):
+        info = newest_checkpoint(candidate)
+        if info is not None:
+            return info
+    if path.name.startswith(TEMP_PREFIX) or (path / "..").resolve().name == CHECKPOINTS_DIR:
+        raise UserError(
+            field,
+            f"{path} is not a complete checkpoint (a save that was interrupted)",
+            "give the run directory: its newest complete checkpoint is used",
+        )
+    raise UserError(
+        field,
+        f"{path} holds no complete dplaunch checkpoint",
+        "give a checkpoints/step-N directory or a run directory",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# deciding a resume before launch (torch-free)
+
+
+def plan_resume(run_dir: Path, resume: str, config: Any, plan: Any) -> ResumePoint | None:
+    """The checkpoint a launch continues from (None: a fresh start), checked against the new run.
+
+    Raises UserError, before anything starts, when the checkpoint cannot continue in this run:
+    another model, data or data order, or a layout that cannot be re-sharded.
+    """
+    if resume == "auto":
+        info = newest_checkpoint(run_dir / CHECKPOINTS_DIR)
+        if info is None:
+            return None
+    else:
+        info = find_checkpoint(Path(resume).expanduser())
+    saved_config = _read_yaml(info.path / "run.yaml")
+    saved_plan = json.loads((info.path / "plan.json").read_text())
+    notes = _check_same_training(saved_config, config, info)
+    reshard, layout_notes = _check_layout(saved_plan, plan, info)
+    return ResumePoint(info, run_dir, reshard, tuple(notes + layout_notes))
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise UserError(
+            "--resume", f"cannot read {path}: {error}", "the checkpoint is damaged"
+        ) from None
+
+
+def _check_same_training(saved: dict[str, Any], config: Any, info: CheckpointInfo) -> list[str]:
+    current = config.model_dump(mode="json")
+    fix = f"resume with the run file the checkpoint was written with (a copy: {info.path / 'run.yaml'})"
+    for section in _SAME_SECTIONS:
+        old, new = dict(saved.get(section) or {}), dict(current.get(section) or {})
+        if section == "data":
+            for key in _DATA_KEYS_FREE:
+                old.pop(key, None)
+                new.pop(key, None)
+        difference = _first_difference(old, new, section)
+        if difference:
+            raise UserError(
+                section,
+                f"differs from the checkpoint's ({difference}): it would not continue the same training",
+                fix,
+            )
+    saved_train, train = saved.get("train") or {}, current["train"]
+    for key in _SAME_TRAIN_KEYS:
+        if saved_train.get(key) != train[key]:
+            why = (
+                "the data position is counted in optimizer steps of that many samples"
+                if key == "global_batch_size"
+                else "the data order depends on it"
+            )
+            raise UserError(
+                f"train.{key}",
+                f"the checkpoint was trained with {saved_train.get(key)}, this run asks for {train[key]} ({why})",
+                f"resume with {key} {saved_train.get(key)}",
+            )
+    notes = []
+    for key in (
+        "max_steps",
+        "epochs",
+        "lr",
+        "scheduler",
+        "warmup_steps",
+        "weight_decay",
+        "max_grad_norm",
+    ):
+        if saved_train.get(key) != train[key]:
+            notes.append(
+                f"train.{key} changed since the checkpoint: {saved_train.get(key)} → {train[key]}"
+            )
+    return notes
+
+
+def _first_difference(old: Any, new: Any, where: str) -> str:
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new)):
+            found = _first_difference(old.get(key), new.get(key), f"{where}.{key}")
+            if found:
+                return found
+        return ""
+    return "" if old == new else f"{where}: {old!r} → {new!r}"
+
+
+def _check_layout(
+    saved: dict[str, Any], plan: Any, info: CheckpointInfo
+) -> tuple[str | None, list[str]]:
+    """How the new plan loads the checkpoint; UserError when the layout cannot be reshaped."""
+    mesh = saved["mesh"]
+    old_tp, old_pp = mesh["tensor_parallel_size"], mesh["pipeline_parallel_size"]
+    old_dp, old_zero = mesh["data_parallel_size"], saved["zero_stage"]
+    where = f"the checkpoint {info.path}"
+    if old_tp > 1:
+        # AutoTP shards are joined only by the running engine: a zero-step resume exports RUN/model
+        export_hint = (
+            f"or export it by resuming on its own layout with --set train.max_steps={info.step} "
+            "(RUN/model is then the consolidated model) and start a new run from that model"
+        )
+    else:
+        export_hint = f"or export it (`dplaunch export {info.path} --out DIR`) and start a new run from that model"
+    if old_pp != plan.pipeline_parallel_size:
+        raise UserError(
+            "parallel.pp",
+            f"{where} has {old_pp} pipeline stage(s), this run {plan.pipeline_parallel_size}: "
+            "DeepSpeed cannot re-cut a pipeline checkpoint into other stages",
+            f"resume with --pp {old_pp}, {export_hint}",
+        )
+    if old_tp != plan.tensor_parallel_size:
+        raise UserError(
+            "parallel.tp",
+            f"{where} has tensor-parallel degree {old_tp}, this run {plan.tensor_parallel_size}: "
+            "its weights are split into tp shards",
+            f"resume with --tp {old_tp}, {export_hint}",
+        )
+    if old_zero != plan.zero_stage:
+        raise UserError(
+            "parallel.zero_stage",
+            f"{where} was written by ZeRO stage {old_zero} ({'DDP' if old_zero == 0 else 'DeepSpeed'}), "
+            f"this run uses stage {plan.zero_stage}: the checkpoint formats differ",
+            f"resume with --zero {old_zero}, {export_hint}",
+        )
+    if saved["offload"] != plan.offload:
+        raise UserError(
+            "parallel.offload",
+            f"{where} was written with offload {saved['offload']!r}, this run asks for {plan.offload!r}",
+            f"resume with --offload {saved['offload']}",
+        )
+    if plan.uses_deepspeed and saved["mixed_precision"] != plan.mixed_precision:
+        raise UserError(
+            "train.mixed_precision",
+            f"{where} holds DeepSpeed {saved['mixed_precision']} optimizer state, this run asks for {plan.mixed_precision}",
+            f"resume with --mixed-precision {saved['mixed_precision']}",
+        )
+    notes = []
+    if old_dp == plan.data_parallel_size:
+        return None, notes
+    batch = (
+        f"global batch {plan.global_batch_size} kept: grad-accum {saved['gradient_accumulation_steps']} → "
+        f"{plan.gradient_accumulation_steps}"
+    )
+    if plan.engine == "pipeline" or old_tp > 1:
+        raise UserError(
+            "launch.gpus",
+            f"{where} has {old_dp} data-parallel replica(s) of a tp {old_tp} × pp {old_pp} layout, this run "
+            f"{plan.data_parallel_size}: dplaunch re-shards only DDP and ZeRO checkpoints without tp/pp",
+            f"resume on {saved['world_size']} GPUs, {export_hint}",
+        )
+    if old_zero == 0:
+        notes.append(
+            f"data-parallel size {old_dp} → {plan.data_parallel_size} (DDP state is the same on every rank); {batch}"
+        )
+        return None, notes
+    notes.append(
+        f"data-parallel size {old_dp} → {plan.data_parallel_size}: the ZeRO-{old_zero} optimizer shards are "
+        f"re-sharded through a DeepSpeed universal checkpoint; {batch}"
+    )
+    return "universal", notes
+
+
+def convert_to_universal(point: ResumePoint, say: Any = print) -> None:
+    """Write the universal form of a ZeRO checkpoint (DeepSpeed's ds_to_universal), once, atomically.
+
+    Runs in the launcher, in a child process, before the ranks start: every rank then loads its own
+    slice of the full-precision weights and optimizer state for the new data-parallel size. The
+    result goes into the launched run (the source checkpoint may belong to another, read-only run).
+    """
+    target = point.load_dir
+    if (target / "done").is_file():
+        say(f"using the universal checkpoint in {target}")
+        return
+    source = point.checkpoint.path
+    temp = target.with_name(f"{TEMP_PREFIX}{target.name}-{os.getpid()}")
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir(parents=True)
+    say(f"re-sharding {source.name} for the new data-parallel size (DeepSpeed ds_to_universal)…")
+    started = time.perf_counter()
+    workers = str(max(1, min(4, os.cpu_count() or 1)))
+    command = [
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(source / DEEPSPEED_TAG),
+        "--output_folder",
+        str(temp / DEEPSPEED_TAG),
+        "--inject_missing_state",
+        "--num_extract_workers",
+        workers,
+        "--num_merge_workers",
+        workers,
+    ]
+    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if result.returncode != 0:
+        shutil.rmtree(temp, ignore_errors=True)
+        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-15:])
+        raise UserError(
+            "--resume",
+            f"converting {source} to a universal checkpoint failed:\n{tail}\n",
+            f"resume on {point.checkpoint.meta.get('world_size')} GPUs (no conversion needed)",
+        )
+    # the accelerate-level files (scheduler, RNG of every rank) go next to the converted engine state
+    for item in source.iterdir():
+        if item.is_file() and item.suffix == ".pkl":
+            shutil.copy2(item, temp / item.name)
+    (temp / "done").write_text(f"{time.time()}\n")
+    try:
+        os.rename(temp, target)
+    except OSError:
+        # another node's launcher converted it first: use theirs
+        shutil.rmtree(temp, ignore_errors=True)
+        if not (target / "done").is_file():
+            raise
+    say(f"universal checkpoint ready in {time.perf_counter() - started:.1f} s: {target}")
+
+
+# ---------------------------------------------------------------------------------------------
+# consolidated weights from the files, in one process (`dplaunch export`)
+
+
+def consolidated_state_dict(directory: Path, engine: str) -> dict[str, Any]:
+    """The full model state dict of a DDP or ZeRO-1/2/3 checkpoint (fp32 master weights for ZeRO)."""
+    if engine == "ddp":
+        from safetensors.torch import load_file
+
+        state = load_file(str(directory / "model.safetensors"))
+        # checkpoints hold the unwrapped model; strip DDP's prefix should an older one have it
+        return {name.removeprefix("module."): tensor for name, tensor in state.items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    # zero_to_fp32: every rank's partition of the fp32 master weights, joined (ZeRO-3 included)
+    return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=DEEPSPEED_TAG)
+
+
+def load_pipeline_layers(directory: Path, model: Any) -> None:
+    """Fill an HF model with a pipeline checkpoint's per-layer files (every stage's layers)."""
+    import torch
+
+    from dplaunch.train.pipeline import pipeline_layers
+
+    for index, layer in enumerate(pipeline_layers(model)):
+        files = sorted((directory / PIPELINE_TAG).glob(f"layer_{index:02d}-*model_states.pt"))
+        if not files:
+            raise UserError(
+                "CHECKPOINT",
+                f"{directory} has no file for pipeline layer {index}",
+                "export a complete pipeline checkpoint written for this run file",
+            )
+        # specs (tied embedding, lm_head) build modules around the HF model's own submodules
+        module = layer if isinstance(layer, torch.nn.Module) else layer.build()
+        module.load_state_dict(torch.load(files[0], map_location="cpu", weights_only=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# the launcher's view of how the ranks ended
+
+
+def read_stop_record(run_dir: Path) -> dict[str, Any] | None:
+    """What rank 0 wrote when it stopped before the last step (None when it did not)."""
+    try:
+        return json.loads((run_dir / STOP_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def clear_stop_record(run_dir: Path) -> None:
+    """Forget the stop record of a previous launch of this run directory."""
+    (run_dir / STOP_FILE).unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# inside the ranks
+
+
+class StopSignals:
+    """SIGUSR1/SIGTERM set a flag; the loop stops at the next step boundary. Repeats are harmless."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        # only a flag: the save in progress (if any) goes on untouched, a second signal changes nothing
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+class ControlChannel:
+    """Small collective decisions (stop now? did the save work?) on a CPU gloo group of all ranks.
+
+    A separate group keeps these few-byte all-reduces off the GPU (no device sync) and never
+    interleaves them with the engine's own collectives.
+    """
+
+    def __init__(self, timeout_minutes: float):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.group = None
+        self.enabled = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if self.enabled:
+            from datetime import timedelta
+
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when it is true on at least one."""
+        if not self.enabled:
+            return flag
+        import torch
+
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        self.dist.all_reduce(value, op=self.dist.ReduceOp.MAX, group=self.group)
+        return bool(value.item())
+
+    def barrier(self) -> None:
+        if self.enabled:
+            self.dist.barrier(group=self.group)
+
+
+class Checkpointer:
+    """Saves and loads checkpoints of one run; every rank holds one and calls save/load together."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        engine: Any,
+        control: ControlChannel,
+        *,
+        rank: int,
+        keep_last: int,
+        meta: dict[str, Any],
+        say: Any,
+    ):
+        self.run_dir = run_dir
+        self.directory = run_dir / CHECKPOINTS_DIR
+        self.engine = engine
+        self.control = control
+        self.rank = rank
+        self.keep_last = keep_last
+        # layout facts that go into every checkpoint.json
+        self.meta = meta
+        self.say = say
+        # the newest checkpoint of this launch (or the one it resumed from)
+        self.last_saved_step: int | None = None
+        self.last_saved_path: Path | None = None
+        self._fault = _parse_fault(os.environ.get(FAULT_ENV, ""))
+
+    def save(self, step: int, steps_per_epoch: int, reason: str) -> Path:
+        """Write checkpoint step-N atomically; raise CheckpointError (previous one intact) on failure."""
+        started = time.perf_counter()
+        final = self.directory / f"step-{step}"
+        temp = self.directory / f"{TEMP_PREFIX}step-{step}"
+        previous = newest_checkpoint(self.directory)
+        intact = (
+            f"{previous.path} (step {previous.step}) is intact and `latest` still names it"
+            if previous
+            else "no earlier checkpoint exists"
+        )
+        problem: BaseException | None = None
+        try:
+            if self.rank == 0:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                for stale in self.directory.glob(f"{TEMP_PREFIX}*"):
+                    shutil.rmtree(stale, ignore_errors=True)  # saves that were killed
+                temp.mkdir()
+        except OSError as error:
+            problem = error
+        # rank 0 may have failed to create the directory: nobody writes then
+        if self.control.any(problem is not None):
+            raise CheckpointError(
+                f"checkpoint step {step} failed, {intact}: could not create {temp}: {problem}"
+            )
+        try:
+            self._apply_fault(step, "max_file_bytes")
+            self.engine.save(str(temp))
+            if not getattr(self.engine, "saves_rng", False):
+                save_rng_state(temp, self.rank)
+            self._apply_fault(step, "sleep")
+        except Exception as error:  # noqa: BLE001 — reported with what is still valid
+            raise CheckpointError(
+                f"could not write checkpoint step {step}, {intact}: {temp}: {error}"
+            ) from error
+        self.control.barrier()  # every rank has written its part
+        failed = False
+        if self.rank == 0:
+            try:
+                self._commit(temp, final, step, steps_per_epoch, reason, started)
+            except OSError as error:
+                failed = True
+                shutil.rmtree(temp, ignore_errors=True)
+                message = f"could not commit checkpoint step {step}, {intact}: {error}"
+        if self.control.any(failed):
+            raise CheckpointError(
+                message if self.rank == 0 else f"rank 0 could not commit checkpoint step {step}"
+            )
+        self.last_saved_step, self.last_saved_path = step, final
+        if self.rank == 0:
+            meta = json.loads((final / META_FILE).read_text())
+            self.say(
+                f"[dplaunch] checkpoint {final} ({reason}): {meta['size_bytes'] / 1e6:.1f} MB in "
+                f"{meta['save_seconds']:.2f} s"
+            )
+            self._rotate(keep=final)
+        return final
+
+    def _commit(
+        self, temp: Path, final: Path, step: int, steps_per_epoch: int, reason: str, started: float
+    ) -> None:
+        for name in ("run.yaml", "plan.json"):
+            shutil.copy2(self.run_dir / name, temp / name)
+        meta = {
+            "step": step,
+            "epoch": step // steps_per_epoch,
+            "step_in_epoch": step % steps_per_epoch,
+            "steps_per_epoch": steps_per_epoch,
+            "reason": reason,
+            **self.meta,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "save_seconds": round(time.perf_counter() - started, 3),
+            "size_bytes": _tree_size(temp),
+        }
+        write_file_atomic(temp / META_FILE, json.dumps(meta, indent=2) + "\n")
+        _fsync_directory(temp)
+        if final.exists():
+            # a checkpoint of the same step from an abandoned continuation: replaced as a whole
+            old = self.directory / f"{TEMP_PREFIX}old-{final.name}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(temp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(temp, final)
+        _fsync_directory(self.directory)
+        write_file_atomic(self.directory / LATEST_FILE, final.name + "\n")
+
+    def _rotate(self, keep: Path) -> None:
+        # a re-sharded copy served only this launch's start: its own checkpoint now exists
+        for converted in self.directory.glob(f"{UNIVERSAL_PREFIX}*"):
+            shutil.rmtree(converted, ignore_errors=True)
+        complete = complete_checkpoints(self.directory)
+        for info in complete[: max(0, len(complete) - self.keep_last)]:
+            if info.path != keep:
+                shutil.rmtree(info.path, ignore_errors=True)
+
+    def load(self, resume: dict[str, Any]) -> int:
+        """Restore the state resume.json names; return the step to continue from."""
+        self.engine.load(resume["load_dir"])
+        if not getattr(self.engine, "saves_rng", False):
+            load_rng_state(Path(resume["checkpoint"]), self.rank)
+        meta = json.loads((Path(resume["checkpoint"]) / META_FILE).read_text())
+        self.last_saved_step = int(meta["step"])
+        self.last_saved_path = Path(resume["checkpoint"])
+        return self.last_saved_step
+
+    def write_stop_record(self, step: int, reason: str, checkpoint: Path, exit_status: int) -> None:
+        """Rank 0 tells the launcher how this launch ended (read by `dplaunch train`)."""
+        if self.rank == 0:
+            record = {
+                "step": step,
+                "reason": reason,
+                "checkpoint": str(checkpoint),
+                "exit_status": exit_status,
+            }
+            write_file_atomic(self.run_dir / STOP_FILE, json.dumps(record) + "\n")
+
+    def _apply_fault(self, step: int, kind: str) -> None:
+        if self._fault is None or self._fault[0] != step or self._fault[1] != kind:
+            return
+        if kind == "sleep":
+            time.sleep(self._fault[2])
+        elif kind == "max_file_bytes":
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_FSIZE, (int(self._fault[2]), resource.RLIM_INFINITY))
+
+
+def _parse_fault(text: str) -> tuple[int, str, float] | None:
+    if not text:
+        return None
+    step, _, action = text.partition(":")
+    kind, _, value = action.partition("=")
+    if kind not in ("sleep", "max_file_bytes"):
+        raise ValueError(
+            f"{FAULT_ENV}={text!r}: expected STEP:sleep=SECONDS or STEP:max_file_bytes=N"
+        )
+    return int(step), kind, float(value)
+
+
+def save_rng_state(directory: Path, rank: int) -> None:
+    """Python, NumPy and torch RNG of this rank (for engines whose own save has none)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+    torch.save(state, directory / f"rng-rank-{rank}.pt")
+
+
+def load_rng_state(directory: Path, rank: int) -> None:
+    """Restore save_rng_state's file of this rank when there is one (another world size may lack it)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    path = directory / f"rng-rank-{rank}.pt"
+    if not path.is_file():
+        return
+    state = torch.load(path, weights_only=False)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def write_file_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file, fsync and rename: readers see the old or the new file, never half."""
+    temp = path.with_name(f"{TEMP_PREFIX}{path.name}.{os.getpid()}")
+    try:
+        with open(temp, "w") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def _fsync_directory(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _tree_size(path: Path) -> int:
+    return sum(item.stat().st_size for item in path.rglob("*") if item.is_file())

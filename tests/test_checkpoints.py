@@ -1,0 +1,303 @@
+"""Checkpoints never lose work: exact resume, a killed rank, a full disk, SIGTERM, re-sharding, export.
+
+Real 2-rank CPU runs of the tiny Llama on 44 reviews: 27 training samples, so global batch 8 gives 3
+steps per epoch and an 8-step run crosses epoch boundaries at steps 3 and 6.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from dplaunch.commands.export import run_export
+from dplaunch.config.schema import RunConfig
+from dplaunch.train.modeling import load_model, load_tokenizer
+from tests.helpers import (
+    REPO,
+    child_environment,
+    max_relative_gap,
+    read_metrics,
+    run_dplaunch,
+    train,
+    write_config,
+)
+
+pytestmark = pytest.mark.multiprocess
+
+DDP = ("--cpu", "--gpus", "2")
+# micro batch 4: grad-accum 1 on 2 ranks, 2 on 1 rank (recomputed when the GPU count changes)
+ZERO2 = ("--cpu", "--zero", "2", "--micro-batch", "4")
+FAULT = "DPLAUNCH_TEST_CHECKPOINT_FAULT"
+
+
+@pytest.fixture(scope="module")
+def run_file(tmp_path_factory) -> Path:
+    """The tiny Llama on the first 44 reviews (3 steps per epoch at global batch 8)."""
+    folder = tmp_path_factory.mktemp("small")
+    data = folder / "reviews-44.jsonl"
+    rows = (REPO / "dplaunch/resources/data/reviews.jsonl").read_text().splitlines()[:44]
+    data.write_text("\n".join(rows) + "\n")
+    return write_config(folder / "tiny-small.yaml", data={"dataset": str(data)})
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    """Per-step losses over all launches of a run; a step logged again after a resume wins."""
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r["type"] == "train"}
+
+
+def latest(run_dir: Path) -> str:
+    return (run_dir / "checkpoints" / "latest").read_text().strip()
+
+
+def start(run_file: Path, run_dir: Path, *args: str, **env: str) -> subprocess.Popen:
+    """`dplaunch train` in the background (a process we can signal), output in run_dir.log."""
+    log = open(f"{run_dir}.log", "w")  # noqa: SIM115 — closed with the process by finish()
+    return subprocess.Popen(
+        [sys.executable, "-m", "dplaunch", "train", str(run_file), "-o", str(run_dir), *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=child_environment(**env),
+        cwd=REPO,
+        text=True,
+    )
+
+
+def finish(process: subprocess.Popen, run_dir: Path, timeout: float = 300) -> tuple[int, str]:
+    code = process.wait(timeout=timeout)
+    return code, Path(f"{run_dir}.log").read_text()
+
+
+def wait_for(condition, what: str, process: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None:
+            raise AssertionError(f"dplaunch ended ({process.returncode}) before {what}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def rank_pids(run_dir: Path) -> dict[int, int]:
+    """PID of each training rank of a run (the processes running `dplaunch.train RUN_DIR`)."""
+    pids = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"dplaunch.train" in argv and str(run_dir.absolute()).encode() in argv:
+            for item in environ:
+                if item.startswith(b"RANK="):
+                    pids[int(item[5:])] = int(entry.name)
+    return pids
+
+
+def test_a_run_survives_a_killed_rank_and_sigterm_with_the_exact_losses(tmp_path, run_file):
+    straight = tmp_path / "straight"
+    train(straight, *DDP, config=run_file)
+    header = read_metrics(straight)[0]
+    assert (header["steps_per_epoch"], header["total_steps"]) == (3, 8)  # crosses 2 epoch ends
+
+    run = tmp_path / "run"
+    every_2 = ("--set", "train.checkpoint_every=2", "--resume", "auto")
+    # 1. kill -9 of rank 0 while checkpoint step 4 is written but not yet committed
+    process = start(run_file, run, *DDP, *every_2, **{FAULT: "4:sleep=6"})
+    temp = run / "checkpoints" / ".tmp-step-4"
+    wait_for(lambda: (temp / "random_states_1.pkl").exists(), "the step-4 save", process)
+    os.kill(rank_pids(run)[0], signal.SIGKILL)
+    code, log = finish(process, run)
+    assert "starting from step 0" in log  # --resume auto without a checkpoint: fresh, and says so
+    assert code not in (0, 75), log[-3000:]
+    assert latest(run) == "step-2" and not (run / "checkpoints" / "step-4").exists()
+
+    # 2. the next --resume auto continues from step 2; SIGTERM while step 6 is being saved (and
+    #    torchrun's second SIGTERM): the save completes, the ranks stop there, dplaunch exits 75
+    process = start(run_file, run, *DDP, *every_2, **{FAULT: "6:sleep=6"})
+    temp = run / "checkpoints" / ".tmp-step-6"
+    wait_for(lambda: (temp / "random_states_1.pkl").exists(), "the step-6 save", process)
+    process.send_signal(signal.SIGTERM)
+    code, log = finish(process, run)
+    assert code == 75, log[-3000:]
+    assert f"resume: {run / 'checkpoints' / 'step-2'} (step 2" in log
+    assert latest(run) == "step-6"
+    stopped = json.loads((run / "stopped.json").read_text())
+    assert (stopped["step"], stopped["reason"], stopped["exit_status"]) == (6, "SIGTERM", 75)
+    saved = json.loads((run / "checkpoints" / "step-6" / "checkpoint.json").read_text())
+    assert (saved["step"], saved["epoch"], saved["step_in_epoch"]) == (6, 2, 0)
+    # keep_last 2: step-2 rotated out once step-6 was complete; the killed save's leftovers are gone
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-4", "step-6"]
+
+    # 3. resume: steps 7 and 8; every step's loss and the final weights exactly as straight
+    result = train(run, *DDP, *every_2, config=run_file)
+    assert f"resume: {run / 'checkpoints' / 'step-6'} (step 6" in result.stdout
+    assert losses_by_step(run) == losses_by_step(straight)
+    assert [r["step"] for r in read_metrics(run) if r["type"] == "train"][-2:] == [7, 8]
+    resumed, uninterrupted = (
+        load_file(str(d / "model" / "model.safetensors")) for d in (run, straight)
+    )
+    assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)
+
+    # the export of the run's newest checkpoint (step 8) gives the run's final weights
+    exported = tmp_path / "exported"
+    assert run_export(run, exported) == 0  # `dplaunch export RUN --out DIR`, in this process
+    weights = load_file(str(exported / "model.safetensors"))
+    assert all(torch.equal(weights[name], resumed[name]) for name in resumed)
+
+
+@pytest.fixture(scope="module")
+def zero2_runs(tmp_path_factory, run_file) -> tuple[Path, Path]:
+    """A straight 2-rank ZeRO-2 run, and one stopped by train.stop_after_steps=4 (kept pristine)."""
+    root = tmp_path_factory.mktemp("zero2")
+    straight, stopped = root / "straight", root / "stopped"
+    train(straight, *ZERO2, "--gpus", "2", config=run_file)
+    stop_4 = ("--set", "train.stop_after_steps=4")
+    result = train(stopped, *ZERO2, "--gpus", "2", *stop_4, config=run_file)  # exit status 0
+    assert "stopped at step 4 (train.stop_after_steps)" in result.stderr
+    assert latest(stopped) == "step-4" and not (stopped / "model").exists()
+    return straight, stopped
+
+
+def test_zero2_stopped_at_step_4_resumes_with_bit_identical_losses(tmp_path, zero2_runs, run_file):
+    straight, stopped = zero2_runs
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    result = train(run, *ZERO2, "--gpus", "2", "--resume", "auto", config=run_file)
+    assert "DEEPSPEED" in result.stdout and "the next batch is step 5" in result.stdout
+    assert losses_by_step(run) == losses_by_step(straight)
+
+
+def test_a_2_rank_zero2_checkpoint_continues_on_1_rank_and_a_full_disk_keeps_the_last_one(
+    tmp_path, zero2_runs, run_file
+):
+    straight, stopped = zero2_runs
+    run = tmp_path / "one-rank"
+    # the disk fills up (RLIMIT_FSIZE) while step 8 is saved; step 6 was saved before
+    result = run_dplaunch(
+        "train", run_file, "-o", run, *ZERO2, "--gpus", "1",
+        "--resume", stopped / "checkpoints" / "step-4", "--set", "train.checkpoint_every=2",
+        env=child_environment(**{FAULT: "8:max_file_bytes=100000"}),
+    )  # fmt: skip
+    out = result.stdout + result.stderr
+    # re-sharded through a universal checkpoint; the global batch is kept with grad-accum 2
+    assert "data-parallel size 2 → 1" in out and "grad-accum 1 → 2" in out, out[-3000:]
+    losses, reference = losses_by_step(run), losses_by_step(straight)
+    assert sorted(losses) == [5, 6, 7, 8]
+    gap = max_relative_gap([losses[s] for s in range(5, 9)], [reference[s] for s in range(5, 9)])
+    assert gap < 1e-5, (losses, reference)  # the same maths, summed in another order
+    one_rank = json.loads((run / "checkpoints" / "step-6" / "checkpoint.json").read_text())
+    assert (one_rank["world_size"], one_rank["gradient_accumulation_steps"]) == (1, 2)
+    assert not (run / "checkpoints" / "universal-step-4").exists()  # served its purpose
+    # the failed save is reported with what is still valid
+    assert result.returncode == 1, out[-3000:]
+    assert "could not write checkpoint step 8" in result.stderr, result.stderr[-3000:]
+    assert "step-6 (step 6) is intact" in result.stderr
+    assert latest(run) == "step-6" and not (run / "checkpoints" / "step-8").exists()
+
+
+def _count_steps_until_stop(rank: int, port: int, folder: str) -> None:
+    """One of two real gloo ranks stepping like the loop does: stop when any rank got a signal."""
+    import torch.distributed as dist
+
+    from dplaunch.train.checkpoint import ControlChannel, StopSignals
+
+    signals = StopSignals()
+    signals.install()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    control = ControlChannel(timeout_minutes=1)
+    (Path(folder) / f"pid-{rank}").write_text(str(os.getpid()))
+    step = 0
+    while not control.any(signals.received is not None) and step < 3000:
+        step += 1
+        time.sleep(0.01 * (rank + 1))  # the ranks do not run in step
+    (Path(folder) / f"rank-{rank}").write_text(json.dumps([step, signals.received]))
+    dist.destroy_process_group()
+
+
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    import multiprocessing
+
+    from dplaunch.launching.ports import free_port
+
+    port, spawn = free_port(), multiprocessing.get_context("spawn")
+    ranks = [
+        spawn.Process(target=_count_steps_until_stop, args=(rank, port, str(tmp_path)))
+        for rank in (0, 1)
+    ]
+    for process in ranks:
+        process.start()
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "pid-1").exists() or not (tmp_path / "pid-0").exists():
+        assert time.monotonic() < deadline and all(p.is_alive() for p in ranks)
+        time.sleep(0.05)
+    time.sleep(0.5)
+    os.kill(int((tmp_path / "pid-1").read_text()), signal.SIGUSR1)  # only rank 1 hears it
+    for process in ranks:
+        process.join(60)
+        assert process.exitcode == 0
+    (step_0, heard_0), (step_1, heard_1) = (
+        json.loads((tmp_path / f"rank-{rank}").read_text()) for rank in (0, 1)
+    )
+    assert (heard_0, heard_1) == (None, "SIGUSR1")
+    assert step_0 == step_1 < 3000
+
+
+def test_a_checkpoint_that_cannot_continue_this_run_is_refused_before_launch(
+    tmp_path, zero2_runs, run_file
+):
+    _, stopped = zero2_runs
+    checkpoint = stopped / "checkpoints" / "step-4"
+    cases = [
+        (("--zero", "1", "--pp", "2"), "parallel.pp: "),
+        (("--zero", "0"), "parallel.zero_stage: "),
+        (("--zero", "2", "--set", "train.seed=8"), "train.seed: "),
+        (("--zero", "2", "--global-batch", "16"), "train.global_batch_size: "),
+        (("--zero", "2", "--set", "data.max_length=32"), "data: differs from the checkpoint's"),
+    ]
+    for extra, message in cases:
+        run = tmp_path / "new"
+        flags = ("--cpu", "--gpus", "2", "--micro-batch", "4", *extra, "--resume", checkpoint)
+        result = run_dplaunch("train", run_file, "-o", run, *flags)
+        assert result.returncode == 2, (extra, result.stdout[-1000:], result.stderr[-2000:])
+        assert result.stderr.startswith(f"dplaunch: error: {message}"), result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and not run.exists()
+
+
+def test_export_of_a_two_rank_zero3_checkpoint_gives_the_trained_model(tmp_path, run_file):
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "zero3"
+    zero3 = ("--cpu", "--gpus", "2", "--zero", "3", "--max-steps", "4")
+    train(run, *zero3, "--set", "train.checkpoint_every=4", config=run_file)
+    exported = tmp_path / "exported"
+    result = run_dplaunch("export", run / "checkpoints" / "step-4", "--out", exported)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ZeRO-3, 2 rank(s)" in result.stdout
+    inputs = torch.randint(3, 259, (2, 24), generator=torch.Generator().manual_seed(0))
+    from_checkpoint = AutoModelForCausalLM.from_pretrained(exported).eval()
+    from_run = AutoModelForCausalLM.from_pretrained(run / "model").eval()
+    with torch.no_grad():
+        logits = from_checkpoint(inputs).logits
+        torch.testing.assert_close(logits, from_run(inputs).logits, rtol=0, atol=1e-6)
+    # the trained weights: not ZeRO-3's empty (0-element) partitions, not the initial ones
+    weights = load_file(str(exported / "model.safetensors"))
+    assert weights["model.embed_tokens.weight"].shape == (259, 64)
+    config = RunConfig.model_validate(yaml.safe_load((run / "run.yaml").read_text()))
+    initial = load_model(config.model, load_tokenizer(config.model), config.train.seed)
+    moved = [
+        (weights[name] - parameter.detach()).abs().max().item()
+        for name, parameter in initial.named_parameters()
+    ]
+    assert min(moved) > 1e-4, moved  # every tensor trained
