@@ -67,7 +67,31 @@ def _output_under_a_file(tmp: Path) -> list:
     return ["train", TINY_LLAMA, "-o", tmp / "afile" / "run"]
 
 
+def _model_with_its_own_code(tmp: Path) -> list:
+    model = tmp / "custom-model"
+    model.mkdir()
+    (model / "config.json").write_text(
+        '{"model_type": "my-llama", "auto_map": {"AutoModelForCausalLM": "modeling.MyLlama"}}'
+    )
+    (model / "modeling.py").write_text("raise SystemExit('this must never run')\n")
+    return [
+        "train",
+        TINY_LLAMA,
+        "--set",
+        "model.config=null",
+        "--set",
+        f"model.name_or_path={model}",
+    ]
+
+
+def _launch_into_sysfs(tmp: Path) -> list:
+    (tmp / "script.py").write_text("print('never started')\n")
+    return ["launch", tmp / "script.py", "--cpu", "-o", "/sys/dplaunch-run"]
+
+
 BUSY_PORT = 0
+# a 2-node job rendered to stdout: only the SLURM values below are wrong
+SLURM_JOB = ["--gpus", "8", "--nodes", "2", "--out", "-"]
 
 # (id, argv builder, text the one line must contain)
 CASES = [
@@ -203,12 +227,39 @@ CASES = [
         "data.eval_split",
     ),
     ("output-dir-under-a-file", _output_under_a_file, "output_dir: "),
+    # root may write anywhere os.access looks; sysfs refuses new files even to root
+    (
+        "output-dir-unwritable",
+        lambda t: ["train", TINY_LLAMA, "-o", "/sys/dplaunch-run"],
+        "output_dir: cannot create files in /sys",
+    ),
+    (
+        "launch-output-dir-unwritable",
+        _launch_into_sysfs,
+        "output_dir: cannot create files in /sys",
+    ),
+    ("model-code-not-trusted", _model_with_its_own_code, "model.trust_remote_code: "),
     ("output-dir-holds-a-run", _existing_run, "already holds a run"),
     ("port-in-use-multi-node", _busy_port, "port"),
     (
         "node-rank-too-large",
         lambda t: ["train", TINY_LLAMA, "--cpu", "--gpus", "2", "--nodes", "2", "--node-rank", "2"],
         "launch.node_rank",
+    ),
+    (
+        "slurm-bad-time",
+        lambda t: ["slurm", TINY_LLAMA, *SLURM_JOB, "--time", "abc"],
+        "--time: 'abc' is not a SLURM time",
+    ),
+    (
+        "slurm-job-name-with-slash",
+        lambda t: ["slurm", TINY_LLAMA, *SLURM_JOB, "--job-name", "a/b"],
+        "--job-name: 'a/b' contains '/'",
+    ),
+    (
+        "slurm-zero-cpus-per-gpu",
+        lambda t: ["slurm", TINY_LLAMA, *SLURM_JOB, "--cpus-per-gpu", "0"],
+        "--cpus-per-gpu: 0",
     ),
     ("launch-script-missing", lambda t: ["launch", t / "nope.py", "--cpu"], "SCRIPT: "),
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,8 +16,8 @@ from dplaunch.launching.prepare import (
     prepare_script_launch,
     prepare_training_run,
 )
-from dplaunch.launching.process import run_supervised
-from dplaunch.launching.rundir import check_run_dir, write_run_files
+from dplaunch.launching.process import RankWatch, run_supervised
+from dplaunch.launching.rundir import ERRORS_DIR, check_run_dir, write_run_files
 
 if TYPE_CHECKING:
     from dplaunch.train.checkpoint import ResumePoint
@@ -97,22 +98,35 @@ def run_config(flags: RunFlags, out: Path) -> int:
 def run_launch(flags: RunFlags, script: list[str], *, dry_run: bool) -> int:
     """Launch a user script with the same plan."""
     prepared = prepare_script_launch(flags, script)
+    # a script's run directory holds only dplaunch's files: launching into it again is fine
+    disk_line = check_run_dir(prepared.run_dir, resuming=True)
     print_prepared(prepared, show_files=dry_run)
     if dry_run:
         return 0
+    typer.echo(f"run directory: {prepared.run_dir} ({disk_line})")
     return start(prepared)
 
 
-def start(prepared: PreparedRun) -> int:
-    """Write the run directory and run this node's ranks under supervision."""
+def start(
+    prepared: PreparedRun,
+    *,
+    after_failure: Callable[[int], list[str] | None] | None = None,
+) -> int:
+    """Write the run directory and run this node's ranks under supervision.
+
+    When the job fails, the first failing rank's error is printed once, as the last line.
+    ``after_failure(status)`` gives lines to print before it, or None when the ranks stopped on
+    purpose (then there is no failure report).
+    """
     write_run_files(prepared.run_dir, prepared.files)
     env = {**os.environ, **prepared.env}
-    code = run_supervised(prepared.argv, env)
+    watch = RankWatch(prepared.run_dir / ERRORS_DIR, timeout_minutes=prepared.plan.timeout_minutes)
+    code = run_supervised(prepared.argv, env, watch=watch)
     if code != 0:
-        typer.echo(
-            f"dplaunch: training exited with status {code} (run directory: {prepared.run_dir})",
-            err=True,
-        )
+        hints = after_failure(code) if after_failure is not None else []
+        if hints is not None:
+            for line in watch.report(code, prepared.run_dir, hints):
+                typer.echo(line, err=True)
     return code
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -94,7 +95,31 @@ def model_facts(model: ModelConfig) -> ModelFacts:
     """Shape facts of the configured model, from model.config or the model's config.json."""
     if model.config is not None:
         return ModelFacts.from_config_dict(model.config)
-    return ModelFacts.from_config_dict(load_config_json(model.name_or_path or ""))
+    config_json = load_config_json(model.name_or_path or "")
+    _refuse_code_not_trusted(model, config_json)
+    return ModelFacts.from_config_dict(config_json)
+
+
+def _refuse_code_not_trusted(model: ModelConfig, config_json: dict[str, Any]) -> None:
+    # a model folder can map itself to Python files of its own (config.json "auto_map"); transformers
+    # runs them only with trust_remote_code, and without it every rank fails. Say so before launch,
+    # unless transformers has the architecture built in (then it uses its own code)
+    auto_map = config_json.get("auto_map")
+    if model.trust_remote_code or not isinstance(auto_map, dict) or not auto_map:
+        return
+    model_type = str(config_json.get("model_type", ""))
+    spec = importlib.util.find_spec("transformers")  # finds the package without importing it
+    if spec is not None and spec.submodule_search_locations:
+        models = Path(spec.submodule_search_locations[0]) / "models"
+        if model_type and (models / model_type.replace("-", "_")).is_dir():
+            return
+    code = ", ".join(sorted({str(v if isinstance(v, str) else v[0]) for v in auto_map.values()}))
+    raise UserError(
+        "model.trust_remote_code",
+        f"{model.name_or_path} runs its own Python code ({code}) for model_type {model_type!r}, "
+        "and dplaunch runs no downloaded code unless told to",
+        "read that code; if you trust it, set model.trust_remote_code=true",
+    )
 
 
 def prepare_training_run(
@@ -178,6 +203,8 @@ def _render(
 def rank_environment(plan: Plan) -> dict[str, str]:
     """Variables dplaunch sets for the ranks on top of the user's environment (never secrets)."""
     env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    # launch.timeout_minutes, for scripts that build their own process group (dplaunch launch)
+    env["DPLAUNCH_TIMEOUT_MINUTES"] = f"{plan.timeout_minutes:g}"
     if plan.target == "cpu":
         env["DS_ACCELERATOR"] = (
             "cpu"  # DeepSpeed would otherwise probe for CUDA and warn in every rank

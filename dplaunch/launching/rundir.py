@@ -11,6 +11,8 @@ from dplaunch.errors import UserError
 
 # files a finished or running training run leaves; their presence means "this is a run"
 RUN_MARKERS = ("metrics.jsonl", "checkpoints")
+# RUN/errors/rank-N.txt: the traceback of a failing rank (written by dplaunch.train.__main__)
+ERRORS_DIR = "errors"
 
 
 def check_run_dir(run_dir: Path, *, resuming: bool) -> str:
@@ -27,10 +29,25 @@ def check_run_dir(run_dir: Path, *, resuming: bool) -> str:
         probe = probe.parent
     if not probe.is_dir():
         raise UserError("output_dir", f"{probe} is not a directory", "choose another --output-dir")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError("output_dir", f"{probe} is not writable", "choose a writable --output-dir")
+    _check_writable(probe)
     free_gb = shutil.disk_usage(probe).free / 1e9
     return f"{free_gb:.1f} GB free on the output directory's disk"
+
+
+def _check_writable(directory: Path) -> None:
+    # os.access says yes to root everywhere, and nothing about read-only mounts or quotas:
+    # create and remove a real file instead
+    try:
+        handle, probe = tempfile.mkstemp(dir=directory, prefix=".dplaunch-probe-")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise UserError(
+            "output_dir",
+            f"cannot create files in {directory} ({reason})",
+            "choose a writable --output-dir",
+        ) from None
 
 
 def write_text_atomic(path: Path, text: str, mode: int | None = None) -> None:

@@ -7,7 +7,10 @@ import sys
 import traceback
 from pathlib import Path
 
-ERRORS_DIR = "errors"
+from dplaunch.launching.rundir import ERRORS_DIR
+
+# the terminal line stays short; the whole message and traceback are in the file
+MAX_MESSAGE_CHARS = 600
 
 
 def main(argv: list[str]) -> int:
@@ -24,12 +27,19 @@ def main(argv: list[str]) -> int:
         report = run_dir / ERRORS_DIR / f"rank-{rank}.txt"
         report.parent.mkdir(parents=True, exist_ok=True)
         report.write_text(traceback.format_exc())
-        print(
-            f"[rank {rank}] {type(error).__name__}: {error} (traceback: {report})",
-            file=sys.stderr,
-            flush=True,
-        )
+        # one line, written at once: dplaunch's launcher recognises it (launching.process.RANK_ERROR_RE)
+        # and prints only the first failing rank's, last; 16 ranks' lines must not interleave
+        sys.stderr.write(f"[rank {rank}] {one_line(error)} (traceback: {report})\n")
+        sys.stderr.flush()
         return 1
+
+
+def one_line(error: BaseException) -> str:
+    """`Type: message` on one line (messages of some libraries span several)."""
+    message = " ".join(str(error).split())
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[: MAX_MESSAGE_CHARS - 1] + "…"
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 if __name__ == "__main__":

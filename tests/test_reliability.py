@@ -1,0 +1,591 @@
+"""Reliability and security with real processes: a dying rank ends the job with its own error as
+the last line, a stuck rank becomes a timeout error, no process outlives the job, busy ports are
+avoided, launch.sh quotes every value, secrets stay out of the run, the umask is respected.
+
+Faults are injected from outside, as they happen for real: user scripts that raise, kill or
+stop themselves (run through `dplaunch launch`, the same launcher), a data mistake that breaks
+only one rank, and signals sent to a rank, to the launcher or to dplaunch found in the process tree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from tests.helpers import REPO, TINY_LLAMA, child_environment, run_dplaunch, write_config
+
+pytestmark = pytest.mark.multiprocess
+
+# every rank of these scripts builds its process group the way dplaunch's loop does: gloo, with
+# launch.timeout_minutes, which dplaunch passes to the ranks as DPLAUNCH_TIMEOUT_MINUTES
+PRELUDE = """
+import os, signal, sys, time
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+minutes = float(os.environ["DPLAUNCH_TIMEOUT_MINUTES"])
+dist.init_process_group("gloo", timeout=timedelta(minutes=minutes))
+rank = dist.get_rank()
+def say(text):  # one write per line: print() writes the newline separately, ranks interleave
+    sys.stdout.write(text + "\\n")
+    sys.stdout.flush()
+say(f"rank {rank} ready")
+"""
+RAISES_ON_RANK_1 = """
+if rank == 1:
+    time.sleep(1)  # rank 0 is inside the all-reduce by then
+    open(sys.argv[1], "w").write(str(time.time()))
+    raise ValueError("rank one broke on purpose")
+dist.all_reduce(torch.ones(1))
+"""
+KILLS_ITSELF_ON_RANK_1 = """
+if rank == 1:
+    time.sleep(1)
+    open(sys.argv[1], "w").write(str(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.all_reduce(torch.ones(1))
+"""
+SLEEPS_ON_RANK_1 = """
+if rank == 1:
+    time.sleep(300)  # stuck: far longer than the 6 s collective timeout
+dist.all_reduce(torch.ones(1))
+"""
+WAITS_FOR_SIGNALS = """
+def on_usr1(signum, frame):
+    say(f"rank {rank} got USR1")
+signal.signal(signal.SIGUSR1, on_usr1)
+while True:
+    time.sleep(0.2)
+"""
+REPORTS = """
+total = torch.ones(1)
+dist.all_reduce(total)
+say("REPORT " + json.dumps({"rank": rank, "port": os.environ["MASTER_PORT"],
+    "sum": int(total.item()), "args": sys.argv[1:]}))
+dist.destroy_process_group()  # without it gloo may abort at exit ("terminate called…", SIGABRT)
+"""
+TEARDOWN_LIMIT_S = 30
+SECRETS = {
+    "HF_TOKEN": "hf_secretvalue123",
+    "HUGGING_FACE_HUB_TOKEN": "hf_hubsecret456",
+    "WANDB_API_KEY": "wandbkey789abc",
+    "MY_SERVICE_SECRET": "s3cr3t-service",
+    "DB_PASSWORD": "pa55word-db",
+    "AWS_SECRET_ACCESS_KEY": "awsKEYabc/def+ghi",
+}
+# a value that runs a command if anything ever evaluates it unquoted
+EVIL = 'it\'s a "q" $(touch pwned) `touch pwned2`; touch pwned3 &'
+
+
+def write_script(tmp: Path, name: str, body: str) -> Path:
+    path = tmp / name
+    path.write_text(PRELUDE + body)
+    return path
+
+
+def start_dplaunch(
+    tmp: Path, *args, env: dict[str, str] | None = None, cwd: Path = REPO, umask=None
+):
+    """`dplaunch ARGS…` in the background, output to files (read with `output`)."""
+    out, err = (tmp / "dplaunch.out").open("w"), (tmp / "dplaunch.err").open("w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "dplaunch", *map(str, args)],
+        stdout=out,
+        stderr=err,
+        env=env or child_environment(),
+        cwd=cwd,
+        preexec_fn=(lambda: os.umask(umask)) if umask is not None else None,
+    )
+
+
+def output(tmp: Path) -> tuple[str, str]:
+    return (tmp / "dplaunch.out").read_text(), (tmp / "dplaunch.err").read_text()
+
+
+def run_processes(marker: str) -> list[psutil.Process]:
+    """Live processes whose command line mentions ``marker`` (a run dir or script in tmp_path)."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if process.info["status"] == psutil.STATUS_ZOMBIE or process.pid == os.getpid():
+                continue
+            if marker in " ".join(process.info["cmdline"] or []):
+                found.append(process)
+        except psutil.Error:
+            continue
+    return found
+
+
+def wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def last_line(text: str) -> str:
+    return [line for line in text.splitlines() if line.strip()][-1]
+
+
+def assert_no_launcher_noise(text: str) -> None:
+    # torchrun's own report and shutdown chatter bury the one line that matters
+    for noise in ("ChildFailedError", "Root Cause", "closing signal", "elastic/multiprocessing"):
+        assert noise not in text, f"{noise!r} in the output:\n{text[-3000:]}"
+
+
+def rank_pid(dplaunch: subprocess.Popen, rank: int) -> int:
+    """The pid of a training rank, found in dplaunch's process tree."""
+
+    def find():
+        for child in psutil.Process(dplaunch.pid).children(recursive=True):
+            try:
+                if "dplaunch.train" in child.cmdline() and child.environ().get("RANK") == str(rank):
+                    return child.pid
+            except psutil.Error:
+                continue
+        return None
+
+    return wait_for(find, 60, f"rank {rank}")
+
+
+def training_started(run_dir: Path) -> bool:
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.exists() and '"type": "train"' in metrics.read_text()
+
+
+def long_training_run(tmp: Path, *extra) -> tuple[subprocess.Popen, Path]:
+    run_dir = tmp / "run"
+    dplaunch = start_dplaunch(
+        tmp,
+        "train",
+        TINY_LLAMA,
+        "--cpu",
+        "--gpus",
+        "2",
+        "--max-steps",
+        "5000",
+        "-o",
+        run_dir,
+        *extra,
+    )
+    wait_for(lambda: training_started(run_dir) or dplaunch.poll() is not None, 300, "step 1")
+    assert dplaunch.poll() is None, output(tmp)
+    return dplaunch, run_dir
+
+
+# --- a dying rank ends the job --------------------------------------------------------------------
+
+
+def test_a_rank_that_raises_ends_the_job_and_its_error_is_printed_once_last(tmp_path):
+    script = write_script(tmp_path, "raises.py", RAISES_ON_RANK_1)
+    stamp = tmp_path / "raised-at"
+    dplaunch = start_dplaunch(
+        tmp_path, "launch", script, "--cpu", "--gpus", "2", "-o", tmp_path / "run", "--", stamp
+    )
+    wait_for(lambda: len(run_processes(str(script))) >= 2, 60, "the ranks")
+    code = dplaunch.wait(timeout=120)
+    ended = time.time()
+    stdout, stderr = output(tmp_path)
+    assert code != 0
+    assert last_line(stderr) == "[rank 1] ValueError: rank one broke on purpose"
+    # the rank's own traceback went by above ("[rank1]: ...", torch's prefix); the summary once
+    assert stderr.count("[rank 1] ValueError") == 1
+    assert "rank(s) 0 failed after rank 1" in stderr  # rank 0's connection error came second
+    assert_no_launcher_noise(stdout + stderr)
+    teardown = ended - float(stamp.read_text())
+    print(f"teardown after a raise: {teardown:.1f} s")
+    assert teardown < TEARDOWN_LIMIT_S
+    assert run_processes(str(script)) == []
+
+
+def test_a_rank_killed_with_sigkill_in_training_ends_the_job_within_30_s(tmp_path):
+    dplaunch, run_dir = long_training_run(tmp_path)
+    seen = run_processes(str(run_dir))
+    assert len(seen) >= 3, seen  # accelerate launch + 2 ranks: the check below can see them
+    victim = rank_pid(dplaunch, 1)
+    killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+    code = dplaunch.wait(timeout=120)
+    teardown = time.time() - killed_at
+    stdout, stderr = output(tmp_path)
+    print(f"teardown after kill -9 of a training rank: {teardown:.1f} s")
+    assert code != 0
+    assert last_line(stderr).startswith("[rank 1] was killed by signal 9 (SIGKILL)"), stderr
+    # rank 0 failed too (its peer vanished), but it does not get the last word
+    assert "rank(s) 0 failed after rank 1" in stderr
+    assert_no_launcher_noise(stdout + stderr)
+    assert teardown < TEARDOWN_LIMIT_S
+    assert run_processes(str(run_dir)) == []
+
+
+def test_a_data_mistake_that_breaks_one_rank_is_reported_by_that_rank(tmp_path):
+    """Labels outside num_labels in exactly the samples rank 1 gets at step 1: only rank 1 raises."""
+    from dplaunch.train.data import Batcher, Sharding
+
+    rows, seed = 16, 3
+    order = Batcher(
+        list(range(rows)), Sharding(1, 2, 4, 1), pad_id=0, task="x", seed=seed
+    ).epoch_order(0)
+    rank1_samples = set(order[4:8])  # global batch 8 = micro 4 × dp 2: rank 1 takes the second half
+    with (tmp_path / "reviews.jsonl").open("w") as out:
+        for i in range(rows):
+            label = 7 if i in rank1_samples else i % 2
+            out.write(json.dumps({"text": f"review {i}: fine", "label": label}) + "\n")
+    config = tmp_path / "bad-labels.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "name": "bad-labels",
+                "model": {
+                    "config": {
+                        "model_type": "bert",
+                        "hidden_size": 32,
+                        "num_hidden_layers": 2,
+                        "num_attention_heads": 2,
+                        "intermediate_size": 64,
+                        "vocab_size": 259,
+                        "max_position_embeddings": 64,
+                    },
+                    "tokenizer": "byte-level",
+                    "task": "sequence-classification",
+                    "num_labels": 2,
+                },
+                "data": {"dataset": "reviews.jsonl", "max_length": 32},
+                "train": {
+                    "global_batch_size": 8,
+                    "micro_batch_size": 4,
+                    "max_steps": 4,
+                    "seed": seed,
+                },
+            }
+        )
+    )
+    run_dir = tmp_path / "run"
+    # umask 022: everything the launcher and the ranks create is readable, and writable only by us
+    dplaunch = start_dplaunch(
+        tmp_path, "train", config, "--cpu", "--gpus", "2", "-o", run_dir, umask=0o022
+    )
+    code = dplaunch.wait(timeout=600)
+    stdout, stderr = output(tmp_path)
+    assert code != 0, stdout + stderr
+    report = run_dir / "errors" / "rank-1.txt"
+    assert (
+        last_line(stderr)
+        == f"[rank 1] IndexError: Target 7 is out of bounds. (traceback: {report})"
+    )
+    assert stderr.count("Target 7 is out of bounds") == 1
+    assert "Traceback (most recent call last)" in report.read_text()
+    assert "rank(s) 0 failed after rank 1" in stderr
+    assert_no_launcher_noise(stdout + stderr)
+    assert run_processes(str(run_dir)) == []
+    assert_modes(run_dir, umask=0o022)
+
+
+def test_a_rank_that_kills_itself_is_named_even_without_an_error_report(tmp_path):
+    script = write_script(tmp_path, "dies.py", KILLS_ITSELF_ON_RANK_1)
+    stamp = tmp_path / "died-at"
+    result = run_dplaunch(
+        "launch", script, "--cpu", "--gpus", "2", "-o", tmp_path / "run", "--", stamp, timeout=120
+    )
+    ended = time.time()
+    assert result.returncode != 0
+    assert last_line(result.stderr).startswith("[rank 1] was killed by signal 9 (SIGKILL)"), (
+        result.stderr
+    )
+    assert_no_launcher_noise(result.stdout + result.stderr)
+    print(f"teardown after a rank's own SIGKILL: {ended - float(stamp.read_text()):.1f} s")
+    assert run_processes(str(script)) == []
+
+
+# --- hangs become errors --------------------------------------------------------------------------
+
+
+def test_a_rank_stuck_before_an_all_reduce_fails_the_job_at_the_collective_timeout(tmp_path):
+    script = write_script(tmp_path, "stuck.py", SLEEPS_ON_RANK_1)
+    started = time.monotonic()
+    result = run_dplaunch(
+        "launch", script, "--cpu", "--gpus", "2", "-o", tmp_path / "run",
+        "--set", "launch.timeout_minutes=0.1", timeout=280,
+    )  # fmt: skip
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0
+    # rank 1 sleeps 300 s: ending long before that means the timeout, not the sleep, ended it
+    assert elapsed < 200, elapsed
+    assert "launch.timeout_minutes = 0.1 (6 s)" in result.stderr
+    assert "--set launch.timeout_minutes=N" in result.stderr
+    assert "rank(s) 1 did not time out themselves" in result.stderr
+    assert re.match(
+        r"\[rank 0\] RuntimeError: .*Timed out waiting 6000ms", last_line(result.stderr)
+    )
+    assert_no_launcher_noise(result.stdout + result.stderr)
+    assert run_processes(str(script)) == []
+
+
+def test_a_stopped_training_rank_becomes_a_timeout_error(tmp_path):
+    """SIGSTOP freezes rank 1 mid-training; rank 0 waits in the gradient all-reduce until the
+    collective timeout of dplaunch's own loop (launch.timeout_minutes) fires."""
+    dplaunch, run_dir = long_training_run(tmp_path, "--set", "launch.timeout_minutes=0.1")
+    frozen = rank_pid(dplaunch, 1)
+    os.kill(frozen, signal.SIGSTOP)
+    wait_for(lambda: (run_dir / "errors" / "rank-0.txt").exists(), 120, "rank 0 to time out")
+    # thawed only now, far too late: torchrun's SIGTERM is waiting for it (else it would wait
+    # 30 s more before its SIGKILL)
+    os.kill(frozen, signal.SIGCONT)
+    code = dplaunch.wait(timeout=300)
+    stdout, stderr = output(tmp_path)
+    assert code != 0
+    assert "launch.timeout_minutes = 0.1 (6 s)" in stderr
+    assert re.match(r"\[rank 0\] RuntimeError: .*Timed out", last_line(stderr)), stderr
+    assert_no_launcher_noise(stdout + stderr)
+    assert run_processes(str(run_dir)) == []
+
+
+# --- no orphans, whatever dies ---------------------------------------------------------------------
+
+
+def _waiting_job(tmp: Path):
+    script = write_script(tmp, "waits.py", WAITS_FOR_SIGNALS)
+    dplaunch = start_dplaunch(tmp, "launch", script, "--cpu", "--gpus", "2", "-o", tmp / "run")
+    wait_for(lambda: output(tmp)[0].count("ready") == 2, 120, "both ranks ready")
+    return dplaunch, script
+
+
+def test_killing_dplaunch_itself_stops_every_rank(tmp_path):
+    dplaunch, script = _waiting_job(tmp_path)
+    assert len(run_processes(str(script))) >= 3
+    killed_at = time.time()
+    dplaunch.kill()  # SIGKILL: dplaunch gets no chance to clean up
+    dplaunch.wait()
+    wait_for(
+        lambda: run_processes(str(script)) == [], TEARDOWN_LIMIT_S, "no process of the job left"
+    )
+    print(f"teardown after kill -9 of dplaunch: {time.time() - killed_at:.1f} s")
+
+
+def test_killing_the_launcher_between_dplaunch_and_the_ranks_leaves_no_orphan(tmp_path):
+    dplaunch, script = _waiting_job(tmp_path)
+    launcher = next(
+        p
+        for p in psutil.Process(dplaunch.pid).children()
+        if "accelerate.commands.launch" in " ".join(p.cmdline())
+    )
+    launcher.kill()  # torchrun dies without stopping its ranks: they are orphans now
+    code = dplaunch.wait(timeout=120)
+    assert code != 0
+    assert run_processes(str(script)) == []
+    assert "stopped 2 process(es) the job left behind" in output(tmp_path)[1]
+
+
+def test_usr1_reaches_the_ranks_and_sigterm_stops_the_job(tmp_path):
+    dplaunch, script = _waiting_job(tmp_path)
+    dplaunch.send_signal(signal.SIGUSR1)  # SLURM's "time is nearly up"; the ranks handle it
+    wait_for(lambda: output(tmp_path)[0].count("got USR1") == 2, 30, "USR1 in both ranks")
+    dplaunch.send_signal(signal.SIGTERM)  # scancel
+    code = dplaunch.wait(timeout=120)
+    stdout, stderr = output(tmp_path)
+    assert code != 0
+    assert (
+        last_line(stderr)
+        == "dplaunch: stopped by SIGTERM (sent to dplaunch, passed on to every rank)"
+    )
+    assert_no_launcher_noise(stdout + stderr)
+    assert run_processes(str(script)) == []
+
+
+# --- ports ----------------------------------------------------------------------------------------
+
+
+def test_a_busy_default_port_is_replaced_by_a_free_one_and_the_run_works(tmp_path):
+    script = write_script(tmp_path, "report.py", "import json\n" + REPORTS)
+    with socket.socket() as squatter:
+        # SO_REUSEADDR: a connection of an earlier run in TIME_WAIT must not make us think it is busy
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            squatter.bind(("127.0.0.1", 29500))
+            squatter.listen(1)
+        except OSError:
+            pass  # someone else listens on it: busy either way
+        result = run_dplaunch(
+            "launch", script, "--cpu", "--gpus", "2", "-o", tmp_path / "run", timeout=120
+        )
+    assert result.returncode == 0, result.stderr
+    chosen = re.search(r"port 29500 \(default\) is busy: using free port (\d+)", result.stdout)
+    assert chosen, result.stdout
+    reports = [
+        json.loads(line[7:]) for line in result.stdout.splitlines() if line.startswith("REPORT ")
+    ]
+    assert sorted(r["rank"] for r in reports) == [0, 1]
+    assert {r["port"] for r in reports} == {chosen.group(1)} and {r["sum"] for r in reports} == {2}
+
+
+# --- security -------------------------------------------------------------------------------------
+
+
+def test_launch_sh_quotes_every_value_and_reruns_the_same_command(tmp_path):
+    script = write_script(tmp_path, "report.py", "import json\n" + REPORTS)
+    run_dir = tmp_path / EVIL
+    args = [EVIL, "two words", "$HOME"]
+    result = run_dplaunch(
+        "launch", script, "--cpu", "--gpus", "2", "--set", f"output_dir={run_dir}", "--", *args,
+        timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    launch_sh = run_dir / "launch.sh"
+    assert subprocess.run(["bash", "-n", launch_sh], check=False).returncode == 0
+    # run the script for real: the ranks get exactly the same arguments again
+    rerun = subprocess.run(
+        ["bash", launch_sh],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=child_environment(),
+    )
+    assert rerun.returncode == 0, rerun.stderr
+    for out in (result.stdout, rerun.stdout):
+        reports = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("REPORT ")]
+        assert len(reports) == 2 and all(r["args"] == args for r in reports), out
+    assert_nothing_ran(tmp_path)
+
+
+def test_train_run_keeps_secrets_out_respects_umask_077_and_quotes_launch_sh(tmp_path):
+    """A real training run with tokens in the environment, umask 077 and a run name made to break
+    a shell: no secret anywhere in the run directory or the output, nothing readable by others,
+    launch.sh parses and gives back the exact command, and nothing was executed by accident."""
+    env = child_environment(**SECRETS)
+    dplaunch = start_dplaunch(
+        tmp_path, "train", TINY_LLAMA, "--cpu", "--gpus", "2", "--max-steps", "2",
+        "--set", "train.checkpoint_every=2",  # checkpoints carry the umask too
+        "--set", f"name={EVIL}", env=env, cwd=tmp_path, umask=0o077,
+    )  # fmt: skip
+    code = dplaunch.wait(timeout=600)
+    stdout, stderr = output(tmp_path)
+    assert code == 0, stdout + stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()  # the default runs/<name>-<timestamp>
+    assert run_dir.name.startswith(EVIL)
+    assert re.search(
+        r"run directory: .* \(\d+\.\d GB free on the output directory's disk\)", stdout
+    )
+    assert (run_dir / "model").is_dir() and (run_dir / "checkpoints").is_dir()
+
+    texts = {"stdout": stdout, "stderr": stderr}
+    texts.update(
+        {str(p): p.read_bytes().decode("latin-1") for p in run_dir.rglob("*") if p.is_file()}
+    )
+    for name, value in SECRETS.items():
+        leaks = [where for where, text in texts.items() if value in text]
+        assert not leaks, f"{name} leaked into {leaks}"
+    assert yaml.safe_load((run_dir / "run.yaml").read_text())["model"]["trust_remote_code"] is False
+
+    launch_sh = (run_dir / "launch.sh").read_text()
+    assert subprocess.run(["bash", "-n", run_dir / "launch.sh"], check=False).returncode == 0
+    # execute it with the final `exec` replaced by printing its words, as bash parsed them
+    dry = re.sub(r"^exec ", lambda _: "printf '%s\\0' ", launch_sh, flags=re.M)
+    words = subprocess.run(
+        ["bash", "-c", dry], capture_output=True, text=True, check=True, cwd=tmp_path
+    )
+    argv = words.stdout.split("\0")[:-1]
+    assert argv[-3:] == ["--module", "dplaunch.train", str(run_dir.absolute())]
+    assert argv[argv.index("--config_file") + 1] == str(run_dir.absolute() / "accelerate.yaml")
+    assert_nothing_ran(tmp_path)
+    assert_modes(run_dir, umask=0o077)
+
+
+def assert_nothing_ran(tmp: Path) -> None:
+    for where in (tmp, REPO, Path.cwd()):
+        assert not any(where.glob("pwned*")), f"a value was executed by a shell in {where}"
+
+
+def assert_modes(run_dir: Path, umask: int) -> None:
+    """The run directory and everything in it carry the user's umask: no extra permission bits."""
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o777 & ~umask
+    for path in [run_dir, *run_dir.rglob("*")]:
+        mode = stat.S_IMODE(path.lstat().st_mode)
+        assert not mode & stat.S_IWOTH, f"{path} is world-writable ({oct(mode)})"
+        assert not mode & umask, f"{path} has {oct(mode)} despite umask {oct(umask)}"
+
+
+def test_model_code_runs_only_when_trusted(tmp_path):
+    """A model folder that maps itself to its own Python code: refused before launch unless
+    model.trust_remote_code is set (and the code really runs when it is: the check is not idle)."""
+    model = tmp_path / "custom-model"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "evil-llama",
+                "auto_map": {
+                    "AutoConfig": "evil.EvilConfig",
+                    "AutoModelForCausalLM": "evil.EvilModel",
+                },
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "vocab_size": 259,
+            }
+        )
+    )
+    (model / "evil.py").write_text(
+        # transformers imports a copy of this file from its module cache: name the marker absolutely
+        f"open({str(model / 'CODE_RAN')!r}, 'w').write('yes')\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "class EvilConfig(LlamaConfig):\n    model_type = 'evil-llama'\n"
+        "class EvilModel(LlamaForCausalLM):\n    config_class = EvilConfig\n"
+    )
+    config = write_config(tmp_path / "run.yaml", model={"config": None, "name_or_path": str(model)})
+    result = run_dplaunch(
+        "train", config, "--cpu", "--gpus", "2", "-o", tmp_path / "run", timeout=60
+    )
+    assert result.returncode == 2
+    assert "model.trust_remote_code" in result.stderr and "evil.EvilModel" in result.stderr
+    assert not (tmp_path / "run").exists() and not (model / "CODE_RAN").exists()
+
+    trusted = subprocess.run(
+        [sys.executable, "-c", f"from transformers import AutoConfig; AutoConfig.from_pretrained({str(model)!r}, trust_remote_code=True)"],
+        capture_output=True, text=True, timeout=120, env=child_environment(), check=False,
+    )  # fmt: skip
+    assert trusted.returncode == 0, trusted.stderr
+    assert (model / "CODE_RAN").exists()
+
+
+def test_sbatch_script_keeps_secrets_out_and_quotes_paths_and_job_names(tmp_path):
+    """`dplaunch slurm` with tokens in the environment and a job name and run directory made to
+    break a shell: the script parses, hands srun the exact words, runs nothing by accident."""
+    run_dir = tmp_path / EVIL
+    result = run_dplaunch(
+        "slurm", TINY_LLAMA, "--gpus", "8", "--nodes", "2", "--job-name", EVIL,
+        "--out", "-", "-o", run_dir, env=child_environment(**SECRETS), cwd=tmp_path, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    script = result.stdout
+    for name, value in SECRETS.items():
+        assert value not in script + result.stderr, f"{name} leaked into the sbatch script"
+    (tmp_path / "job.sbatch").write_text(script)
+    assert subprocess.run(["bash", "-n", tmp_path / "job.sbatch"], check=False).returncode == 0
+    # run it as SLURM would, with srun replaced by a function that prints the words it was given
+    fake_srun = "srun() { printf '%s\\0' \"$@\" > srun-argv; }; scontrol() { :; }; . ./job.sbatch"
+    ran = subprocess.run(
+        ["bash", "-c", fake_srun], cwd=tmp_path, capture_output=True, text=True, check=False,
+        env=child_environment(SLURM_JOB_ID="42"),
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    argv = (tmp_path / "srun-argv").read_text().split("\0")[:-1]
+    assert argv[argv.index("--output-dir") + 1] == str(run_dir)
+    assert_nothing_ran(tmp_path)
