@@ -51,7 +51,7 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
     if point is not None and point.reshard == "universal" and prepared.plan.node_rank == 0:
         checkpoint.convert_to_universal(point, say=typer.echo)
     checkpoint.clear_stop_record(prepared.run_dir)
-    code = start(prepared)
+    code = start(prepared, after_failure=lambda _status: _failure_hints(prepared.run_dir))
     stop = checkpoint.read_stop_record(prepared.run_dir)
     if stop is not None:
         code = int(stop["exit_status"])
@@ -60,15 +60,23 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
             f"continue with --resume auto (exit status {code})",
             err=True,
         )
-    elif code != 0:
-        newest = checkpoint.newest_checkpoint(prepared.run_dir / checkpoint.CHECKPOINTS_DIR)
-        if newest is not None:
-            typer.echo(
-                f"dplaunch: the newest complete checkpoint is {newest.path} (step {newest.step}): "
-                "continue with --resume auto",
-                err=True,
-            )
     return code
+
+
+def _failure_hints(run_dir: Path) -> list[str] | None:
+    # printed before the failing rank's error, which stays the last line; None: the ranks stopped
+    # on purpose (a signal, train.stop_after_steps) and that is no failure
+    from dplaunch.train import checkpoint
+
+    if checkpoint.read_stop_record(run_dir) is not None:
+        return None
+    newest = checkpoint.newest_checkpoint(run_dir / checkpoint.CHECKPOINTS_DIR)
+    if newest is None:
+        return []
+    return [
+        f"dplaunch: the newest complete checkpoint is {newest.path} (step {newest.step}): "
+        "continue with --resume auto"
+    ]
 
 
 def _print_resume(point: ResumePoint | None, resume: str | None) -> None:
