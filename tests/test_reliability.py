@@ -63,9 +63,10 @@ if rank == 1:
 dist.all_reduce(torch.ones(1))
 """
 WAITS_FOR_SIGNALS = """
-def on_usr1(signum, frame):
-    say(f"rank {rank} got USR1")
-signal.signal(signal.SIGUSR1, on_usr1)
+def on_signal(signum, frame):
+    say(f"rank {rank} got {signal.Signals(signum).name[3:]}")
+signal.signal(signal.SIGUSR1, on_signal)
+signal.signal(signal.SIGUSR2, on_signal)
 while True:
     time.sleep(0.2)
 """
@@ -391,10 +392,13 @@ def test_killing_the_launcher_between_dplaunch_and_the_ranks_leaves_no_orphan(tm
     assert "stopped 2 process(es) the job left behind" in output(tmp_path)[1]
 
 
-def test_usr1_reaches_the_ranks_and_sigterm_stops_the_job(tmp_path):
+def test_usr1_and_usr2_reach_the_ranks_and_sigterm_stops_the_job(tmp_path):
     dplaunch, script = _waiting_job(tmp_path)
     dplaunch.send_signal(signal.SIGUSR1)  # SLURM's "time is nearly up"; the ranks handle it
     wait_for(lambda: output(tmp_path)[0].count("got USR1") == 2, 30, "USR1 in both ranks")
+    dplaunch.send_signal(signal.SIGUSR2)  # for the ranks too; it would kill the launcher
+    wait_for(lambda: output(tmp_path)[0].count("got USR2") == 2, 30, "USR2 in both ranks")
+    assert dplaunch.poll() is None and len(run_processes(str(script))) >= 3
     dplaunch.send_signal(signal.SIGTERM)  # scancel
     code = dplaunch.wait(timeout=120)
     stdout, stderr = output(tmp_path)

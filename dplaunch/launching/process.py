@@ -78,11 +78,12 @@ def run_supervised(
         if watch is not None and signum in LAUNCHER_HANDLED:
             watch.note_signal(signum)
         tree.refresh()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signum)
-        if signum not in LAUNCHER_HANDLED:
-            # SIGUSR1 (checkpoint and stop): the launcher ignores it, each rank handles it
-            tree.signal_descendants(signum)
+        if signum in LAUNCHER_HANDLED:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signum)
+        else:
+            # SIGUSR1 (checkpoint and stop) is for the ranks; the launcher would die of SIGUSR2
+            tree.signal_ranks(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
     try:
@@ -139,13 +140,15 @@ class ProcessTree:
             for child in children:
                 self.known.setdefault(child.pid, child)
 
-    def signal_descendants(self, signum: int) -> None:
-        """Send a signal to every known descendant except the launcher."""
-        for pid, child in list(self.known.items()):
-            if pid == self.root:
-                continue
+    def signal_ranks(self, signum: int) -> None:
+        """Send a signal to the ranks: the processes the launcher (torchrun) started."""
+        try:
+            ranks = self._psutil.Process(self.root).children()
+        except self._psutil.Error:
+            return
+        for rank in ranks:
             with contextlib.suppress(self._psutil.Error):
-                child.send_signal(signum)
+                rank.send_signal(signum)
 
     def stop_all(self, grace: float) -> int:
         """SIGTERM what is left of the tree, SIGKILL it after ``grace`` seconds; how many were left."""
