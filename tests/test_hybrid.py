@@ -145,7 +145,7 @@ def test_dry_run_shows_the_mesh_groups_and_stage_layers(tmp_path):
     out = result.stdout
     assert "mesh: dp 8 × tp 1 × pp 2 = 16 ranks" in out
     assert "pipelines (stage 0 first): [[0, 8], [1, 9]" in out
-    assert "stage 0: embeddings, blocks 0-1" in out and "stage 1: blocks 2-3, norm + lm_head" in out
+    assert "stage 0: embeddings, blocks 0-1" in out and "stage 1: blocks 2-3, norm, lm_head" in out
     result = run_dplaunch(
         "config", TINY_LLAMA, "--gpus", "16", "--nodes", "4", "--tp", "2", "--out", tmp_path / "d"
     )
