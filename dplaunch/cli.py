@@ -536,6 +536,96 @@ def export(
     raise typer.Exit(run_export(checkpoint, out))
 
 
+_JOB = "SLURM job"
+
+
+@app.command()
+@with_run_flags
+def slurm(
+    flags: Any,
+    cpus_per_gpu: Annotated[
+        int | None,
+        typer.Option(
+            "--cpus-per-gpu",
+            help="CPU cores per GPU (default: the node's cores / GPUs from sinfo, else 10).",
+            rich_help_panel=_JOB,
+        ),
+    ] = None,
+    time: Annotated[
+        str,
+        typer.Option("--time", help="Time limit, HH:MM:SS or D-HH:MM:SS.", rich_help_panel=_JOB),
+    ] = "01:00:00",
+    partition: Annotated[
+        str | None, typer.Option("--partition", help="SLURM partition.", rich_help_panel=_JOB)
+    ] = None,
+    account: Annotated[
+        str | None,
+        typer.Option("--account", help="SLURM account, e.g. abc@h100.", rich_help_panel=_JOB),
+    ] = None,
+    qos: Annotated[str | None, typer.Option("--qos", help="QoS.", rich_help_panel=_JOB)] = None,
+    constraint: Annotated[
+        str | None,
+        typer.Option("--constraint", help="Node feature, e.g. h100.", rich_help_panel=_JOB),
+    ] = None,
+    job_name: Annotated[
+        str | None,
+        typer.Option(
+            "--job-name", help="Job name (default: the run's name).", rich_help_panel=_JOB
+        ),
+    ] = None,
+    module: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--module", help="`module load` this first (repeatable).", rich_help_panel=_JOB
+        ),
+    ] = None,
+    setup: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--setup",
+            help="A shell line run before srun, e.g. 'source venv/bin/activate' (repeatable).",
+            rich_help_panel=_JOB,
+        ),
+    ] = None,
+    out: Annotated[
+        str | None,
+        typer.Option(
+            "--out", help="Where to write the script (default RUN/job.sbatch; '-' = stdout)."
+        ),
+    ] = None,
+    submit: Annotated[
+        bool, typer.Option("--submit", help="Submit it with sbatch and print the job id.")
+    ] = False,
+    python: Annotated[
+        str | None,
+        typer.Option(
+            "--python",
+            help="Python that runs dplaunch in the job (default: this one; 'python' = the "
+            "one on PATH after --module/--setup).",
+            rich_help_panel=_JOB,
+        ),
+    ] = None,
+) -> None:
+    """Write an sbatch script that trains with this plan on SLURM nodes (one launcher per node)."""
+    from dplaunch.commands.slurm import SlurmOptions, run_slurm
+
+    options = SlurmOptions(
+        cpus_per_gpu=cpus_per_gpu,
+        time=time,
+        partition=partition,
+        account=account,
+        qos=qos,
+        constraint=constraint,
+        job_name=job_name,
+        modules=module or [],
+        setup=setup or [],
+        out=out,
+        submit=submit,
+        python=python,
+    )
+    raise typer.Exit(run_slurm(flags, options))
+
+
 def main() -> None:
     """Console entry point: user errors become one line and exit code 2."""
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import textwrap
 import time
@@ -12,6 +13,7 @@ import pytest
 
 from dplaunch.cluster.hostlist import parse_hostlist
 from dplaunch.rendering.sbatch import SbatchSpec, render_sbatch
+from tests.helpers import TINY_LLAMA, read_metrics, run_dplaunch, train_losses
 
 try:  # a conftest may re-export it too; one definition per session is enough either way
     from tests.slurm_cluster import slurm_cluster  # noqa: F401
@@ -180,3 +182,181 @@ def test_the_time_limit_signal_reaches_the_ranks_under_srun_not_the_batch_shell(
     assert "rank got USR1" in output
     assert "launcher still alive" in output
     assert "batch shell got USR1" not in output
+
+
+# ---------------------------------------------------------------- dplaunch's own jobs
+
+
+def job_environment(slurm_cluster) -> dict[str, str]:
+    """What a user's shell on the login node holds: the cluster, and the tests' rank settings."""
+    # sbatch exports the submitting environment to the job (--export=ALL)
+    return slurm_cluster.env | {
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def submit_with_dplaunch(slurm_cluster, tmp_path: Path, run_dir: Path, *args) -> str:
+    """`dplaunch slurm tiny-llama.yaml --cpu --gpus 2 … --submit`; the job id it printed."""
+    result = run_dplaunch(
+        "slurm",
+        TINY_LLAMA,
+        "--cpu",
+        "--gpus",
+        "2",
+        "--time",
+        "10",
+        "-o",
+        run_dir,
+        *args,
+        "--submit",
+        env=job_environment(slurm_cluster),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    return re.search(r"submitted batch job (\d+)", result.stdout).group(1)
+
+
+def job_logs(run_dir: Path) -> str:
+    """The job's .out and .err files, whole."""
+    return "\n".join(
+        f"--- {path.name}\n{path.read_text(errors='replace')}"
+        for path in sorted((run_dir / "logs").glob("*.*"))
+    )
+
+
+def job_field(slurm_cluster, job_id: str, name: str) -> str | None:
+    shown = slurm_cluster.run("scontrol", "-o", "show", "job", job_id, check=False).stdout
+    match = re.search(rf"\b{name}=(\S+)", shown)
+    return match.group(1) if match else None
+
+
+def wait_until(condition, timeout: float, what: str, slurm_cluster, job_id: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        state = slurm_cluster.job_state(job_id)
+        assert state not in ("COMPLETED", "FAILED", "CANCELLED"), (
+            f"job {job_id} {state} before {what}"
+        )
+        assert time.monotonic() < deadline, f"no {what} after {timeout:.0f}s (job {state})"
+        time.sleep(0.5)
+
+
+def release_requeued(slurm_cluster, job_id: str) -> None:
+    """Let a requeued job start now instead of after SLURM's delay (the 120 s credential life)."""
+    wait_until(
+        lambda: (
+            job_field(slurm_cluster, job_id, "Restarts") == "1"
+            and slurm_cluster.job_state(job_id) == "PENDING"
+        ),
+        120,
+        "requeue",
+        slurm_cluster,
+        job_id,
+    )
+    # slurmd refuses a launch whose credential is not newer than the revoked one of the first
+    # run (1 s resolution: "Job credential revoked"), which is what the delay protects against
+    time.sleep(2.5)
+    slurm_cluster.run("scontrol", "update", f"jobid={job_id}", "StartTime=now")
+
+
+def test_a_job_written_and_submitted_by_dplaunch_slurm_trains_two_cpu_ranks(
+    slurm_cluster, tmp_path
+):
+    # the job name is data everywhere: in #SBATCH, in the log file names, never run
+    name = "tiny $(touch canary) `touch canary`"
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    job_id = submit_with_dplaunch(
+        slurm_cluster, tmp_path, run_dir, "--max-steps", "3", "--job-name", name
+    )
+    state = slurm_cluster.wait(job_id, timeout=600)
+    print(f"dplaunch slurm job {job_id}: {state} in {time.monotonic() - started:.1f}s")
+    assert state == "COMPLETED", job_logs(run_dir)[-6000:]
+    log = (run_dir / "logs" / f"{name}-{job_id}.out").read_text()
+    assert f"SLURM job {job_id}: this is node 0 of 1 ({slurm_cluster.hostname})" in log
+    header = read_metrics(run_dir)[0]
+    assert (header["world_size"], header["data_parallel_size"], header["num_nodes"]) == (2, 2, 1)
+    assert len(train_losses(run_dir)) == 3
+    assert not (tmp_path / "canary").exists()
+    assert not list((run_dir / "logs").glob(".requeue-*"))
+
+
+def test_at_the_time_limit_signal_the_job_checkpoints_requeues_itself_and_resumes(
+    slurm_cluster, tmp_path
+):
+    pytest.importorskip("dplaunch.train.checkpoint", reason="needs the checkpoint engine")
+    run_dir = tmp_path / "run"
+    steps = 50  # enough that the signal lands while the ranks still train (~0.1 s a step)
+    job_id = submit_with_dplaunch(slurm_cluster, tmp_path, run_dir, "--max-steps", str(steps))
+    wait_until(
+        lambda: (run_dir / "metrics.jsonl").exists() and len(train_losses(run_dir)) >= 2,
+        600,
+        "training steps",
+        slurm_cluster,
+        job_id,
+    )
+    # what `#SBATCH --signal=USR1@120` does near the time limit: USR1 to the processes of the
+    # job's steps (SLURM checks time limits only every ~30 s, so we do not wait for one)
+    slurm_cluster.run("scancel", "--signal=USR1", job_id)
+    release_requeued(slurm_cluster, job_id)
+    state = slurm_cluster.wait(job_id, timeout=600)
+    logs = job_logs(run_dir)
+    assert state == "COMPLETED", logs[-6000:]
+    assert f"requeueing job {job_id}" in logs and "resume: " in logs
+    # one run, continued: every step once, in order, in one metrics file
+    assert [r["step"] for r in read_metrics(run_dir) if r["type"] == "train"] == list(
+        range(1, steps + 1)
+    )
+
+
+def test_the_requeue_lines_of_a_rendered_script_rerun_a_launcher_that_exits_75(
+    slurm_cluster, tmp_path
+):
+    # a stand-in for the launcher: 75 (checkpointed) on the first run, success on the rerun
+    launcher = (
+        'if [ -z "${SLURM_RESTART_COUNT:-}" ]; then exit 75; fi; echo "rerun $SLURM_RESTART_COUNT"'
+    )
+    spec = SbatchSpec(
+        job_name="requeue",
+        command=["bash", "-c", launcher],
+        cpu=True,
+        time="5",
+        log_dir="logs",
+        requeue=True,
+        signal_seconds=120,
+    )
+    (tmp_path / "job.sbatch").write_text(render_sbatch(spec))
+    (tmp_path / "logs").mkdir()
+    job_id = slurm_cluster.submit(tmp_path / "job.sbatch", cwd=tmp_path)
+    release_requeued(slurm_cluster, job_id)
+    assert slurm_cluster.wait(job_id, timeout=120) == "COMPLETED"
+    out = (tmp_path / "logs" / f"requeue-{job_id}.out").read_text()
+    err = (tmp_path / "logs" / f"requeue-{job_id}.err").read_text()
+    # both runs' output, appended to one log
+    assert f"requeueing job {job_id}" in err and "rerun 1" in out
+
+
+def test_dplaunch_train_in_a_batch_script_starts_its_own_step_with_one_task_per_node(
+    slurm_cluster, tmp_path
+):
+    # a hand-written script that asked for 2 tasks and forgot srun: dplaunch does the srun
+    script = write_script(
+        tmp_path / "self.sbatch",
+        f"""
+        #SBATCH --ntasks=2
+        #SBATCH --output=self.out
+        #SBATCH --error=self.err
+        {sys.executable} -m dplaunch train {TINY_LLAMA} --cpu --gpus 2 --max-steps 2 -o run
+        """,
+    )
+    job_id = slurm_cluster.submit(script, cwd=tmp_path)
+    state = slurm_cluster.wait(job_id, timeout=600)
+    out = (tmp_path / "self.out").read_text()
+    assert state == "COMPLETED", out + (tmp_path / "self.err").read_text()
+    assert f"SLURM job {job_id}, not in an srun step: starting one launcher per node" in out
+    assert "srun --nodes=1 --ntasks=1 --ntasks-per-node=1 --kill-on-bad-exit=1" in out
+    assert f"SLURM job {job_id}: this is node 0 of 1" in out  # printed by the launcher in the step
+    assert read_metrics(tmp_path / "run")[0]["world_size"] == 2

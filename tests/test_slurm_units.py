@@ -6,6 +6,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -19,10 +20,22 @@ from dplaunch.cluster.slurm import (
     check_allocation,
     detect_allocation,
     gpus_per_node,
+    launch_for_allocation,
+    node_shape,
+    parse_sinfo_nodes,
     parse_tasks_per_node,
+    rank_threads,
+    srun_argv,
 )
+from dplaunch.config.schema import LaunchConfig
 from dplaunch.errors import UserError
-from dplaunch.rendering.sbatch import SbatchSpec, quote_for_sbatch, render_sbatch
+from dplaunch.rendering.sbatch import (
+    NODE_LAUNCHER,
+    REQUEUE_EXIT_STATUS,
+    SbatchSpec,
+    quote_for_sbatch,
+    render_sbatch,
+)
 
 # ---------------------------------------------------------------- hostlists
 
@@ -195,11 +208,48 @@ def test_asking_gpus_from_an_allocation_without_gpu_variables_warns_that_it_cann
     assert "--gres=gpu:N" in warning
 
 
-def test_a_multi_node_job_outside_srun_warns_that_only_one_node_would_start():
+def test_in_the_batch_script_the_jobs_task_count_does_not_matter_dplaunch_starts_its_own_step():
+    # `sbatch --ntasks-per-node=4` then `dplaunch train` in the batch shell: dplaunch runs
+    # `srun --ntasks-per-node=1` itself, so the job's 4 tasks per node are no mistake
+    env = JEAN_ZAY_NODE_2_OF_4 | {"SLURM_NTASKS_PER_NODE": "4", "SLURM_NODEID": "0"}
+    del env["SLURM_STEP_ID"]
+    alloc = detect_allocation(env)
+    assert not alloc.inside_step
+    assert check_allocation(alloc, requested_gpus=16) == []
+
+
+def test_inside_a_step_the_steps_own_task_count_is_what_counts():
+    # `srun --ntasks-per-node=1` inside a job submitted with --ntasks-per-node=4
+    env = JEAN_ZAY_NODE_2_OF_4 | {
+        "SLURM_NTASKS_PER_NODE": "4",
+        "SLURM_STEP_TASKS_PER_NODE": "1(x4)",
+    }
+    assert detect_allocation(env).ntasks_per_node == 1
+    two = detect_allocation(env | {"SLURM_STEP_TASKS_PER_NODE": "2(x4)"})
+    with pytest.raises(UserError, match="2 tasks per node"):
+        check_allocation(two, requested_gpus=16)
+
+
+def test_dplaunch_starts_one_task_per_node_with_every_count_spelled_out():
     env = dict(JEAN_ZAY_NODE_2_OF_4)
     del env["SLURM_STEP_ID"]
-    (warning,) = check_allocation(detect_allocation(env), requested_gpus=None)
-    assert "srun --ntasks-per-node=1" in warning
+    argv = srun_argv(detect_allocation(env), ["python", "-m", "dplaunch", "train", "x.yaml"])
+    assert argv == [
+        "srun",
+        "--nodes=4",
+        "--ntasks=4",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        "--cpus-per-task=40",
+        "python",
+        "-m",
+        "dplaunch",
+        "train",
+        "x.yaml",
+    ]
+    # a job of one task per GPU (4 per node, 10 CPUs each): the node's launcher gets all 40
+    env |= {"SLURM_CPUS_PER_TASK": "10", "SLURM_CPUS_ON_NODE": "40", "SLURM_NTASKS_PER_NODE": "4"}
+    assert "--cpus-per-task=40" in srun_argv(detect_allocation(env), ["dplaunch"])
 
 
 def test_a_node_list_that_disagrees_with_the_node_count_is_an_error():
@@ -271,18 +321,74 @@ def test_a_4_node_h100_job_on_jean_zay(tmp_path):
         "error": "runs/llama/slurm/%x-%j.err",
         "signal": "USR1@120",
         "requeue": None,
+        # a requeued job must not truncate its first run's log
+        "open-mode": "append",
     }
     assert "set -euo pipefail" in script
     assert "module purge\nmodule load arch/h100\nmodule load pytorch-gpu/py3/2.4.0\n" in script
     assert "source $WORK/venv/bin/activate" in script
     # values we export are data, not shell: $WORK stays literal
     assert "export HF_HOME='$WORK/hf cache'" in script
-    last = script.rstrip("\n").splitlines()[-1]
-    assert last == (
-        "srun --kill-on-bad-exit=1 --cpus-per-task=40 "
-        "dplaunch train runs/llama.yaml --set train.lr=3e-4"
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert srun == (
+        "srun --nodes=4 --ntasks=4 --ntasks-per-node=1 --kill-on-bad-exit=1 --cpus-per-task=40 "
+        'bash -c "$node_launcher" dplaunch-node '
+        "dplaunch train runs/llama.yaml --set train.lr=3e-4 || status=$?"
     )
     bash_syntax_ok(script, tmp_path)
+
+
+def test_status_75_of_a_launcher_requeues_the_job_and_any_other_status_is_the_jobs(tmp_path):
+    script = render_sbatch(JEAN_ZAY_SPEC)
+    tail = script[script.index("srun ") :].splitlines()[1:]
+    assert tail == [
+        'if [ "$status" -eq 0 ] && [ -e "$DPLAUNCH_REQUEUE_MARK" ]; then',
+        '    rm -f "$DPLAUNCH_REQUEUE_MARK"',
+        '    echo "dplaunch: checkpoint saved before the time limit: requeueing job $SLURM_JOB_ID" >&2',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$status"',
+    ]
+    assert 'export DPLAUNCH_REQUEUE_MARK=runs/llama/slurm/.requeue-"$SLURM_JOB_ID"' in script
+    assert f"node_launcher={shlex.quote(NODE_LAUNCHER)}" in script
+
+
+@pytest.mark.parametrize(
+    ("status", "exit_code", "marked"), [(75, 0, True), (0, 0, False), (3, 3, False)]
+)
+def test_the_node_launcher_turns_75_into_a_marker_and_passes_other_statuses_on(
+    tmp_path, status, exit_code, marked
+):
+    # what srun runs on every node: srun --kill-on-bad-exit would take 75 for a failure
+    mark = tmp_path / "mark"
+    result = subprocess.run(
+        ["bash", "-c", NODE_LAUNCHER, "dplaunch-node", "bash", "-c", f"exit {status}"],
+        env={"PATH": os.environ["PATH"], "DPLAUNCH_REQUEUE_MARK": str(mark)},
+    )
+    assert (result.returncode, mark.exists()) == (exit_code, marked)
+
+
+def test_the_node_launcher_survives_the_time_limit_signal_its_child_handles_it(tmp_path):
+    # SLURM sends USR1 to every process of the step, the node launcher's bash included
+    child = (
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(75))\n"
+        "os.kill(os.getppid(), signal.SIGUSR1)\n"  # the bash in between
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "time.sleep(30)\n"
+    )
+    mark = tmp_path / "mark"
+    result = subprocess.run(
+        ["bash", "-c", NODE_LAUNCHER, "dplaunch-node", sys.executable, "-c", child],
+        env={"PATH": os.environ["PATH"], "DPLAUNCH_REQUEUE_MARK": str(mark)},
+        timeout=60,
+    )
+    assert result.returncode == 0 and mark.exists()
+
+
+def test_the_requeue_status_is_the_one_dplaunch_train_exits_with_after_a_signal_checkpoint():
+    checkpoint = pytest.importorskip("dplaunch.train.checkpoint")
+    assert checkpoint.EXIT_CHECKPOINTED == REQUEUE_EXIT_STATUS == 75
 
 
 def test_the_directives_come_before_any_shell_line():
@@ -385,3 +491,122 @@ def test_multi_line_setup_becomes_several_lines_under_relaxed_nounset(tmp_path):
     script = render_sbatch(spec)
     assert "set +u\nexport A=1\nexport B=2\nset -u\n" in script
     bash_syntax_ok(script, tmp_path)
+
+
+# ---------------------------------------------------------------- planning inside an allocation
+
+
+def launch(**values) -> LaunchConfig:
+    """A launch section as the run file and flags would give it (only the keys set)."""
+    return LaunchConfig.model_validate(values)
+
+
+def test_the_allocation_decides_nodes_rank_head_port_and_gpus_per_node():
+    alloc = detect_allocation(JEAN_ZAY_NODE_2_OF_4)
+    resolved, notes = launch_for_allocation(launch(), alloc)
+    assert (resolved.nodes, resolved.node_rank, resolved.gpus, resolved.gpus_per_node) == (
+        4,
+        2,
+        16,
+        4,
+    )
+    assert resolved.master_addr == "jean-zay-iam01"
+    assert resolved.master_port == alloc.master_port
+    assert "node 2 of 4 (jean-zay-iam03)" in notes[-1]
+
+
+def test_asking_8_gpus_in_a_16_gpu_allocation_is_refused_before_launch():
+    with pytest.raises(UserError) as error:
+        launch_for_allocation(launch(gpus=8), detect_allocation(JEAN_ZAY_NODE_2_OF_4))
+    assert error.value.field == "--gpus" and "holds 16" in error.value.line()
+
+
+def test_gpus_per_node_that_differ_from_the_plan_are_a_named_error():
+    with pytest.raises(UserError) as error:
+        launch_for_allocation(
+            launch(gpus=16, gpus_per_node=8), detect_allocation(JEAN_ZAY_NODE_2_OF_4)
+        )
+    assert error.value.field == "launch.gpus_per_node"
+    assert "8 GPUs on each node" in error.value.line() and "4 per node" in error.value.line()
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ({"nodes": 2}, "launch.nodes"),
+        ({"node_rank": 1}, "launch.node_rank"),
+        ({"hostfile": "hosts"}, "launch.hostfile"),
+    ],
+)
+def test_values_slurm_decides_must_agree_with_it(values, field):
+    with pytest.raises(UserError) as error:
+        launch_for_allocation(launch(**values), detect_allocation(JEAN_ZAY_NODE_2_OF_4))
+    assert error.value.field == field
+
+
+def test_stated_values_that_agree_with_slurm_and_an_explicit_head_address_are_kept():
+    resolved, _ = launch_for_allocation(
+        launch(nodes=4, node_rank=2, master_addr="jean-zay-iam01-ib0", master_port=29555),
+        detect_allocation(JEAN_ZAY_NODE_2_OF_4),
+    )
+    assert (resolved.master_addr, resolved.master_port) == ("jean-zay-iam01-ib0", 29555)
+
+
+def test_a_cpu_allocation_runs_the_cpu_ranks_asked_for():
+    # what the one-host test cluster gives a `dplaunch train --cpu --gpus 2` job
+    env = {
+        "SLURM_JOB_ID": "9",
+        "SLURM_JOB_NODELIST": "vm",
+        "SLURM_NODEID": "0",
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_TASKS_PER_NODE": "1",
+        "SLURM_CPUS_PER_TASK": "2",
+    }
+    alloc = detect_allocation(env)
+    resolved, notes = launch_for_allocation(launch(cpu=True, gpus=2), alloc)
+    assert (resolved.nodes, resolved.gpus, resolved.master_addr) == (1, 2, "127.0.0.1")
+    assert resolved.master_port == alloc.master_port
+    assert rank_threads(alloc, 2) == 1
+    # without a GPU count, one CPU rank per node
+    resolved, _ = launch_for_allocation(launch(cpu=True), alloc)
+    assert resolved.gpus == 1
+
+
+def test_in_the_batch_shell_the_node_is_the_first_one():
+    env = dict(JEAN_ZAY_NODE_2_OF_4)
+    del env["SLURM_NODEID"], env["SLURM_STEP_ID"]
+    resolved, _ = launch_for_allocation(launch(), detect_allocation(env))
+    assert resolved.node_rank == 0
+
+
+# ---------------------------------------------------------------- what sinfo says about nodes
+
+SINFO = """\
+debug*|(null)|2|1
+gpu_p5|gpu:8(S:0-1)|128|2
+gpu_p6|gpu:h100:4(S:0-1)|96|1
+gpu_p6|gpu:h100:4(S:0-1)|96|1
+mixed|gpu:4|40|1
+mixed|gpu:8|64|1
+"""
+
+
+def test_sinfo_rows_give_gpus_and_physical_cores_per_node():
+    rows = parse_sinfo_nodes(SINFO)
+    assert rows[0] == ("debug*", None, 2)
+    assert rows[1] == ("gpu_p5", 8, 64)  # 128 CPUs, 2 threads per core
+    assert rows[2] == ("gpu_p6", 4, 96)
+
+
+@pytest.mark.parametrize(
+    ("partition", "shape"),
+    [
+        (None, (None, 2)),  # the default partition, marked '*'
+        ("gpu_p6", (4, 96)),
+        ("gpu_p5", (8, 64)),
+        ("mixed", (None, None)),  # nodes disagree: the caller falls back and says so
+        ("absent", (None, None)),
+    ],
+)
+def test_a_partitions_node_shape(partition, shape):
+    assert node_shape(parse_sinfo_nodes(SINFO), partition)[:2] == shape

@@ -4,6 +4,8 @@ Everything here is pure: it reads the environment mapping it is given and never 
 so the same code runs in unit tests, on a login node (no allocation) and inside `srun`.
 dplaunch starts one launcher per node (like idr_accelerate): the launcher on node
 `node_rank` spawns one rank per GPU and meets the others at `head_node:master_port`.
+Outside an srun step (the batch script, an salloc shell) dplaunch starts that step itself
+with `srun_argv`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from dplaunch.cluster.hostlist import parse_hostlist
+from dplaunch.config.schema import LaunchConfig
 from dplaunch.errors import UserError
 
 # below Linux's ephemeral range (32768+) so the port is not taken by some outgoing connection,
@@ -36,6 +39,8 @@ class SlurmAllocation:
     # tasks SLURM started on each node (1 is what dplaunch needs); None when unknown
     ntasks_per_node: int | None
     cpus_per_task: int | None
+    # CPUs the job holds on this node (SLURM_CPUS_ON_NODE)
+    cpus_on_node: int | None
     # True under `srun` (SLURM_STEP_ID set), False in the batch script itself or salloc shell
     inside_step: bool
 
@@ -84,7 +89,8 @@ def detect_allocation(
         gpus_per_node=gpus_per_node(env),
         ntasks_per_node=ntasks_per_node(env),
         cpus_per_task=_int(env.get("SLURM_CPUS_PER_TASK")),
-        inside_step=bool(env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")),
+        cpus_on_node=_int(env.get("SLURM_CPUS_ON_NODE")),
+        inside_step=_inside_step(env),
     )
 
 
@@ -111,8 +117,15 @@ def gpus_per_node(env: Mapping[str, str]) -> int | None:
 
 
 def ntasks_per_node(env: Mapping[str, str]) -> int | None:
-    """The largest number of tasks on any node ("1(x4)" and "2,1" forms understood)."""
-    value = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    """The largest number of tasks on any node ("1(x4)" and "2,1" forms understood).
+
+    Inside an srun step the step's own count wins: `srun --ntasks-per-node=1` in a job
+    submitted with `--ntasks-per-node=4` runs one task per node, and that is what counts.
+    """
+    names = ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+    if _inside_step(env):
+        names = ("SLURM_STEP_TASKS_PER_NODE", *names)
+    value = next((env[name] for name in names if env.get(name)), None)
     if not value:
         return None
     counts = parse_tasks_per_node(value)
@@ -133,11 +146,14 @@ def parse_tasks_per_node(value: str) -> list[int]:
 def check_allocation(alloc: SlurmAllocation, requested_gpus: int | None) -> list[str]:
     """Refuse allocations dplaunch cannot use (UserError); return warnings for doubtful ones."""
     warnings: list[str] = []
-    if alloc.ntasks_per_node is not None and alloc.ntasks_per_node > 1:
+    # outside a step the job's task count does not matter: dplaunch starts its own step with
+    # one task per node; inside one, several tasks would start several launchers per node
+    if alloc.inside_step and alloc.ntasks_per_node is not None and alloc.ntasks_per_node > 1:
         raise UserError(
             "--ntasks-per-node",
             f"SLURM job {alloc.job_id} runs {alloc.ntasks_per_node} tasks per node",
-            "dplaunch starts one launcher per node: use --ntasks-per-node=1",
+            "dplaunch starts one launcher per node: use --ntasks-per-node=1 "
+            "(or run dplaunch without srun: it starts `srun --ntasks-per-node=1` itself)",
         )
     total = alloc.total_gpus
     if requested_gpus is not None:
@@ -153,18 +169,159 @@ def check_allocation(alloc: SlurmAllocation, requested_gpus: int | None) -> list
                 f"({alloc.num_nodes} nodes × {alloc.gpus_per_node} GPUs)",
                 f"use --gpus {total} or change the allocation",
             )
-    if alloc.num_nodes > 1 and not alloc.inside_step:
-        warnings.append(
-            f"SLURM job {alloc.job_id} has {alloc.num_nodes} nodes but this is not an srun step: "
-            "only this node would start; run dplaunch under `srun --ntasks-per-node=1`"
-        )
     return warnings
+
+
+def launch_for_allocation(
+    launch: LaunchConfig, alloc: SlurmAllocation
+) -> tuple[LaunchConfig, list[str]]:
+    """The launch section as this node of the allocation sees it, and notes for the plan.
+
+    SLURM decides nodes, this node's rank, the head node, the port and GPUs per node; values the
+    user stated must agree with it (UserError naming the field otherwise). With launch.cpu the
+    allocation's GPUs do not matter: --gpus N means N CPU ranks in total.
+    """
+    given = launch.model_fields_set
+    job = f"SLURM job {alloc.job_id}"
+    if launch.hostfile:
+        raise UserError(
+            "launch.hostfile",
+            f"a hostfile inside {job}",
+            "drop --hostfile: in an allocation dplaunch reads the nodes from SLURM",
+        )
+    nodes = alloc.num_nodes
+    if "nodes" in given and launch.nodes != nodes:
+        raise UserError(
+            "launch.nodes",
+            f"{launch.nodes} node(s) planned but {job} holds {nodes}",
+            "drop --nodes (dplaunch reads it from SLURM) or change the allocation",
+        )
+    # the batch script and an salloc shell run on the first node; SLURM_NODEID says so in a step
+    node_rank = alloc.node_rank if alloc.node_rank is not None else 0
+    if "node_rank" in given and launch.node_rank != node_rank:
+        raise UserError(
+            "launch.node_rank",
+            f"--node-rank {launch.node_rank} but SLURM says this is node {node_rank} of {job}",
+            "drop --node-rank inside an allocation",
+        )
+    notes: list[str] = []
+    update: dict[str, object] = {"nodes": nodes, "node_rank": node_rank}
+    if launch.cpu:
+        if launch.gpus is None and launch.gpus_per_node is None:
+            update["gpus"] = nodes  # one CPU rank per node
+    elif alloc.gpus_per_node is not None:
+        if launch.gpus_per_node is not None and launch.gpus_per_node != alloc.gpus_per_node:
+            raise UserError(
+                "launch.gpus_per_node",
+                f"the plan puts {launch.gpus_per_node} GPUs on each node but {job} has "
+                f"{alloc.gpus_per_node} per node",
+                f"use --gpus-per-node {alloc.gpus_per_node} or drop it, "
+                f"or ask SLURM for --gres=gpu:{launch.gpus_per_node}",
+            )
+        notes += check_allocation(alloc, launch.gpus)
+        update["gpus"] = alloc.total_gpus
+        update["gpus_per_node"] = alloc.gpus_per_node
+    else:
+        notes += check_allocation(alloc, launch.gpus)
+    if alloc.inside_step:
+        check_allocation(alloc, None)  # the task count
+    if launch.master_port is None:
+        update["master_port"] = alloc.master_port
+    if nodes > 1 and "master_addr" not in given:
+        update["master_addr"] = alloc.head_node
+    resolved = launch.model_copy(update=update)
+    notes.append(
+        f"{job}: this is node {node_rank} of {nodes} ({alloc.hostnames[node_rank]}); "
+        "nodes, head node, port and GPUs per node come from SLURM"
+    )
+    return resolved, notes
+
+
+def srun_argv(alloc: SlurmAllocation, argv: list[str]) -> list[str]:
+    """`srun` starting `argv` once on every node of the allocation (the step dplaunch needs)."""
+    srun = [
+        "srun",
+        # all three: a job submitted with --ntasks=8 passes SLURM_NTASKS=8 to srun, and srun
+        # then ignores a lone --ntasks-per-node=1 (measured on SLURM 22.05)
+        f"--nodes={alloc.num_nodes}",
+        f"--ntasks={alloc.num_nodes}",
+        "--ntasks-per-node=1",
+        # a launcher that fails ends the step on every node instead of leaving the others waiting
+        "--kill-on-bad-exit=1",
+    ]
+    # the one launcher of a node and its ranks get every CPU the job holds there (a job
+    # submitted with one task per GPU has --cpus-per-task for one GPU only); since SLURM 22.05
+    # srun does not inherit the job's --cpus-per-task anyway
+    cpus = alloc.cpus_on_node or alloc.cpus_per_task
+    if cpus is not None:
+        srun.append(f"--cpus-per-task={cpus}")
+    return [*srun, *argv]
+
+
+def rank_threads(alloc: SlurmAllocation, ranks_per_node: int) -> int | None:
+    """OMP threads per rank: the CPUs SLURM gave this node's launcher, shared by its ranks."""
+    if alloc.cpus_per_task is None:
+        return None
+    return max(1, alloc.cpus_per_task // max(1, ranks_per_node))
+
+
+def parse_sinfo_nodes(text: str) -> list[tuple[str, int | None, int]]:
+    """Rows of `sinfo -h -o "%P|%G|%c|%Z"`: (partition, GPUs per node or None, cores per node).
+
+    %G is the node's GRES ("gpu:4", "gpu:h100:4(S:0-1)", "(null)"), %c its CPUs and %Z its
+    threads per core; cores = CPUs / threads, what --hint=nomultithread hands out.
+    """
+    rows = []
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 4:
+            continue
+        partition, gres, cpus, threads = (part.strip() for part in parts)
+        gpus = None
+        for item in gres.split(","):
+            match = re.match(r"gpu(?::[\w.-]+)?:(\d+)", item.strip())
+            if match:
+                gpus = (gpus or 0) + int(match.group(1))
+        cpu_count = _int(cpus.rstrip("+"))
+        thread_count = _int(threads) or 1
+        if cpu_count is None:
+            continue
+        rows.append((partition, gpus, max(1, cpu_count // thread_count)))
+    return rows
+
+
+def node_shape(
+    rows: list[tuple[str, int | None, int]], partition: str | None
+) -> tuple[int | None, int | None, str]:
+    """(GPUs per node, cores per node, where from) for a partition (default: the one marked '*').
+
+    None where the partition's nodes disagree or sinfo did not say: the caller falls back to
+    its defaults and says so.
+    """
+    if partition is None:
+        chosen = [row for row in rows if row[0].endswith("*")]
+    else:
+        chosen = [row for row in rows if row[0].rstrip("*") == partition]
+    if not chosen:
+        return None, None, "sinfo did not list that partition"
+    name = chosen[0][0].rstrip("*")
+    gpus = {row[1] for row in chosen}
+    cores = {row[2] for row in chosen}
+    return (
+        gpus.pop() if len(gpus) == 1 else None,
+        cores.pop() if len(cores) == 1 else None,
+        f"sinfo, partition {name}",
+    )
 
 
 def _job_number(job_id: str) -> int:
     # array and het jobs can look like "123_4" or "123+1"; keep digits only when we can
     digits = re.sub(r"\D", "", job_id)
     return int(digits) if digits else zlib.crc32(job_id.encode())
+
+
+def _inside_step(env: Mapping[str, str]) -> bool:
+    return bool(env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID"))
 
 
 def _int(value: str | None) -> int | None:

@@ -32,6 +32,11 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
 
     prepared = prepare_training_run(flags)
     disk_line = check_run_dir(prepared.run_dir, resuming=resume is not None)
+    relaunch = _srun_relaunch(prepared)
+    if relaunch is not None:  # a SLURM job outside an srun step: one launcher per node
+        from dplaunch.commands.slurm import run_under_srun
+
+        return run_under_srun(prepared, relaunch, dry_run=dry_run)
     point = (
         checkpoint.plan_resume(prepared.run_dir, resume, prepared.config, prepared.plan)
         if resume is not None
@@ -108,11 +113,22 @@ def run_launch(flags: RunFlags, script: list[str], *, dry_run: bool) -> int:
     prepared = prepare_script_launch(flags, script)
     # a script's run directory holds only dplaunch's files: launching into it again is fine
     disk_line = check_run_dir(prepared.run_dir, resuming=True)
+    relaunch = _srun_relaunch(prepared)
+    if relaunch is not None:
+        from dplaunch.commands.slurm import run_under_srun
+
+        return run_under_srun(prepared, relaunch, dry_run=dry_run)
     print_prepared(prepared, show_files=dry_run)
     if dry_run:
         return 0
     typer.echo(f"run directory: {prepared.run_dir} ({disk_line})")
     return start(prepared)
+
+
+def _srun_relaunch(prepared: PreparedRun) -> list[str] | None:
+    from dplaunch.commands.slurm import srun_relaunch_argv
+
+    return srun_relaunch_argv(prepared)
 
 
 def start(

@@ -5,22 +5,41 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
+import socket
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from dplaunch.cluster.hostfile import launch_for_hostfile, read_hostfile
+from dplaunch.cluster.hostlist import expand_hostlist
+from dplaunch.cluster.slurm import (
+    SlurmAllocation,
+    detect_allocation,
+    launch_for_allocation,
+    rank_threads,
+)
 from dplaunch.config.load import dump_run_config, load_run_config
-from dplaunch.config.schema import ModelConfig, RunConfig, ScriptRunConfig
+from dplaunch.config.schema import LaunchConfig, ModelConfig, RunConfig, ScriptRunConfig
 from dplaunch.errors import UserError
 from dplaunch.launching.ports import free_port, port_is_free
 from dplaunch.planning.data_check import check_data
 from dplaunch.planning.devices import visible_gpu_count
 from dplaunch.planning.model_facts import ModelFacts, load_config_json
 from dplaunch.planning.plan import Machine, Plan, make_plan
-from dplaunch.rendering.accelerate_config import DEEPSPEED_CONFIG_NAME, render_accelerate_config
+from dplaunch.rendering.accelerate_config import (
+    DEEPSPEED_CONFIG_NAME,
+    accelerate_config_name,
+    render_accelerate_config,
+)
 from dplaunch.rendering.deepspeed_config import render_deepspeed_config
-from dplaunch.rendering.launch_command import launch_argv, render_launch_script
+from dplaunch.rendering.launch_command import (
+    hostfile_launch_argv,
+    launch_argv,
+    launch_script_name,
+    render_launch_script,
+)
 
 # flag name → dotted key in the run file
 FLAG_KEYS = {
@@ -123,11 +142,23 @@ def _refuse_code_not_trusted(model: ModelConfig, config_json: dict[str, Any]) ->
 
 
 def prepare_training_run(
-    flags: RunFlags, *, render_only: bool = False, out_dir: Path | None = None
+    flags: RunFlags,
+    *,
+    render_only: bool = False,
+    out_dir: Path | None = None,
+    use_allocation: bool = True,
 ) -> PreparedRun:
-    """Load, validate and plan a training run; render its files. Raises UserError, writes nothing."""
+    """Load, validate and plan a training run; render its files. Raises UserError, writes nothing.
+
+    Inside a SLURM job the allocation decides the launch section (``use_allocation=False``
+    for `dplaunch slurm`, which plans another job).
+    """
     config: RunConfig = load_run_config(
         flags.config, overrides=flags.overrides(), assignments=flags.assignments
+    )
+    allocation = current_allocation() if use_allocation else None
+    config.launch, cluster_notes = launch_for_cluster(
+        config.launch, allocation=allocation, render_only=render_only
     )
     facts = model_facts(config.model)
     check_data(config.data, config.model.task)
@@ -142,13 +173,21 @@ def prepare_training_run(
     plan = make_plan(config.launch, config.parallel, config.train, machine, facts)
     if auto is not None:
         plan = replace(plan, notes=(*plan.notes, auto.note))
+    plan = replace(plan, notes=(*plan.notes, *cluster_notes))
     plan = _settle_port(
         plan, explicit=config.launch.master_port is not None, render_only=render_only
     )
     run_dir = out_dir or Path(config.output_dir or _default_run_dir(config.name or "run"))
     config.output_dir = str(run_dir)
     target = ["-m", "dplaunch.train", str(run_dir.absolute())]
-    return _render(config, plan, run_dir, target, max_grad_norm=config.train.max_grad_norm)
+    return _render(
+        config,
+        plan,
+        run_dir,
+        target,
+        max_grad_norm=config.train.max_grad_norm,
+        extra_env=cluster_environment(plan, allocation),
+    )
 
 
 def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
@@ -159,10 +198,15 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
         assignments=flags.assignments,
         schema=ScriptRunConfig,
     )
+    allocation = current_allocation()
+    config.launch, cluster_notes = launch_for_cluster(
+        config.launch, allocation=allocation, render_only=False
+    )
     if not Path(script[0]).is_file():
         raise UserError("SCRIPT", f"{script[0]} does not exist", "give the path of a Python script")
     machine = Machine(visible_gpus=visible_gpu_count())
     plan = make_plan(config.launch, config.parallel, config.train, machine)
+    plan = replace(plan, notes=(*plan.notes, *cluster_notes))
     if plan.engine == "pipeline":
         raise UserError(
             "parallel.pp",
@@ -181,22 +225,40 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
     plan = _settle_port(plan, explicit=config.launch.master_port is not None, render_only=False)
     run_dir = Path(config.output_dir or _default_run_dir(Path(script[0]).stem))
     config.output_dir = str(run_dir)
-    return _render(config, plan, run_dir, script, max_grad_norm=config.train.max_grad_norm)
+    return _render(
+        config,
+        plan,
+        run_dir,
+        script,
+        max_grad_norm=config.train.max_grad_norm,
+        extra_env=cluster_environment(plan, allocation),
+    )
 
 
 def _render(
-    config: Any, plan: Plan, run_dir: Path, target: list[str], *, max_grad_norm: float
+    config: Any,
+    plan: Plan,
+    run_dir: Path,
+    target: list[str],
+    *,
+    max_grad_norm: float,
+    extra_env: dict[str, str] | None = None,
 ) -> PreparedRun:
     files: dict[str, str] = {}
     run_abs = run_dir.absolute()
     if plan.uses_deepspeed:
         files[DEEPSPEED_CONFIG_NAME] = render_deepspeed_config(plan, max_grad_norm=max_grad_norm)
-    files["accelerate.yaml"] = render_accelerate_config(plan, str(run_abs / DEEPSPEED_CONFIG_NAME))
+    # node R > 0 of a multi-node run writes accelerate-nodeR.yaml and launch-nodeR.sh
+    accelerate_name = accelerate_config_name(plan)
+    files[accelerate_name] = render_accelerate_config(plan, str(run_abs / DEEPSPEED_CONFIG_NAME))
     files["run.yaml"] = dump_run_config(config)
     files["plan.json"] = json.dumps(plan.to_dict(), indent=2) + "\n"
-    argv = launch_argv(plan, run_abs, target)
-    env = rank_environment(plan)
-    files["launch.sh"] = render_launch_script(argv, env, Path.cwd())
+    env = {**rank_environment(plan), **(extra_env or {})}
+    if config.launch.hostfile:
+        argv = hostfile_launch_argv(plan, Path(config.launch.hostfile), target, env)
+    else:
+        argv = launch_argv(plan, run_abs, target, accelerate_config=accelerate_name)
+    files[launch_script_name(plan)] = render_launch_script(argv, env, Path.cwd())
     return PreparedRun(config=config, plan=plan, run_dir=run_dir, files=files, argv=argv, env=env)
 
 
@@ -243,3 +305,59 @@ def _settle_port(plan: Plan, *, explicit: bool, render_only: bool) -> Plan:
 
 def _default_run_dir(name: str) -> str:
     return str(Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+# --- clusters: a SLURM allocation or a DeepSpeed hostfile decides the launch section ---------
+
+
+def current_allocation() -> SlurmAllocation | None:
+    """The SLURM job this process runs in (None outside one); node lists expanded by scontrol."""
+    try:
+        return detect_allocation(os.environ, expand=expand_hostlist)
+    except ValueError as error:
+        raise UserError(
+            "SLURM",
+            str(error),
+            "run dplaunch in a regular SLURM job, or unset SLURM_JOB_ID to ignore the job",
+        ) from None
+
+
+def launch_for_cluster(
+    launch: LaunchConfig, *, allocation: SlurmAllocation | None, render_only: bool
+) -> tuple[LaunchConfig, list[str]]:
+    """The launch section once SLURM (inside a job) or a hostfile has had its say; plan notes."""
+    if allocation is not None:
+        return launch_for_allocation(launch, allocation)
+    if not launch.hostfile:
+        return launch, []
+    hosts = read_hostfile(launch.hostfile)
+    resolved, notes = launch_for_hostfile(launch, hosts, own_host_names())
+    if len(hosts) > 1 and not render_only and shutil.which("pdsh") is None:
+        raise UserError(
+            "launch.hostfile",
+            f"{len(hosts)} hosts need DeepSpeed's multi-node launcher, which starts them with "
+            "pdsh over ssh, and pdsh is not installed here",
+            "install pdsh (apt install pdsh) and set up passwordless ssh to every host, or run "
+            "`dplaunch train --nodes N --node-rank R --master-addr HEAD` on each node instead",
+        )
+    absolute = str(Path(launch.hostfile).absolute())
+    return resolved.model_copy(update={"hostfile": absolute}), notes
+
+
+def cluster_environment(plan: Plan, allocation: SlurmAllocation | None) -> dict[str, str]:
+    """Rank variables an allocation decides: threads per rank from SLURM's CPUs for this task."""
+    if allocation is None or "OMP_NUM_THREADS" in os.environ:
+        return {}
+    threads = rank_threads(allocation, plan.processes_per_node)
+    return {"OMP_NUM_THREADS": str(threads)} if threads is not None else {}
+
+
+def own_host_names() -> tuple[str, ...]:
+    """The names this machine answers to (for telling a local hostfile entry from a remote one)."""
+    name = socket.gethostname()
+    names = {name, name.split(".")[0]}
+    try:
+        names.add(socket.getfqdn())
+    except OSError:
+        pass
+    return tuple(sorted(names))

@@ -11,6 +11,15 @@ from dplaunch.planning.plan import Plan
 DEEPSPEED_CONFIG_NAME = "deepspeed.json"
 
 
+def accelerate_config_name(plan: Plan) -> str:
+    """accelerate.yaml, or accelerate-nodeR.yaml on node R > 0 of a multi-node run.
+
+    Nodes that share a run directory (one filesystem on a cluster) would otherwise overwrite
+    each other's machine_rank between writing the file and `accelerate launch` reading it.
+    """
+    return "accelerate.yaml" if plan.node_rank == 0 else f"accelerate-node{plan.node_rank}.yaml"
+
+
 def accelerate_config_dict(plan: Plan, deepspeed_config_path: str | None = None) -> dict[str, Any]:
     """The Accelerate cluster config for this node of the plan."""
     if plan.uses_deepspeed and plan.engine != "pipeline":

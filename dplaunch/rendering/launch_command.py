@@ -9,6 +9,12 @@ from pathlib import Path
 from dplaunch.planning.plan import Plan
 
 ACCELERATE_LAUNCH = ["-m", "accelerate.commands.launch"]
+DEEPSPEED_RUNNER = ["-u", "-m", "deepspeed.launcher.runner"]
+
+
+def launch_script_name(plan: Plan) -> str:
+    """launch.sh, or launch-nodeR.sh on node R > 0 (nodes may share the run directory)."""
+    return "launch.sh" if plan.node_rank == 0 else f"launch-node{plan.node_rank}.sh"
 
 
 def launch_argv(
@@ -17,17 +23,56 @@ def launch_argv(
     target: list[str],
     *,
     python: str | None = None,
+    accelerate_config: str = "accelerate.yaml",
 ) -> list[str]:
     """argv that starts this node's ranks: `accelerate launch --config_file RUN/accelerate.yaml …`.
 
     ``target`` is what each rank runs: ["-m", "dplaunch.train", RUN] or [SCRIPT, *ARGS].
     """
     python = python or sys.executable
-    argv = [python, *ACCELERATE_LAUNCH, "--config_file", str(run_dir / "accelerate.yaml")]
+    argv = [python, *ACCELERATE_LAUNCH, "--config_file", str(run_dir / accelerate_config)]
     if target and target[0] == "-m":
         argv += ["--module", *target[1:]]
     else:
         argv += target
+    return argv
+
+
+def hostfile_launch_argv(
+    plan: Plan,
+    hostfile: Path,
+    target: list[str],
+    rank_env: dict[str, str],
+    *,
+    python: str | None = None,
+) -> list[str]:
+    """argv that starts every node of a hostfile through DeepSpeed's runner (pdsh/ssh).
+
+    The runner forwards only a few variables (PYTHON*, NCCL*, …) to the other hosts, so the
+    ranks' variables travel on the command line: each rank runs `env K=V … python …`.
+    One host runs locally without ssh; several go through pdsh, which needs passwordless ssh
+    and the same paths (python, run directory) on every host.
+    """
+    python = python or sys.executable
+    argv = [
+        python,
+        *DEEPSPEED_RUNNER,
+        "--hostfile",
+        str(hostfile),
+        "--launcher",
+        "pdsh",
+        "--master_addr",
+        plan.master_addr,
+        "--master_port",
+        str(plan.master_port),
+    ]
+    if plan.num_nodes == 1:
+        # the runner would otherwise ssh to the one host just to check that ssh works
+        argv.append("--no_ssh_check")
+    # ranks read LOCAL_RANK from the environment, as under torchrun
+    argv += ["--no_python", "--no_local_rank", "env"]
+    argv += [f"{name}={value}" for name, value in sorted(rank_env.items())]
+    argv += [python, "-u", *target]
     return argv
 
 

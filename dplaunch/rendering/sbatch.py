@@ -7,6 +7,10 @@ Pure: returns text. Two quoting worlds meet in a batch script:
 - every other line is bash: values go through `shlex.quote`, so they are single-quoted words.
 Values that contain a newline (or NUL) could start a new line of either kind: refused with
 ValueError, which the caller reports as a UserError naming the field.
+
+Requeue: a launcher that exits with REQUEUE_EXIT_STATUS (75) says "the ranks saved a checkpoint
+on SLURM's time-limit signal". The script then runs `scontrol requeue`, and the requeued job
+runs the same command again, which resumes (`--resume auto`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,18 @@ from dataclasses import dataclass, field
 _TIME_RE = re.compile(r"^(\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|infinite|unlimited)$", re.I)
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _MODULE_RE = re.compile(r"^[\w./+@:=,-]+$")
+
+# EX_TEMPFAIL: what dplaunch train returns after checkpointing on SIGUSR1/SIGTERM
+REQUEUE_EXIT_STATUS = 75
+# run on every node by srun when requeue is on: turns 75 into a marker file and exit 0, because
+# `srun --kill-on-bad-exit=1` takes any other status for a failure and kills the other nodes
+# (srun then returns 143, not 75: measured on SLURM 22.05). Bash ignores USR1, which SLURM sends
+# to every process of the step: the ranks handle it, the launcher passes it on, bash would die.
+NODE_LAUNCHER = (
+    'trap "" USR1; "$@"; status=$?; '
+    f'if [ "$status" -eq {REQUEUE_EXIT_STATUS} ]; then touch "$DPLAUNCH_REQUEUE_MARK"; exit 0; fi; '
+    'exit "$status"'
+)
 
 
 @dataclass(frozen=True)
@@ -54,6 +70,10 @@ class SbatchSpec:
     env: dict[str, str] = field(default_factory=dict)
     # --hint=nomultithread: one task thread per physical core (IDRIS recommendation)
     nomultithread: bool = True
+    # the job's working directory (`--chdir`); None = where sbatch is run
+    workdir: str | None = None
+    # comment lines at the top (what generated the script, the plan); never parsed
+    comments: list[str] = field(default_factory=list)
 
 
 def render_sbatch(spec: SbatchSpec) -> str:
@@ -90,8 +110,13 @@ def render_sbatch(spec: SbatchSpec) -> str:
         directives.append(("signal", f"USR1@{spec.signal_seconds}"))
     if spec.requeue:
         directives.append(("requeue", None))
+        # a requeued job writes to the same log files: append, or its first run's log is lost
+        directives.append(("open-mode", "append"))
+    if spec.workdir:
+        directives.append(("chdir", spec.workdir))
 
     lines = ["#!/bin/bash"]
+    lines += [f"# {comment}" if comment else "#" for comment in spec.comments]
     lines += [sbatch_directive(option, value) for option, value in directives]
     lines += ["", "set -euo pipefail", ""]
     # exports first, so that setup lines can use them
@@ -110,11 +135,38 @@ def render_sbatch(spec: SbatchSpec) -> str:
         lines += ["set -u", ""]
     srun = [
         "srun",
+        # all three: a job's SLURM_NTASKS reaches srun, which then ignores a lone
+        # --ntasks-per-node=1 (measured on SLURM 22.05)
+        f"--nodes={spec.nodes}",
+        f"--ntasks={spec.nodes}",
+        "--ntasks-per-node=1",
         "--kill-on-bad-exit=1",
         # SLURM 22.05 stopped passing the job's --cpus-per-task to srun; say it again
         f"--cpus-per-task={spec.cpus_per_task}",
     ]
-    lines.append(" ".join(srun) + " " + shlex.join(spec.command))
+    if not spec.requeue:
+        lines.append(" ".join(srun) + " " + shlex.join(spec.command))
+        return "\n".join(lines) + "\n"
+    mark = shlex.quote(f"{log_dir}/.requeue-") + '"$SLURM_JOB_ID"'
+    lines += [
+        f"# {REQUEUE_EXIT_STATUS} from a node's launcher: the ranks saved a checkpoint on SLURM's "
+        "time-limit signal;",
+        "# the job is then requeued and the same command resumes from that checkpoint.",
+        f"export DPLAUNCH_REQUEUE_MARK={mark}",
+        'rm -f "$DPLAUNCH_REQUEUE_MARK"',
+        f"node_launcher={shlex.quote(NODE_LAUNCHER)}",
+        "status=0",
+        " ".join(srun)
+        + ' bash -c "$node_launcher" dplaunch-node '
+        + shlex.join(spec.command)
+        + " || status=$?",
+        'if [ "$status" -eq 0 ] && [ -e "$DPLAUNCH_REQUEUE_MARK" ]; then',
+        '    rm -f "$DPLAUNCH_REQUEUE_MARK"',
+        '    echo "dplaunch: checkpoint saved before the time limit: requeueing job $SLURM_JOB_ID" >&2',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$status"',
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -139,7 +191,18 @@ def _validate(spec: SbatchSpec) -> None:
         raise ValueError("job_name: empty")
     if "/" in spec.job_name:
         raise ValueError(f"job_name: {spec.job_name!r} contains '/', but it names the log files")
-    for name in ("job_name", "time", "partition", "account", "qos", "constraint", "log_dir"):
+    for index, comment in enumerate(spec.comments):
+        _refuse_line_breaks(f"comments[{index}]", comment)
+    for name in (
+        "job_name",
+        "time",
+        "partition",
+        "account",
+        "qos",
+        "constraint",
+        "log_dir",
+        "workdir",
+    ):
         value = getattr(spec, name)
         if value is not None:
             _refuse_line_breaks(name, value)

@@ -1,0 +1,352 @@
+"""`dplaunch slurm` (plan → sbatch script → optionally sbatch), and srun for `train` in a job.
+
+The script runs one launcher per node: `srun … python -m dplaunch train CONFIG <the same flags>
+--output-dir RUN --resume auto`. Inside the job, `dplaunch train` reads the allocation (nodes,
+node rank, head node, port, GPUs per node) and checks it against the plan; the run directory is
+pinned so that a requeued job resumes the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import typer
+
+from dplaunch.cluster.slurm import node_shape, parse_sinfo_nodes, srun_argv
+from dplaunch.config.load import load_run_config
+from dplaunch.config.schema import LaunchConfig
+from dplaunch.errors import UserError
+from dplaunch.launching.prepare import (
+    FLAG_KEYS,
+    PreparedRun,
+    RunFlags,
+    current_allocation,
+    prepare_training_run,
+)
+from dplaunch.launching.process import run_supervised
+from dplaunch.launching.rundir import write_text_atomic
+from dplaunch.planning.plan import Plan
+from dplaunch.rendering.sbatch import (
+    NODE_LAUNCHER,
+    REQUEUE_EXIT_STATUS,
+    SbatchSpec,
+    render_sbatch,
+)
+
+# SLURM sends USR1 this many seconds before the time limit: time for a step and a checkpoint
+SIGNAL_SECONDS = 120
+# when neither the flags nor sinfo say: Jean-Zay's V100/H100 nodes have 4 GPUs
+FALLBACK_GPUS_PER_NODE = 4
+# ... and 10 cores per GPU (a V100 node: 40 cores, 4 GPUs)
+FALLBACK_CPUS_PER_GPU = 10
+LOG_DIR_NAME = "logs"
+SCRIPT_NAME = "job.sbatch"
+# set for the launchers dplaunch starts with srun: they must never start srun again
+UNDER_SRUN = "DPLAUNCH_UNDER_SRUN"
+# run flags that SLURM decides inside the job, so the script does not repeat them
+DECIDED_IN_JOB = ("nodes", "node_rank", "master_addr", "master_port", "hostfile", "output_dir")
+# SbatchSpec fields → the flag a user would change
+SPEC_FLAGS = {
+    "job_name": "--job-name",
+    "time": "--time",
+    "partition": "--partition",
+    "account": "--account",
+    "qos": "--qos",
+    "constraint": "--constraint",
+    "modules": "--module",
+    "setup_lines": "--setup",
+    "log_dir": "--output-dir",
+    "workdir": "the working directory",
+    "command": "CONFIG / flags",
+    "comments": "CONFIG / flags",
+}
+
+
+@dataclass
+class SlurmOptions:
+    """The `dplaunch slurm` options that are not run flags."""
+
+    cpus_per_gpu: int | None = None
+    time: str = "01:00:00"
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    job_name: str | None = None
+    modules: list[str] = field(default_factory=list)
+    setup: list[str] = field(default_factory=list)
+    out: str | None = None
+    submit: bool = False
+    # the python that runs dplaunch in the job (default: the one running this command)
+    python: str | None = None
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """Nodes, GPUs (or CPU ranks) per node and CPUs per task of the job, and where they came from."""
+
+    nodes: int
+    per_node: int
+    cpus_per_task: int
+    notes: tuple[str, ...] = ()
+
+
+def run_slurm(flags: RunFlags, options: SlurmOptions) -> int:
+    """Plan the run for the job, write its sbatch script, and submit it with --submit."""
+    _refuse_flags_slurm_decides(flags)
+    if options.submit and options.out == "-":
+        raise UserError("--submit", "cannot submit a script printed to stdout", "give --out FILE")
+    if options.submit and shutil.which("sbatch") is None:
+        raise UserError(
+            "--submit",
+            "sbatch is not on PATH here",
+            "run this on a login node of the cluster, or drop --submit and sbatch the script there",
+        )
+    config = load_run_config(
+        flags.config, overrides=flags.overrides(), assignments=flags.assignments
+    )
+    shape = job_shape(config.launch, options, query_sinfo)
+    plan_flags = dataclasses.replace(
+        flags, gpus=shape.nodes * shape.per_node, gpus_per_node=shape.per_node, nodes=None
+    )
+    # the same validation `dplaunch train` does, for the job's layout rather than this machine's
+    prepared = prepare_training_run(plan_flags, render_only=True, use_allocation=False)
+    run_dir = prepared.run_dir.absolute()
+    plan_flags = dataclasses.replace(plan_flags, output_dir=str(run_dir))
+    spec = SbatchSpec(
+        job_name=options.job_name or config.name or "dplaunch",
+        command=train_command(plan_flags, python=options.python),
+        nodes=shape.nodes,
+        gpus_per_node=shape.per_node,
+        cpus_per_task=shape.cpus_per_task,
+        time=options.time,
+        partition=options.partition,
+        account=options.account,
+        qos=options.qos,
+        constraint=options.constraint,
+        modules=list(options.modules),
+        setup_lines=list(options.setup),
+        log_dir=str(run_dir / LOG_DIR_NAME),
+        requeue=True,
+        signal_seconds=SIGNAL_SECONDS,
+        cpu=prepared.plan.target == "cpu",
+        # dplaunch's own lines reach the log in order with the ranks' output
+        env={"PYTHONUNBUFFERED": "1"},
+        workdir=str(Path.cwd()),
+        comments=[
+            "generated by dplaunch; regenerate it rather than edit it:",
+            "  dplaunch " + shlex.join(sys.argv[1:]),
+            *(f"  {line}" for line in job_summary_lines(prepared.plan)),
+        ],
+    )
+    try:
+        script = render_sbatch(spec)
+    except ValueError as error:
+        name, _, problem = str(error).partition(": ")
+        flag = SPEC_FLAGS.get(name.split("[")[0].split(".")[0], name)
+        raise UserError(flag, problem or str(error), "change that value") from None
+
+    say = _say(to_stderr=options.out == "-")
+    for line in job_summary_lines(prepared.plan):
+        say(line)
+    for note in shape.notes:
+        say(f"note: {note}")
+    if options.out == "-":
+        sys.stdout.write(script)
+        return 0
+    path = Path(options.out) if options.out else run_dir / SCRIPT_NAME
+    write_text_atomic(path, script, 0o755)
+    say(f"sbatch script: {path}")
+    say(f"run directory: {run_dir} (logs: {spec.log_dir}/{spec.job_name}-JOBID.out/.err)")
+    if not options.submit:
+        say(f"submit with: sbatch {shlex.quote(str(path))}")
+        return 0
+    # sbatch does not create the directory of --output/--error; the job would fail silently
+    Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(
+        ["sbatch", "--parsable", str(path)], capture_output=True, text=True, check=False
+    )
+    if result.returncode != 0:
+        typer.echo(f"dplaunch: sbatch refused the job: {result.stderr.strip()}", err=True)
+        return result.returncode
+    job_id = result.stdout.strip().split(";")[0]
+    say(f"submitted batch job {job_id}")
+    return 0
+
+
+def job_shape(launch: LaunchConfig, options: SlurmOptions, sinfo) -> JobShape:
+    """Nodes × per node and CPUs per task: the flags and run file first, then sinfo, then defaults.
+
+    ``launch`` is the run file's launch section with the flags applied; ``sinfo(partition)``
+    answers (GPUs per node, cores per node, source) or Nones.
+    """
+    notes: list[str] = []
+    total = launch.gpus
+    if total is None:
+        raise UserError("--gpus", "dplaunch slurm needs the total GPU count", "pass --gpus N")
+    per_node = launch.gpus_per_node
+    if per_node is None and launch.nodes > 1:
+        if total % launch.nodes:
+            raise UserError(
+                "--nodes",
+                f"{total} GPUs cannot be spread evenly over {launch.nodes} nodes",
+                f"use a GPU count that is a multiple of {launch.nodes}",
+            )
+        per_node = total // launch.nodes
+    if per_node is None and launch.cpu:
+        per_node = total  # CPU ranks: one node unless told otherwise
+    shape_gpus = shape_cores = None
+    if per_node is None or options.cpus_per_gpu is None:
+        shape_gpus, shape_cores, source = sinfo(options.partition)
+        if per_node is None and shape_gpus:
+            per_node = min(shape_gpus, total)
+            notes.append(f"{shape_gpus} GPUs per node ({source})")
+        elif per_node is None:
+            per_node = min(FALLBACK_GPUS_PER_NODE, total)
+            notes.append(
+                f"GPUs per node unknown ({source}): assuming {FALLBACK_GPUS_PER_NODE}; "
+                "pass --gpus-per-node G if the nodes have another count"
+            )
+    if total % per_node:
+        below, above = (total // per_node) * per_node, (total // per_node + 1) * per_node
+        options_text = f"{below} or {above}" if below else str(above)
+        raise UserError(
+            "--gpus",
+            f"{total} GPUs do not fill whole nodes of {per_node}",
+            f"use --gpus {options_text}, or set --gpus-per-node",
+        )
+    if options.cpus_per_gpu is not None:
+        if options.cpus_per_gpu < 1:
+            raise UserError("--cpus-per-gpu", f"{options.cpus_per_gpu} is below 1", "use 1 or more")
+        per_rank = options.cpus_per_gpu
+    elif launch.cpu:
+        # CPU ranks share the node's cores
+        per_rank = max(1, shape_cores // per_node) if shape_cores else 1
+    elif shape_cores and shape_gpus:
+        per_rank = max(1, shape_cores // shape_gpus)
+        notes.append(f"{per_rank} CPU cores per GPU ({shape_cores} cores / {shape_gpus} GPUs)")
+    else:
+        per_rank = FALLBACK_CPUS_PER_GPU
+        notes.append(
+            f"CPU cores per GPU unknown: asking {FALLBACK_CPUS_PER_GPU}; pass --cpus-per-gpu C"
+        )
+    return JobShape(total // per_node, per_node, per_rank * per_node, tuple(notes))
+
+
+def job_summary_lines(plan: Plan) -> list[str]:
+    """The plan as the job will run it: the rendezvous is decided there, not here."""
+    lines = [
+        line
+        for line in plan.summary_lines()
+        if not line.startswith("node rank ") and "rendezvous at 127.0.0.1" not in line
+    ]
+    if plan.num_nodes > 1:
+        lines.append(
+            "rendezvous: the job's first node, on a port derived from the job id "
+            "(two jobs sharing a node do not clash)"
+        )
+    return lines
+
+
+def query_sinfo(partition: str | None) -> tuple[int | None, int | None, str]:
+    """(GPUs per node, cores per node, source) of a partition as sinfo reports it."""
+    sinfo = shutil.which("sinfo")
+    if sinfo is None:
+        return None, None, "no sinfo here"
+    try:
+        result = subprocess.run(
+            [sinfo, "-h", "-o", "%P|%G|%c|%Z"], capture_output=True, text=True, timeout=20
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None, None, "sinfo did not answer"
+    if result.returncode != 0:
+        return None, None, "sinfo did not answer"
+    return node_shape(parse_sinfo_nodes(result.stdout), partition)
+
+
+def train_command(flags: RunFlags, *, python: str | None = None) -> list[str]:
+    """`python -m dplaunch train CONFIG <flags> --output-dir RUN --resume auto`, absolute paths."""
+    command = [python or sys.executable, "-m", "dplaunch", "train"]
+    if flags.config is not None:
+        command.append(str(Path(flags.config).absolute()))
+    for name in FLAG_KEYS:
+        value = getattr(flags, name)
+        if name in DECIDED_IN_JOB or value is None or value is False:
+            continue
+        option = "--" + name.replace("_", "-")
+        command += [option] if value is True else [option, str(value)]
+    for assignment in flags.assignments:
+        command += ["--set", assignment]
+    return [*command, "--output-dir", str(flags.output_dir), "--resume", "auto"]
+
+
+def _refuse_flags_slurm_decides(flags: RunFlags) -> None:
+    for name in ("node_rank", "master_addr", "master_port", "hostfile"):
+        if getattr(flags, name) is not None:
+            option = "--" + name.replace("_", "-")
+            raise UserError(
+                option,
+                "SLURM decides it inside the job (node list, SLURM_NODEID, job id)",
+                f"drop {option}",
+            )
+
+
+def _say(*, to_stderr: bool):
+    def say(line: str) -> None:
+        typer.echo(line, err=to_stderr)
+
+    return say
+
+
+# --- `dplaunch train` in a SLURM job but outside an srun step ----------------------------------
+
+
+def srun_relaunch_argv(prepared: PreparedRun) -> list[str] | None:
+    """The srun line that reruns this command once per node, or None when none is needed.
+
+    In the batch script or an salloc shell (a job, no step) the ranks would start on the one
+    node running the script (with salloc: the login node), and SLURM's time-limit signal
+    (`--signal` without B:) reaches only steps. So dplaunch starts the step itself.
+    """
+    allocation = current_allocation()
+    if allocation is None or allocation.inside_step or os.environ.get(UNDER_SRUN):
+        return None
+    again = [sys.executable, "-m", "dplaunch", *sys.argv[1:]]
+    # the run directory is pinned: a default one is named by the time each node starts
+    again += ["--output-dir", str(prepared.run_dir.absolute())]
+    return srun_argv(allocation, ["bash", "-c", NODE_LAUNCHER, "dplaunch-node", *again])
+
+
+def run_under_srun(prepared: PreparedRun, argv: list[str], *, dry_run: bool) -> int:
+    """Start one launcher per node with srun; 75 when the ranks checkpointed to be requeued."""
+    from dplaunch.commands.train import print_prepared
+
+    allocation = current_allocation()
+    job = allocation.job_id if allocation else "?"
+    print_prepared(prepared, show_files=dry_run)
+    typer.echo(f"SLURM job {job}, not in an srun step: starting one launcher per node with")
+    typer.echo("  " + shlex.join(argv))
+    if dry_run:
+        return 0
+    if shutil.which("srun") is None:
+        raise UserError(
+            "SLURM",
+            f"SLURM job {job} but no srun on PATH",
+            "load the SLURM module, or unset SLURM_JOB_ID to run on this machine only",
+        )
+    mark = prepared.run_dir.absolute() / f".requeue-{job}"
+    mark.unlink(missing_ok=True)
+    prepared.run_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, UNDER_SRUN: "1", "DPLAUNCH_REQUEUE_MARK": str(mark)}
+    code = run_supervised(argv, env)
+    if code == 0 and mark.exists():
+        mark.unlink(missing_ok=True)
+        return REQUEUE_EXIT_STATUS
+    return code
