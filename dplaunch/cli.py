@@ -29,6 +29,10 @@ class Offload(str, Enum):
     all = "all"
 
 
+class ParallelChoice(str, Enum):
+    auto = "auto"
+
+
 class Precision(str, Enum):
     no = "no"
     fp16 = "fp16"
@@ -193,6 +197,17 @@ RUN_FLAG_PARAMETERS: dict[str, tuple[Any, Any]] = {
         ],
         None,
     ),
+    "parallel": (
+        Annotated[
+            ParallelChoice | None,
+            typer.Option(
+                "--parallel",
+                help="'auto': run the plan `dplaunch plan` recommends (ZeRO/offload/tp/pp).",
+                rich_help_panel=_PLAN,
+            ),
+        ],
+        None,
+    ),
     "output_dir": (
         Annotated[str | None, typer.Option("--output-dir", "-o", help="Run directory.")],
         None,
@@ -252,7 +267,7 @@ def with_run_flags(command: Any = None, *, config_option: bool = False) -> Any:
 
         values = {name: kwargs.pop(name) for name in RUN_FLAG_PARAMETERS}
         values["assignments"] = values["assignments"] or []
-        for name in ("offload", "mixed_precision"):
+        for name in ("offload", "mixed_precision", "parallel"):
             if values[name] is not None:
                 values[name] = values[name].value
         return command(flags=RunFlags(**values), **kwargs)

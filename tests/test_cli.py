@@ -165,3 +165,26 @@ def test_every_shipped_run_file_plans_cleanly(tmp_path, name):
     )
     assert result.returncode == 0, result.stderr
     assert "world size 2" in result.stdout
+
+
+def test_parallel_auto_flag_runs_the_recommended_plan_and_says_why(tmp_path):
+    out = tmp_path / "auto"
+    result = run_dplaunch(
+        "config",
+        REPO / "examples" / "llama-1b.yaml",
+        "--gpus",
+        "16",
+        "--nodes",
+        "4",
+        "--parallel",
+        "auto",
+        "--set",
+        "launch.gpu_memory_gb=24",
+        "--out",
+        out,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "note: parallel: auto → ZeRO-1 fits in 24 GB" in result.stdout
+    assert json.loads((out / "deepspeed.json").read_text())["zero_optimization"]["stage"] == 1
+    refused = run_dplaunch("train", TINY_LLAMA, "--parallel", "auto", "--zero", "2", "--dry-run")
+    assert refused.returncode == 2 and "--parallel: auto picks" in refused.stderr

@@ -59,6 +59,7 @@ FLAG_KEYS = {
     "micro_batch": "train.micro_batch_size",
     "max_steps": "train.max_steps",
     "mixed_precision": "train.mixed_precision",
+    "parallel": "parallel",
     "output_dir": "output_dir",
 }
 
@@ -85,11 +86,21 @@ class RunFlags:
     micro_batch: int | None = None
     max_steps: int | None = None
     mixed_precision: str | None = None
+    parallel: str | None = None
     output_dir: str | None = None
 
     def overrides(self) -> dict[str, Any]:
         """Flags that were given, as dotted run-file keys."""
         given = {name: getattr(self, name) for name in FLAG_KEYS}
+        chosen = [
+            f"--{name}" for name in ("zero", "offload", "tp", "pp") if given[name] is not None
+        ]
+        if self.parallel == "auto" and chosen:
+            raise UserError(
+                "--parallel",
+                f"auto picks the ZeRO stage, offload, tp and pp itself, but {' '.join(chosen)} was given",
+                "drop one or the other",
+            )
         # 0 is a value (--gpus 0 must be refused, not ignored); only None/False mean "not given"
         return {
             FLAG_KEYS[name]: value
