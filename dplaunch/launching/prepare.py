@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import socket
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -278,6 +280,14 @@ def rank_environment(plan: Plan) -> dict[str, str]:
     env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     # launch.timeout_minutes, for scripts that build their own process group (dplaunch launch)
     env["DPLAUNCH_TIMEOUT_MINUTES"] = f"{plan.timeout_minutes:g}"
+    if plan.uses_deepspeed and not os.environ.get("TORCH_EXTENSIONS_DIR"):
+        # DeepSpeed JIT-builds its ops under one shared folder by default: two installs (venvs) then
+        # rebuild each other's ops, and a build killed halfway leaves a lock every later run waits on
+        # forever. One folder per Python environment keeps installs apart.
+        digest = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
+        env["TORCH_EXTENSIONS_DIR"] = str(
+            Path.home() / ".cache" / "dplaunch" / "torch_extensions" / digest
+        )
     if plan.target == "cpu":
         env["DS_ACCELERATOR"] = (
             "cpu"  # DeepSpeed would otherwise probe for CUDA and warn in every rank
