@@ -111,8 +111,8 @@ def test_launch_runs_a_users_script_on_two_cpu_ranks(tmp_path, script):
         "x",
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    # two ranks share one stdout: their lines can run together
-    reports = [json.loads(found) for found in re.findall(r"REPORT (\{[^}]*\})", result.stdout)]
+    # two ranks share one stdout, and every line arrives whole
+    reports = [json.loads(line) for line in re.findall(r"^REPORT (.*)$", result.stdout, re.M)]
     assert sorted(r["rank"] for r in reports) == [0, 1]
     assert all(r["world_size"] == 2 and r["ranks_counted_by_all_reduce"] == 2 for r in reports)
 
@@ -188,3 +188,57 @@ def test_parallel_auto_flag_runs_the_recommended_plan_and_says_why(tmp_path):
     assert json.loads((out / "deepspeed.json").read_text())["zero_optimization"]["stage"] == 1
     refused = run_dplaunch("train", TINY_LLAMA, "--parallel", "auto", "--zero", "2", "--dry-run")
     assert refused.returncode == 2 and "--parallel: auto picks" in refused.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_script_leaving_collectives_in_flight_still_ends_cleanly_on_every_rank(tmp_path):
+    probe = REPO / "tests" / "rank_exit_probe.py"
+    result = run_dplaunch("launch", probe, "--gpus", "2", "-o", tmp_path / "run", "--", "a", "--b")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "terminate called" not in result.stderr
+    # one line per print, even with both ranks writing to one pipe
+    reports = [json.loads(line) for line in re.findall(r"^PROBE (.*)$", result.stdout, re.M)]
+    assert sorted(r["rank"] for r in reports) == [0, 1]
+    for report in reports:
+        assert report["argv"] == [str(probe), "a", "--b"]
+        assert report["name"] == "__main__" and report["path0"] == str(probe.parent)
+
+
+def test_the_rank_entry_gives_a_scripts_exit_status_and_its_own_traceback(
+    tmp_path, capsys, monkeypatch
+):
+    from dplaunch.train.script import main
+
+    # main() sets sys.argv and sys.path[0] as `python SCRIPT` would: keep pytest's
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    script = tmp_path / "user.py"
+    script.write_text(
+        "import sys\nif sys.argv[1] == 'exit':\n    sys.exit(3)\nraise ValueError('on purpose')\n"
+    )
+    assert main([str(script), "exit"]) == 3
+    assert main([str(script), "raise"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f'Traceback (most recent call last):\n  File "{script}", line 4')
+    assert err.rstrip().endswith("ValueError: on purpose")
+    assert "runpy" not in err and "dplaunch" not in err
+
+
+def test_a_rank_ends_like_a_normal_exit_with_thread_pools_threads_and_exit_handlers(tmp_path):
+    # exit_rank skips only the interpreter's teardown: a thread pool left open (torch.compile's
+    # is one) must not hang it, a running thread is waited for, atexit handlers run
+    script = tmp_path / "ends.py"
+    script.write_text(
+        "import atexit, concurrent.futures, threading, time\n"
+        "from dplaunch.train.rank_process import exit_rank\n"
+        "concurrent.futures.ThreadPoolExecutor(2).submit(time.sleep, 0.1)\n"
+        "threading.Thread(target=lambda: (time.sleep(0.3), print('thread done'))).start()\n"
+        "atexit.register(lambda: print('atexit ran'))\n"
+        "print('main done')\n"
+        "exit_rank(4)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert result.returncode == 4, result.stderr
+    assert result.stdout.splitlines() == ["main done", "thread done", "atexit ran"]

@@ -238,11 +238,12 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
     plan = _settle_port(plan, explicit=config.launch.master_port is not None, render_only=False)
     run_dir = Path(config.output_dir or _default_run_dir(Path(script[0]).stem))
     config.output_dir = str(run_dir)
+    # each rank runs the script as `python SCRIPT ARGS…` would, and exits without gloo's teardown race
     return _render(
         config,
         plan,
         run_dir,
-        script,
+        ["-m", "dplaunch.train.script", *script],
         max_grad_norm=config.train.max_grad_norm,
         extra_env=cluster_environment(plan, allocation),
     )

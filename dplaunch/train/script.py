@@ -1,0 +1,48 @@
+"""Entry point of every rank of `dplaunch launch SCRIPT ARGS…`: `python -m dplaunch.train.script SCRIPT ARGS…`.
+
+It runs the user's script exactly as `python SCRIPT ARGS…` would (same sys.argv, sys.path[0],
+`__name__ == "__main__"`, tracebacks and exit status), then ends the rank with
+rank_process.exit_rank, so a finished rank cannot abort in gloo's teardown.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from dplaunch.train.rank_process import exit_rank, line_buffered_output, status_of
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("usage: python -m dplaunch.train.script SCRIPT [ARGS…]", file=sys.stderr)
+        return 2
+    script = argv[0]
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit_request:
+        return status_of(exit_request)
+    except Exception as error:  # noqa: BLE001 — printed as Python would, then the rank exits 1
+        # through sys.excepthook, as Python does: torch's prefixes each line with "[rankN]: ",
+        # which is how dplaunch's launcher finds the error of the rank that failed first
+        trimmed = _from_script(error.__traceback__, script)
+        sys.excepthook(type(error), error.with_traceback(trimmed), trimmed)
+        return 1
+    return 0
+
+
+def _from_script(tb, script: str):  # noqa: ANN001, ANN202 — traceback objects
+    """The traceback from the script's first frame on (runpy's and ours are noise)."""
+    path = os.path.abspath(script)
+    current = tb
+    while current is not None and os.path.abspath(current.tb_frame.f_code.co_filename) != path:
+        current = current.tb_next
+    return current or tb
+
+
+if __name__ == "__main__":
+    line_buffered_output()
+    exit_rank(main(sys.argv[1:]))
