@@ -27,8 +27,9 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dplaunch tests examples benchmarks
 
+# side-by-side benchmarks against the peers (about 11 min on 2 quiet cores); BENCH_ARGS=--quick, --only NAME, …
 bench: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m benchmarks.run
+	OMP_NUM_THREADS=1 $(PY) -m benchmarks.run $(BENCH_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

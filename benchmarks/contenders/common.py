@@ -1,0 +1,60 @@
+"""What the contender scripts share: the rendered run they all read, the data, the step clock."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def read_rendered_run(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(run.yaml, plan.json) of a directory written by `dplaunch config --out`."""
+    run = yaml.safe_load((run_dir / "run.yaml").read_text())
+    plan = json.loads((run_dir / "plan.json").read_text())
+    return run, plan
+
+
+def backend(plan: dict[str, Any]) -> str:
+    """The process-group backend the plan implies: gloo on CPU ranks, NCCL on GPUs."""
+    return "gloo" if plan["target"] == "cpu" else "nccl"
+
+
+def build_model(run: dict[str, Any], pad_token_id: int) -> Any:
+    """The run file's randomly initialised causal LM, seeded like dplaunch seeds it."""
+    from transformers import AutoConfig, AutoModelForCausalLM, set_seed
+
+    fields = dict(run["model"]["config"])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    config.pad_token_id = pad_token_id
+    set_seed(run["train"]["seed"])
+    return AutoModelForCausalLM.from_config(config)
+
+
+def dplaunch_fuses_adamw(model: Any, run_dir: Path) -> bool:
+    """Whether dplaunch's loop would use the fused AdamW kernel for this run, so the peers use the
+    same optimizer implementation (it changes the speed, not the maths)."""
+    from dplaunch.config.schema import RunConfig
+    from dplaunch.planning.plan import Plan
+    from dplaunch.train.engines import build_optimizer
+
+    config = RunConfig.model_validate(yaml.safe_load((run_dir / "run.yaml").read_text()))
+    plan = Plan.from_dict(json.loads((run_dir / "plan.json").read_text()))
+    return bool(build_optimizer(model, config.train, plan).defaults.get("fused"))
+
+
+class StepClock:
+    """Wall-clock time after each optimizer step, one JSON line per step (written by rank 0)."""
+
+    def __init__(self, path: Path | None):
+        self._file = path.open("w", buffering=1) if path is not None else None
+
+    def tick(self, step: int) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"step": step, "time": time.time()}) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()

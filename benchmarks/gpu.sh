@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# GPU benchmark: a 1.1B Llama (benchmarks/configs/llama-1b.yaml), bf16, on ONE GPU (an H200).
+# Measures steady-state tokens/s and MFU of `dplaunch train` as DDP-1, as ZeRO-2, and with
+# activation checkpointing, the hand-written Accelerate loop on the same run (the ceiling), and
+# each dplaunch run's peak memory against the plan's estimate (planning/estimate.py).
+# Results: $OUT/gpu.json, gpu.png, gpu.txt (device, versions), runs.log (every run's output).
+# Budget: one call, under 8 minutes (each run is cut at RUN_LIMIT_S).
+#
+# 1. Here (a machine with PyPI), once: the packages the GPU image lacks, as wheels in .whl/
+#    (git-ignored): DeepSpeed built from its sdist (pure Python; its ops JIT-build when needed,
+#    and ZeRO-2 with torch's AdamW needs none), pydantic, datasets and what they need.
+#        bash benchmarks/gpu.sh prepare
+# 2. On the device, one call (the tool `run`, carry [".whl"], timeout_s 540):
+#        bash benchmarks/gpu.sh
+#    then copy the returned gpu.json and gpu.png into benchmarks/results/.
+# A smoke test of the script itself on a machine without a GPU (numbers meaningless):
+#        PY=.venv/bin/python CONFIG=benchmarks/configs/llama-3m.yaml OUT=/tmp/gpu-smoke \
+#            EXTRA="--cpu --max-steps 15 --set train.log_every=5" RUN_LIMIT_S=400 bash benchmarks/gpu.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ "${1:-}" == "prepare" ]]; then
+    PY=.venv/bin/python
+    mkdir -p .whl
+    "$PY" -m pip wheel --quiet --no-deps deepspeed==0.19.8 -w .whl
+    # the device runs CPython 3.12 on x86-64 manylinux
+    "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d .whl \
+        hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+        typing-inspection==0.4.5 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+        pyarrow==26.0.1 fsspec==2026.9.0
+    ls -la .whl
+    du -sh .whl
+    exit 0
+fi
+
+PY=${PY:-python3}  # on the device, the python3 that has PyTorch
+OUT=${OUT:-benchmarks/results/gpu-run}
+WORK=${WORK:-/tmp/dplaunch-gpu-bench}
+CONFIG=${CONFIG:-benchmarks/configs/llama-1b.yaml}
+# extra flags for every run (the smoke test's --cpu)
+read -r -a EXTRA_FLAGS <<< "${EXTRA:-}"
+RUN_LIMIT_S=${RUN_LIMIT_S:-150}
+mkdir -p "$OUT" "$WORK"
+rm -rf "${WORK:?}"/*
+
+# the carried wheels, unless this python already has what they provide (the smoke test here)
+if compgen -G ".whl/*.whl" > /dev/null && ! "$PY" -c "import deepspeed, datasets, pydantic" > /dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "no GPU"; } \
+    | tee "$OUT/gpu.txt"
+"$PY" - <<'EOF' | tee -a "$OUT/gpu.txt"
+import importlib.metadata as m
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda,
+      *(f"{p} {m.version(p)}" for p in ("accelerate", "transformers", "deepspeed", "datasets")))
+EOF
+
+# one dplaunch run: NAME, then flags; a failing run is logged and the others still run
+train() {
+    local name=$1
+    shift
+    echo "== dplaunch train $name: $*"
+    echo "== dplaunch train $name: $*" >> "$OUT/runs.log"
+    timeout "$RUN_LIMIT_S" "$PY" -m dplaunch train "$CONFIG" --gpus 1 -o "$WORK/$name" \
+        ${EXTRA_FLAGS[@]+"${EXTRA_FLAGS[@]}"} "$@" \
+        > "$WORK/$name.log" 2>&1 || echo "   $name failed (status $?)"
+    cat "$WORK/$name.log" >> "$OUT/runs.log"
+    grep -E "^step |rank\(s\)|[Ee]rror" "$WORK/$name.log" | tail -4 || true
+}
+
+SECONDS=0
+train ddp1
+train zero2 --zero 2
+train ddp1-checkpointing --set model.gradient_checkpointing=true
+
+echo "== hand-written Accelerate loop, DDP-1 (the ceiling)" | tee -a "$OUT/runs.log"
+{
+    "$PY" -m dplaunch config "$CONFIG" --gpus 1 ${EXTRA_FLAGS[@]+"${EXTRA_FLAGS[@]}"} --out "$WORK/hand"
+    "$PY" -m benchmarks.contenders.prepare_blocks "$WORK/hand" "$WORK/blocks.pt"
+    timeout "$RUN_LIMIT_S" "$PY" -m accelerate.commands.launch \
+        --config_file "$WORK/hand/accelerate.yaml" -m benchmarks.contenders.hand_loop \
+        "$WORK/hand" "$WORK/blocks.pt" "$WORK/hand/times.jsonl"
+} >> "$OUT/runs.log" 2>&1 || echo "   hand loop failed (status $?)"
+echo "runs took ${SECONDS} s"
+
+"$PY" -m benchmarks.gpu_report "$WORK" "$OUT"

@@ -1,0 +1,147 @@
+"""Tokens/s, MFU and peak memory against the plan's estimate for the runs of benchmarks/gpu.sh.
+
+`python -m benchmarks.gpu_report WORK OUT` reads WORK/<run>/metrics.jsonl (dplaunch runs) and
+WORK/hand/times.jsonl (the hand-written loop), writes OUT/gpu.json and OUT/gpu.png, and prints the
+ratios. MFU = model FLOPs / time / peak, with model FLOPs per token = 6·N + 12·L·h·s (PaLM, appendix
+B: N = parameters that take part in matrix products, i.e. all but the input embedding table; the
+attention term counts the full s×s score matrix, forward and backward) and the peak the H200's
+measured dense bf16 rate, 790 TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmarks.common import bar_chart, machine_facts, read_jsonl
+from dplaunch.planning.estimate import GIB, count_parameters, estimate_memory
+from dplaunch.planning.model_facts import ModelFacts
+
+PEAK_FLOPS = 790e12
+MFU_GOAL = 0.45
+# steady state: the steps after WARMUP up to the last one (both are log steps of the run file)
+WARMUP = 10
+# the dplaunch runs gpu.sh makes: directory → (label, ZeRO stage, activation checkpointing)
+RUNS = {
+    "ddp1": ("dplaunch DDP-1", 0, False),
+    "zero2": ("dplaunch ZeRO-2", 2, False),
+    "ddp1-checkpointing": ("dplaunch DDP-1 + activation checkpointing", 0, True),
+}
+HAND = ("hand", "hand-written Accelerate loop DDP-1")
+
+
+def flops_per_token(run: dict[str, Any]) -> tuple[float, int, int]:
+    """(model FLOPs per trained token, N in matrix products, all parameters)."""
+    facts = ModelFacts.from_config_dict(run["model"]["config"])
+    count = count_parameters(facts, run["model"]["task"])
+    matmul_params = count.total - count.embedding
+    layers, hidden = count.num_layers, count.hidden_size
+    seq = run["data"]["max_length"]
+    return 6 * matmul_params + 12 * layers * hidden * seq, matmul_params, count.total
+
+
+def steady_tokens_per_s(times: dict[int, float], tokens_per_step: int) -> float:
+    last = max(times)
+    return (last - WARMUP) * tokens_per_step / (times[last] - times[WARMUP])
+
+
+def main(work: Path, out: Path) -> int:
+    run = yaml.safe_load((work / "ddp1" / "run.yaml").read_text())
+    per_token, matmul_params, total_params = flops_per_token(run)
+    tokens_per_step = run["train"]["global_batch_size"] * run["data"]["max_length"]
+    facts = ModelFacts.from_config_dict(run["model"]["config"])
+    results: dict[str, dict[str, Any]] = {}
+    for directory, (label, zero_stage, checkpointing) in RUNS.items():
+        metrics = work / directory / "metrics.jsonl"
+        if not metrics.exists():
+            print(f"{label}: no metrics (the run failed or was skipped; see its log)")
+            continue
+        records = [r for r in read_jsonl(metrics) if r["type"] == "train"]
+        times = {r["step"]: r["elapsed_s"] for r in records}
+        tokens_per_s = steady_tokens_per_s(times, tokens_per_step)
+        estimate = estimate_memory(
+            facts,
+            dp=1,
+            zero_stage=zero_stage,
+            mixed_precision=run["train"]["mixed_precision"],
+            micro_batch=run["train"]["micro_batch_size"],
+            seq_len=run["data"]["max_length"],
+            activation_checkpointing=checkpointing,
+            task=run["model"]["task"],
+            attention_scores=False,  # SDPA's flash kernel never materialises the scores
+        )
+        peak_gib = max(r["memory_gb"] for r in records) * 1e9 / GIB
+        results[label] = {
+            "tokens_per_s": round(tokens_per_s, 1),
+            "mfu": round(tokens_per_s * per_token / PEAK_FLOPS, 4),
+            "peak_memory_gib": round(peak_gib, 2),
+            "estimated_memory_gib": round(estimate.total_gb, 2),
+            "measured_over_estimate": round(peak_gib / estimate.total_gb, 3),
+        }
+    hand_times = work / HAND[0] / "times.jsonl"
+    if hand_times.exists():
+        times = {r["step"]: r["time"] for r in read_jsonl(hand_times)}
+        tokens_per_s = steady_tokens_per_s(times, tokens_per_step)
+        results[HAND[1]] = {
+            "tokens_per_s": round(tokens_per_s, 1),
+            "mfu": round(tokens_per_s * per_token / PEAK_FLOPS, 4),
+        }
+
+    ratios: dict[str, float] = {}
+    ddp = results.get(RUNS["ddp1"][0])
+    if ddp and HAND[1] in results:
+        ratios["dplaunch DDP-1 / hand-written loop (tokens/s)"] = round(
+            ddp["tokens_per_s"] / results[HAND[1]]["tokens_per_s"], 4
+        )
+    for label, entry in results.items():
+        ratios[f"{label}: MFU / {MFU_GOAL:.0%} goal"] = round(entry["mfu"] / MFU_GOAL, 4)
+        if ddp and label != RUNS["ddp1"][0] and label.startswith("dplaunch"):
+            ratios[f"{label} / DDP-1 (tokens/s)"] = round(
+                entry["tokens_per_s"] / ddp["tokens_per_s"], 4
+            )
+        if "measured_over_estimate" in entry:
+            ratios[f"{label}: peak memory / plan estimate"] = entry["measured_over_estimate"]
+
+    facts_now = machine_facts()
+    facts_now["note"] = "one H200 lent to the session; nothing else ran on the GPU"
+    payload = {
+        "comparison": "gpu",
+        **facts_now,
+        "gpu": (out / "gpu.txt").read_text().strip() if (out / "gpu.txt").exists() else None,
+        "config": "benchmarks/configs/llama-1b.yaml",
+        "parameters": total_params,
+        "matmul_parameters": matmul_params,
+        "flops_per_token": per_token,
+        "peak_flops": PEAK_FLOPS,
+        "tokens_per_step": tokens_per_step,
+        "window": f"optimizer steps {WARMUP + 1}..{run['train']['max_steps']}",
+        "runs": results,
+        "ratios": ratios,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu.json").write_text(json.dumps(payload, indent=2, ensure_ascii=False) + "\n")
+    precision = run["train"]["mixed_precision"]
+    print(
+        f"\n== GPU: Llama {total_params / 1e6:.0f}M, {precision}, {tokens_per_step} tokens a step"
+    )
+    for label, entry in results.items():
+        print(f"  {label:<46} " + "  ".join(f"{k} {v}" for k, v in entry.items()))
+    for label, value in ratios.items():
+        print(f"  {label:<64} {value:7.3f}×")
+    if results:
+        bar_chart(
+            out / "gpu.png",
+            f"One GPU, Llama {total_params / 1e6:.0f}M {precision}: MFU (higher is better)",
+            {"MFU": {label: [entry["mfu"]] for label, entry in results.items()}},
+            ylabel="model FLOPs utilisation",
+            goal_line=(MFU_GOAL, f"goal {MFU_GOAL:.0%}"),
+        )
+    return 0 if results else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1]), Path(sys.argv[2])))
