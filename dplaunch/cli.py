@@ -545,7 +545,10 @@ def export(
     ],
     out: Annotated[Path, typer.Option("--out", help="Directory for the HF model + tokenizer.")],
 ) -> None:
-    """One consolidated HF model + tokenizer (safetensors) from a checkpoint, in one process."""
+    """One consolidated HF model + tokenizer (safetensors) from a checkpoint, for from_pretrained.
+
+    Tensor-parallel checkpoints are joined by a short job of CPU ranks (one per tp rank).
+    """
     from dplaunch.commands.export import run_export
 
     raise typer.Exit(run_export(checkpoint, out))

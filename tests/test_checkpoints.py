@@ -1,7 +1,8 @@
 """Checkpoints never lose work: exact resume, a killed rank, a full disk, SIGTERM, re-sharding, export.
 
 Real 2-rank CPU runs of the tiny Llama on 44 reviews: 27 training samples, so global batch 8 gives 3
-steps per epoch and an 8-step run crosses epoch boundaries at steps 3 and 6.
+steps per epoch and an 8-step run crosses epoch boundaries at steps 3 and 6. Layouts: DDP, ZeRO-2,
+ZeRO-3, tensor parallel (AutoTP) and pipeline parallel.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ pytestmark = pytest.mark.multiprocess
 DDP = ("--cpu", "--gpus", "2")
 # micro batch 4: grad-accum 1 on 2 ranks, 2 on 1 rank (recomputed when the GPU count changes)
 ZERO2 = ("--cpu", "--zero", "2", "--micro-batch", "4")
+HYBRID = {
+    "tp2": ("--cpu", "--gpus", "2", "--tp", "2"),
+    "pp2": ("--cpu", "--gpus", "2", "--pp", "2"),
+}
 FAULT = "DPLAUNCH_TEST_CHECKPOINT_FAULT"
 
 
@@ -275,9 +280,20 @@ def test_a_checkpoint_that_cannot_continue_this_run_is_refused_before_launch(
         assert len(result.stderr.strip().splitlines()) == 1 and not run.exists()
 
 
-def test_export_of_a_two_rank_zero3_checkpoint_gives_the_trained_model(tmp_path, run_file):
+def assert_same_logits(model_dir: Path, reference_dir: Path) -> None:
+    """Both HF models, loaded by from_pretrained on one process, give the same logits."""
     from transformers import AutoModelForCausalLM
 
+    inputs = torch.randint(3, 259, (2, 24), generator=torch.Generator().manual_seed(0))
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    reference = AutoModelForCausalLM.from_pretrained(reference_dir).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(inputs).logits, reference(inputs).logits, rtol=0, atol=1e-6
+        )
+
+
+def test_export_of_a_two_rank_zero3_checkpoint_gives_the_trained_model(tmp_path, run_file):
     run = tmp_path / "zero3"
     zero3 = ("--cpu", "--gpus", "2", "--zero", "3", "--max-steps", "4")
     train(run, *zero3, "--set", "train.checkpoint_every=4", config=run_file)
@@ -285,12 +301,7 @@ def test_export_of_a_two_rank_zero3_checkpoint_gives_the_trained_model(tmp_path,
     result = run_dplaunch("export", run / "checkpoints" / "step-4", "--out", exported)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ZeRO-3, 2 rank(s)" in result.stdout
-    inputs = torch.randint(3, 259, (2, 24), generator=torch.Generator().manual_seed(0))
-    from_checkpoint = AutoModelForCausalLM.from_pretrained(exported).eval()
-    from_run = AutoModelForCausalLM.from_pretrained(run / "model").eval()
-    with torch.no_grad():
-        logits = from_checkpoint(inputs).logits
-        torch.testing.assert_close(logits, from_run(inputs).logits, rtol=0, atol=1e-6)
+    assert_same_logits(exported, run / "model")
     # the trained weights: not ZeRO-3's empty (0-element) partitions, not the initial ones
     weights = load_file(str(exported / "model.safetensors"))
     assert weights["model.embed_tokens.weight"].shape == (259, 64)
@@ -301,3 +312,73 @@ def test_export_of_a_two_rank_zero3_checkpoint_gives_the_trained_model(tmp_path,
         for name, parameter in initial.named_parameters()
     ]
     assert min(moved) > 1e-4, moved  # every tensor trained
+
+
+@pytest.fixture(scope="module")
+def hybrid_runs(tmp_path_factory, run_file):
+    """(straight 8 steps, 4 steps by stop_after_steps + 4 after --resume auto) of a layout, run once."""
+    runs: dict[str, tuple[Path, Path]] = {}
+
+    def get(layout: str) -> tuple[Path, Path]:
+        if layout not in runs:
+            root, flags = tmp_path_factory.mktemp(layout), HYBRID[layout]
+            straight, run = root / "straight", root / "run"
+            train(straight, *flags, config=run_file)
+            result = train(run, *flags, "--set", "train.stop_after_steps=4", config=run_file)
+            assert "stopped at step 4 (train.stop_after_steps)" in result.stderr
+            assert latest(run) == "step-4" and not (run / "model").exists()
+            # the resumed launch also checkpoints its last step (for the export test)
+            every_4 = ("--set", "train.checkpoint_every=4")
+            result = train(run, *flags, "--resume", "auto", *every_4, config=run_file)
+            assert "the next batch is step 5" in result.stdout, result.stdout[-3000:]
+            runs[layout] = straight, run
+        return runs[layout]
+
+    return get
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_tp_and_pp_stopped_at_step_4_resume_with_bit_identical_losses(hybrid_runs, layout):
+    straight, run = hybrid_runs(layout)
+    header = read_metrics(run)[0]
+    mesh = (header["tensor_parallel_size"], header["pipeline_parallel_size"])
+    assert mesh == {"tp2": (2, 1), "pp2": (1, 2)}[layout]
+    # steps 5-8 after the resume, across the epoch boundary at step 6, bit for bit
+    assert [r["step"] for r in read_metrics(run) if r["type"] == "train"][-4:] == [5, 6, 7, 8]
+    assert losses_by_step(run) == losses_by_step(straight)
+    resumed, uninterrupted = (
+        load_file(str(d / "model" / "model.safetensors")) for d in (run, straight)
+    )
+    assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)
+
+
+def test_export_of_a_tp2_checkpoint_gives_the_trained_model_in_one_process(tmp_path, hybrid_runs):
+    _, run = hybrid_runs("tp2")
+    exported, scratch = tmp_path / "exported", tmp_path / "tmp"
+    scratch.mkdir()
+    # the run directory: its newest checkpoint, step 8; the export job's run directory goes to TMPDIR
+    result = run_dplaunch(
+        "export", run, "--out", exported, env=child_environment(TMPDIR=str(scratch))
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "(step 8, deepspeed tp 2, 2 rank(s))" in result.stdout
+    assert "export job: 2 CPU rank(s) join the tp 2 shards" in result.stdout
+    assert list(scratch.iterdir()) == []  # the temporary run directory is gone
+    weights = load_file(str(exported / "model.safetensors"))
+    # whole weights, not a rank's AutoTP shard
+    assert weights["model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)
+    assert weights["model.layers.0.mlp.down_proj.weight"].shape == (64, 128)
+    assert (exported / "tokenizer.json").is_file()
+    # RUN/model: what the tp2 engine itself exported at the end of training (step 8)
+    assert_same_logits(exported, run / "model")
+
+    # a checkpoint that lost a rank's weights: one line before launch, nothing written
+    broken = tmp_path / "broken"
+    shutil.copytree(run / "checkpoints" / "step-8", broken)
+    (broken / "pytorch_model" / "mp_rank_01_model_states.pt").unlink()
+    result = run_dplaunch("export", broken, "--out", tmp_path / "never")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert (
+        result.stderr.startswith("dplaunch: error: CHECKPOINT: ") and "mp_rank_01" in result.stderr
+    )
+    assert not (tmp_path / "never").exists()

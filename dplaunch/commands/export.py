@@ -1,20 +1,35 @@
-"""`dplaunch export CHECKPOINT --out DIR`: one consolidated HF model + tokenizer, in one process.
+"""`dplaunch export CHECKPOINT --out DIR`: one consolidated HF model + tokenizer, loadable anywhere.
 
-Reads only the checkpoint (its run.yaml says which model and tokenizer; its plan.json which engine
-wrote it), gathers the full weights from the checkpoint files and writes them with
-`save_pretrained` (safetensors), loadable by `from_pretrained` anywhere. No ranks, no GPU.
+Reads the checkpoint (its run.yaml says which model and tokenizer; its plan.json which engine
+wrote it) and writes the full weights with `save_pretrained` (safetensors), loadable by
+`from_pretrained` on one process. No GPU is used.
+
+- DDP, ZeRO-1/2/3 and pipeline checkpoints: in this process, from the files (DDP's model file,
+  ZeRO's fp32 master partitions joined by zero_to_fp32, the pipeline's per-layer files).
+- Tensor-parallel (AutoTP) checkpoints: how a weight was split depends on the layer (fused
+  projections are cut per part), so only DeepSpeed's engine joins its shards. dplaunch starts a
+  short job of tp CPU ranks (gloo, dp 1) in a temporary run directory; each rank builds the
+  engine as training does, loads its shard of the weights (no optimizer state) and the engine's
+  export writes the model, as at the end of training (dplaunch/train/export_ranks.py).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 import yaml
 
 from dplaunch.errors import UserError
+
+if TYPE_CHECKING:
+    from dplaunch.config.schema import RunConfig
+    from dplaunch.planning.plan import Plan
 
 
 def run_export(checkpoint: Path, out: Path) -> int:
@@ -28,22 +43,35 @@ def run_export(checkpoint: Path, out: Path) -> int:
     plan = Plan.from_dict(json.loads((info.path / "plan.json").read_text()))
     if (out / "config.json").exists():
         raise UserError("--out", f"{out} already holds a model", "choose an empty or new directory")
+    # checked and planned before anything is written: one line, exit 2
+    job = None
     if plan.tensor_parallel_size > 1:
+        _check_weight_files(info.path, plan.tensor_parallel_size)
+        job = export_job_plan(config, plan)
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
         raise UserError(
-            "CHECKPOINT",
-            f"{info.path} is tensor-parallel (tp {plan.tensor_parallel_size}): its weights are "
-            "AutoTP shards that only the running engine knows how to join",
-            "resume it on its own layout with the step as the end, which exports at once: "
-            f"dplaunch train RUN_FILE --tp {plan.tensor_parallel_size} --gpus {plan.world_size} "
-            f"--resume {info.path} --set train.max_steps={info.step} -o NEW_RUN_DIR",
-        )
+            "--out",
+            f"cannot create {out} ({error.strerror or error})",
+            "choose a writable directory",
+        ) from None
     typer.echo(
         f"exporting {info.path} (step {info.step}, {plan.engine}"
         + (f" ZeRO-{plan.zero_stage}" if plan.zero_stage else "")
+        + (f" tp {plan.tensor_parallel_size}" if job else "")
         + f", {plan.world_size} rank(s)) to {out}"
     )
     started = time.perf_counter()
-    export_checkpoint(info.path, config, plan.engine, out)
+    if job is not None:
+        code = run_export_job(info.path, *job, out)
+        if code != 0:
+            if created and not any(out.iterdir()):
+                out.rmdir()
+            return code
+    else:
+        export_checkpoint(info.path, config, plan.engine, out)
     size = sum(item.stat().st_size for item in out.iterdir() if item.is_file())
     typer.echo(
         f"wrote {out} ({size / 1e6:.1f} MB, {time.perf_counter() - started:.1f} s): "
@@ -78,3 +106,63 @@ def export_checkpoint(directory: Path, config: object, engine: str, out: Path) -
             )
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
+
+
+def export_job_plan(config: RunConfig, saved: Plan) -> tuple[RunConfig, Plan]:
+    """Run file and plan of a tensor-parallel checkpoint's export job: its tp and ZeRO stage, dp 1, CPU."""
+    from dplaunch.config.schema import LaunchConfig, ParallelConfig
+    from dplaunch.launching.ports import free_port
+    from dplaunch.launching.prepare import model_facts
+    from dplaunch.planning.plan import Machine, make_plan
+
+    tp = saved.tensor_parallel_size
+    launch = LaunchConfig(
+        cpu=True, gpus=tp, master_port=free_port(), timeout_minutes=saved.timeout_minutes
+    )
+    # the weights load the same with or without optimizer offload; none skips CPU-Adam's build
+    parallel = ParallelConfig(zero_stage=saved.zero_stage, tp=tp)
+    # CPU ranks have no fp16: fp16 weights load exactly into fp32 parameters
+    precision = "no" if saved.mixed_precision == "fp16" else saved.mixed_precision
+    train = config.train.model_copy(update={"mixed_precision": precision})
+    job = config.model_copy(update={"launch": launch, "parallel": parallel, "train": train})
+    return job, make_plan(launch, parallel, train, Machine(), model_facts(config.model))
+
+
+def run_export_job(directory: Path, job: RunConfig, plan: Plan, out: Path) -> int:
+    """Start the export job's ranks in a temporary run directory; return the job's exit status."""
+    from dplaunch.commands.train import start
+    from dplaunch.launching.prepare import _render
+
+    run_dir = Path(tempfile.mkdtemp(prefix="dplaunch-export-"))
+    job.output_dir = str(run_dir)
+    target = ["-m", "dplaunch.train.export_ranks"]
+    target += [str(run_dir), str(directory.absolute()), str(out.absolute())]
+    # CPU ranks even on a GPU node (whose GPUs may be busy): the job is short. Its launchers' and
+    # ranks' temporary files go into the run directory, removed with it
+    job_env = {"CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(run_dir)}
+    prepared = _render(
+        job, plan, run_dir, target, max_grad_norm=job.train.max_grad_norm, extra_env=job_env
+    )
+    typer.echo(
+        f"export job: {plan.world_size} CPU rank(s) join the tp {plan.tensor_parallel_size} "
+        f"shards in {run_dir}"
+    )
+    # on failure the run directory stays (the ranks' tracebacks); the failing rank's error is last
+    kept = [f"dplaunch: the export job's files are kept in {run_dir}"]
+    code = start(prepared, after_failure=lambda _status: kept)
+    if code == 0:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return code
+
+
+def _check_weight_files(directory: Path, tp: int) -> None:
+    from dplaunch.train.checkpoint import tensor_parallel_weight_files
+
+    missing = [path for path in tensor_parallel_weight_files(directory, tp) if not path.is_file()]
+    if missing:
+        raise UserError(
+            "CHECKPOINT",
+            f"{directory} lacks the weights of {len(missing)} of its {tp} tensor-parallel ranks "
+            f"({missing[0]})",
+            "export a complete checkpoint (the run directory: its newest complete one)",
+        )

@@ -18,20 +18,25 @@ def main(argv: list[str]) -> int:
         print("usage: python -m dplaunch.train RUN_DIR", file=sys.stderr)
         return 2
     run_dir = Path(argv[0])
-    rank = os.environ.get("RANK", "0")
     try:
         from dplaunch.train.loop import train
 
         return train(run_dir)
     except Exception as error:  # noqa: BLE001 — one line per failing rank, the full traceback in a file
-        report = run_dir / ERRORS_DIR / f"rank-{rank}.txt"
-        report.parent.mkdir(parents=True, exist_ok=True)
-        report.write_text(traceback.format_exc())
-        # one line, written at once: dplaunch's launcher recognises it (launching.process.RANK_ERROR_RE)
-        # and prints only the first failing rank's, last; 16 ranks' lines must not interleave
-        sys.stderr.write(f"[rank {rank}] {one_line(error)} (traceback: {report})\n")
-        sys.stderr.flush()
-        return 1
+        return report_failure(run_dir, error)
+
+
+def report_failure(run_dir: Path, error: BaseException) -> int:
+    """Write this rank's traceback to RUN/errors/rank-N.txt, print one line about it; return 1."""
+    rank = os.environ.get("RANK", "0")
+    report = run_dir / ERRORS_DIR / f"rank-{rank}.txt"
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text("".join(traceback.format_exception(error)))
+    # one line, written at once: dplaunch's launcher recognises it (launching.process.RANK_ERROR_RE)
+    # and prints only the first failing rank's, last; 16 ranks' lines must not interleave
+    sys.stderr.write(f"[rank {rank}] {one_line(error)} (traceback: {report})\n")
+    sys.stderr.flush()
+    return 1
 
 
 def one_line(error: BaseException) -> str:

@@ -291,14 +291,7 @@ def _check_layout(
     old_tp, old_pp = mesh["tensor_parallel_size"], mesh["pipeline_parallel_size"]
     old_dp, old_zero = mesh["data_parallel_size"], saved["zero_stage"]
     where = f"the checkpoint {info.path}"
-    if old_tp > 1:
-        # AutoTP shards are joined only by the running engine: a zero-step resume exports RUN/model
-        export_hint = (
-            f"or export it by resuming on its own layout with --set train.max_steps={info.step} "
-            "(RUN/model is then the consolidated model) and start a new run from that model"
-        )
-    else:
-        export_hint = f"or export it (`dplaunch export {info.path} --out DIR`) and start a new run from that model"
+    export_hint = f"or export it (`dplaunch export {info.path} --out DIR`) and start a new run from that model"
     if old_pp != plan.pipeline_parallel_size:
         raise UserError(
             "parallel.pp",
@@ -416,7 +409,8 @@ def convert_to_universal(point: ResumePoint, say: Any = print) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# consolidated weights from the files, in one process (`dplaunch export`)
+# consolidated weights for `dplaunch export`: from the files in one process, or (tensor
+# parallel) loaded into the ranks of the export job, whose engine joins the shards
 
 
 def consolidated_state_dict(directory: Path, engine: str) -> dict[str, Any]:
@@ -431,6 +425,27 @@ def consolidated_state_dict(directory: Path, engine: str) -> dict[str, Any]:
 
     # zero_to_fp32: every rank's partition of the fp32 master weights, joined (ZeRO-3 included)
     return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=DEEPSPEED_TAG)
+
+
+def tensor_parallel_weight_files(directory: Path, tp: int) -> list[Path]:
+    """The model-state file of each AutoTP rank in a DeepSpeed checkpoint (DeepSpeed's names)."""
+    return [directory / DEEPSPEED_TAG / f"mp_rank_{rank:02d}_model_states.pt" for rank in range(tp)]
+
+
+def load_module_weights(deepspeed_engine: Any, directory: Path) -> None:
+    """Only the model weights of a DeepSpeed checkpoint into a running engine (each rank its AutoTP shard).
+
+    No optimizer, scheduler or RNG state is read (the export job of a tensor-parallel checkpoint).
+    """
+    loaded, _ = deepspeed_engine.load_checkpoint(
+        str(directory),
+        tag=DEEPSPEED_TAG,
+        load_module_only=True,
+        load_optimizer_states=False,
+        load_lr_scheduler_states=False,
+    )
+    if loaded is None:
+        raise CheckpointError(f"{directory / DEEPSPEED_TAG} holds no DeepSpeed model states")
 
 
 def load_pipeline_layers(directory: Path, model: Any) -> None:

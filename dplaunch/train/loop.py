@@ -12,6 +12,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -108,16 +109,11 @@ def make_accelerator(
     return Accelerator(kwargs_handlers=handlers, **kwargs)
 
 
-def train(run_dir: Path) -> int:
-    """Train as planned; return the process exit status."""
-    # first of all: a SIGUSR1/SIGTERM during start-up is kept for the first step boundary
-    signals = StopSignals()
-    signals.install()
-    config, plan = read_run(run_dir)
-    resume = read_resume(run_dir)
-    accelerator = make_accelerator(
-        plan, config, run_dir, load_universal=bool(resume and resume["universal"])
-    )
+def start_rank(
+    config: RunConfig, plan: Plan, run_dir: Path, *, load_universal: bool = False
+) -> tuple[Any, RankPlace, Callable[[str], None]]:
+    """This rank's Accelerator (process group up), its place in the mesh, and rank 0's printer."""
+    accelerator = make_accelerator(plan, config, run_dir, load_universal=load_universal)
     stage, dp_rank, tp_rank = plan.mesh.coordinates(accelerator.process_index)
     place = RankPlace(
         accelerator.process_index,
@@ -136,10 +132,23 @@ def train(run_dir: Path) -> int:
         )
     say = _printer(place.is_main)
     _quiet_libraries(place.is_main)
-    control = ControlChannel(plan.timeout_minutes)
     say(
         f"[dplaunch] {plan.world_size} rank(s), {accelerator.distributed_type.value}, device {accelerator.device}"
     )
+    return accelerator, place, say
+
+
+def train(run_dir: Path) -> int:
+    """Train as planned; return the process exit status."""
+    # first of all: a SIGUSR1/SIGTERM during start-up is kept for the first step boundary
+    signals = StopSignals()
+    signals.install()
+    config, plan = read_run(run_dir)
+    resume = read_resume(run_dir)
+    accelerator, place, say = start_rank(
+        config, plan, run_dir, load_universal=bool(resume and resume["universal"])
+    )
+    control = ControlChannel(plan.timeout_minutes)
 
     tokenizer = load_tokenizer(config.model)
     with accelerator.main_process_first():
@@ -151,7 +160,10 @@ def train(run_dir: Path) -> int:
             else None
         )
     sharding = Sharding(
-        dp_rank, plan.data_parallel_size, plan.micro_batch_size, plan.gradient_accumulation_steps
+        place.data_parallel_rank,
+        plan.data_parallel_size,
+        plan.micro_batch_size,
+        plan.gradient_accumulation_steps,
     )
     batcher = Batcher(
         train_set,
@@ -179,7 +191,7 @@ def train(run_dir: Path) -> int:
         else None
     )
 
-    model = _build_model(config, tokenizer, accelerator)
+    model = build_model(config, tokenizer, accelerator)
     # counted before the engine shards anything (ZeRO-3 partitions keep the full size in ds_numel)
     parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     engine = build_engine(plan, config, accelerator, model, total_steps, run_dir)
@@ -267,7 +279,8 @@ def train(run_dir: Path) -> int:
     return 0
 
 
-def _build_model(config: RunConfig, tokenizer: Any, accelerator: Any) -> Any:
+def build_model(config: RunConfig, tokenizer: Any, accelerator: Any) -> Any:
+    """The run's HF model, built as the engine expects it (whole, or partitioned under ZeRO-3)."""
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None or config.model.config is None:
         # under ZeRO-3, transformers builds pretrained models directly partitioned (zero.Init)
