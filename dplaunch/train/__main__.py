@@ -8,6 +8,7 @@ import traceback
 from pathlib import Path
 
 from dplaunch.launching.rundir import ERRORS_DIR
+from dplaunch.train.rank_process import exit_rank, line_buffered_output
 
 # the terminal line stays short; the whole message and traceback are in the file
 MAX_MESSAGE_CHARS = 600
@@ -48,4 +49,5 @@ def one_line(error: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    line_buffered_output()
+    exit_rank(main(sys.argv[1:]))
