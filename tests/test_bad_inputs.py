@@ -157,6 +157,21 @@ CASES = [
         "ZeRO-3 cannot be combined with pipeline",
     ),
     (
+        "compile-with-pp",
+        lambda t: [
+            "train",
+            TINY_LLAMA,
+            "--cpu",
+            "--gpus",
+            "2",
+            "--pp",
+            "2",
+            "--set",
+            "train.compile=true",
+        ],
+        "train.compile: torch.compile is applied to DDP and ZeRO models only",
+    ),
+    (
         "tp-not-dividing-heads",
         lambda t: ["train", TINY_LLAMA, "--cpu", "--gpus", "4", "--tp", "4"],
         "does not divide the model's 2 KV heads",

@@ -40,3 +40,13 @@ def test_zero_stages_give_the_same_losses_as_ddp(tmp_path, dp_reference, stage):
     assert read_metrics(run)[0]["zero_stage"] == stage
     gap = max_relative_gap(train_losses(run), train_losses(dp_reference))
     assert gap < 1e-3, gap
+
+
+@pytest.mark.parametrize("layout", [(), ("--zero", "2")], ids=["ddp", "zero2"])
+def test_train_compile_really_compiles_and_keeps_the_losses(tmp_path, dp_reference, layout):
+    run = tmp_path / "compiled"
+    flags = ("--cpu", "--gpus", "2", *layout, *COMPARISON_FLAGS)
+    result = train(run, *flags, "--set", "train.compile=true")
+    assert "model compiled with torch.compile (inductor)" in result.stdout
+    gap = max_relative_gap(train_losses(run), train_losses(dp_reference))
+    assert gap < 1e-4, gap

@@ -182,6 +182,13 @@ def make_plan(
         )
     mesh = Mesh.for_world(total, parallel.tp, parallel.pp)
     _check_parallel(parallel, mesh, per_node, model)
+    if train.compile and (mesh.tensor_parallel_size > 1 or mesh.pipeline_parallel_size > 1):
+        raise UserError(
+            "train.compile",
+            "torch.compile is applied to DDP and ZeRO models only; AutoTP and the pipeline engine "
+            "rebuild the model's layers after it would compile them",
+            "drop train.compile, or use tp 1 and pp 1",
+        )
     mixed_precision = _mixed_precision(train.mixed_precision, target)
     micro, accumulation = batch_math(
         train.global_batch_size, train.micro_batch_size, mesh.data_parallel_size

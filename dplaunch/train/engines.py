@@ -85,6 +85,15 @@ class AccelerateEngine:
             accelerator.register_save_state_pre_hook(self._save_unwrapped)
             accelerator.register_load_state_pre_hook(self._load_unwrapped)
 
+    def layout_lines(self) -> list[str]:
+        """What the start-up log says about the engine beyond the plan."""
+        # DeepSpeed's engine compiles itself; under DDP Accelerate returns the compiled wrapper
+        if getattr(self.model, "is_compiled", False) or hasattr(self.model, "_orig_mod"):
+            return [
+                "model compiled with torch.compile (inductor): the first steps include compiling"
+            ]
+        return []
+
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         accelerator, model = self.accelerator, self.model
         model.train()

@@ -93,6 +93,9 @@ def make_accelerator(
             )
         )
     kwargs: dict[str, Any] = {"step_scheduler_with_optimizer": False}
+    if config.train.compile:
+        # Accelerate compiles the wrapped model (DDP) or calls the DeepSpeed engine's compile()
+        kwargs["dynamo_backend"] = "inductor"
     if plan.engine == "deepspeed":
         # not cpu=True: that makes Accelerate drop the DeepSpeed plugin; gloo comes from the handler
         ds_config: Any = str(run_dir / "deepspeed.json")
