@@ -31,7 +31,13 @@ from benchmarks.common import (
     time_to_lines,
     write_result,
 )
-from benchmarks.throughput import CONFIG, dplaunch_step_times, steady_tokens_per_s, window
+from benchmarks.throughput import (
+    CONFIG,
+    dplaunch_step_times,
+    steady_tokens_per_s,
+    tokens_per_step,
+    window,
+)
 
 NAME = "flags"
 EAGER = "eager"
@@ -41,7 +47,6 @@ VARIANTS = {
     "gradient checkpointing": ("--set", "model.gradient_checkpointing=true"),
 }
 FIRST_STEP = "step 1/"
-TOKENS_PER_STEP = 16 * 128  # the config's global batch × max_length
 
 
 def run(options: Options) -> dict[str, Any]:
@@ -64,7 +69,9 @@ def run(options: Options) -> dict[str, Any]:
             env = bench_environment(TORCHINDUCTOR_CACHE_DIR=str(work / f"{name}.inductor"))
             seen = time_to_lines(argv, [FIRST_STEP], work / f"{name}.log", env)
             first_step[label].append(seen[FIRST_STEP])
-            return steady_tokens_per_s(dplaunch_step_times(run_dir), warmup, steps, TOKENS_PER_STEP)
+            return steady_tokens_per_s(
+                dplaunch_step_times(run_dir), warmup, steps, tokens_per_step(run_dir)
+            )
 
         return measure
 

@@ -111,7 +111,7 @@ def measure_layout(
             env,
         )
         print("  " + log.read_text().strip().splitlines()[-1])
-    tokens_per_step = _tokens_per_step(render)
+    step_tokens = tokens_per_step(render)
     first_step: dict[str, list[float]] = {DPLAUNCH: [], TRAINER: [], HAND_LOOP: []}
 
     def dplaunch(rep: int) -> float:
@@ -122,7 +122,7 @@ def measure_layout(
         log = work / f"{name}.log"
         seen = time_to_lines(argv, [FIRST_LINE[DPLAUNCH]], log, bench_environment())
         first_step[DPLAUNCH].append(seen[FIRST_LINE[DPLAUNCH]])
-        return steady_tokens_per_s(dplaunch_step_times(run_dir), warmup, steps, tokens_per_step)
+        return steady_tokens_per_s(dplaunch_step_times(run_dir), warmup, steps, step_tokens)
 
     def peer(contender: str, module: str, label: str) -> Any:
         def measure(rep: int) -> float:
@@ -135,12 +135,12 @@ def measure_layout(
             log = work / f"{name}.log"
             seen = time_to_lines(argv, [FIRST_LINE[contender]], log, env)
             first_step[contender].append(seen[FIRST_LINE[contender]])
-            return steady_tokens_per_s(clock_step_times(times), warmup, steps, tokens_per_step)
+            return steady_tokens_per_s(clock_step_times(times), warmup, steps, step_tokens)
 
         return measure
 
     print(
-        f"  {layout}: tokens/s of the median step of {warmup + 1}..{steps}, {tokens_per_step} tokens a step"
+        f"  {layout}: tokens/s of the median step of {warmup + 1}..{steps}, {step_tokens} tokens a step"
     )
     samples = alternate(
         {
@@ -154,7 +154,8 @@ def measure_layout(
     return samples, first_step
 
 
-def _tokens_per_step(render: Path) -> int:
+def tokens_per_step(render: Path) -> int:
+    """Tokens of one optimizer step of a rendered or finished dplaunch run."""
     plan = json.loads((render / "plan.json").read_text())
     run = yaml.safe_load((render / "run.yaml").read_text())
     # packed causal-LM blocks are always full: every sample is max_length real tokens

@@ -101,3 +101,13 @@ def max_relative_gap(left: list[float], right: list[float]) -> float:
     """Largest |a − b| / |b| over paired steps."""
     assert len(left) == len(right) and left, (left, right)
     return max(abs(a - b) / abs(b) for a, b in zip(left, right, strict=True))
+
+
+def sbatch_options(script: str) -> dict[str, str | None]:
+    """The #SBATCH options of a script, parsed like sbatch does for these simple cases."""
+    options = {}
+    for line in script.splitlines():
+        if line.startswith("#SBATCH --"):
+            name, _, value = line[len("#SBATCH --") :].partition("=")
+            options[name] = value or None
+    return options

@@ -17,18 +17,9 @@ from dplaunch.commands.slurm import SlurmOptions, job_shape, train_command
 from dplaunch.config.schema import LaunchConfig
 from dplaunch.errors import UserError
 from dplaunch.launching.prepare import FLAG_KEYS, RunFlags
-from tests.helpers import REPO, TINY_LLAMA, child_environment, run_dplaunch
+from tests.helpers import REPO, TINY_LLAMA, child_environment, run_dplaunch, sbatch_options
 
 LLAMA_1B = REPO / "examples" / "llama-1b.yaml"
-
-
-def sbatch_options(script: str) -> dict[str, str | None]:
-    options = {}
-    for line in script.splitlines():
-        if line.startswith("#SBATCH --"):
-            name, _, value = line[len("#SBATCH --") :].partition("=")
-            options[name] = value or None
-    return options
 
 
 def srun_words(script: str) -> list[str]:

@@ -36,6 +36,7 @@ from dplaunch.rendering.sbatch import (
     quote_for_sbatch,
     render_sbatch,
 )
+from tests.helpers import sbatch_options
 
 # ---------------------------------------------------------------- hostlists
 
@@ -283,16 +284,6 @@ JEAN_ZAY_SPEC = SbatchSpec(
     signal_seconds=120,
     env={"HF_HOME": "$WORK/hf cache", "TOKENIZERS_PARALLELISM": "false"},
 )
-
-
-def sbatch_options(script: str) -> dict[str, str | None]:
-    """The #SBATCH options of a script, parsed like sbatch does for these simple cases."""
-    options = {}
-    for line in script.splitlines():
-        if line.startswith("#SBATCH --"):
-            name, _, value = line[len("#SBATCH --") :].partition("=")
-            options[name] = value or None
-    return options
 
 
 def bash_syntax_ok(script: str, tmp_path) -> None:

@@ -131,7 +131,7 @@ def export_job_plan(config: RunConfig, saved: Plan) -> tuple[RunConfig, Plan]:
 def run_export_job(directory: Path, job: RunConfig, plan: Plan, out: Path) -> int:
     """Start the export job's ranks in a temporary run directory; return the job's exit status."""
     from dplaunch.commands.train import start
-    from dplaunch.launching.prepare import _render
+    from dplaunch.launching.prepare import render_files
 
     run_dir = Path(tempfile.mkdtemp(prefix="dplaunch-export-"))
     job.output_dir = str(run_dir)
@@ -140,7 +140,7 @@ def run_export_job(directory: Path, job: RunConfig, plan: Plan, out: Path) -> in
     # CPU ranks even on a GPU node (whose GPUs may be busy): the job is short. Its launchers' and
     # ranks' temporary files go into the run directory, removed with it
     job_env = {"CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(run_dir)}
-    prepared = _render(
+    prepared = render_files(
         job, plan, run_dir, target, max_grad_norm=job.train.max_grad_norm, extra_env=job_env
     )
     typer.echo(

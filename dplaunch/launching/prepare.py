@@ -193,7 +193,7 @@ def prepare_training_run(
     run_dir = out_dir or Path(config.output_dir or _default_run_dir(config.name or "run"))
     config.output_dir = str(run_dir)
     target = ["-m", "dplaunch.train", str(run_dir.absolute())]
-    return _render(
+    return render_files(
         config,
         plan,
         run_dir,
@@ -239,7 +239,7 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
     run_dir = Path(config.output_dir or _default_run_dir(Path(script[0]).stem))
     config.output_dir = str(run_dir)
     # each rank runs the script as `python SCRIPT ARGS…` would, and exits without gloo's teardown race
-    return _render(
+    return render_files(
         config,
         plan,
         run_dir,
@@ -249,7 +249,7 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
     )
 
 
-def _render(
+def render_files(
     config: Any,
     plan: Plan,
     run_dir: Path,
@@ -258,6 +258,7 @@ def _render(
     max_grad_norm: float,
     extra_env: dict[str, str] | None = None,
 ) -> PreparedRun:
+    """The files, argv and environment that start ``target`` on every rank of ``plan`` (writes nothing)."""
     files: dict[str, str] = {}
     run_abs = run_dir.absolute()
     if plan.uses_deepspeed:

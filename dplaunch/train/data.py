@@ -14,6 +14,7 @@ int per token), so cutting batches costs microseconds next to a training step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -112,10 +113,6 @@ class Batcher:
         self.task = task
         self.seed = seed
         self.steps_per_epoch = len(dataset) // sharding.global_batch_size
-        # packed blocks as one [samples, length] array, a view of the Arrow column (built lazily:
-        # computing the epoch order needs none of it)
-        self._blocks: np.ndarray | None = None
-        self._blocks_checked = False
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The sample order of an epoch: a permutation seeded by (seed, epoch)."""
@@ -140,7 +137,7 @@ class Batcher:
 
     def collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """Right-pad a micro-batch; causal-LM labels are the inputs with padding ignored."""
-        blocks = self._packed_blocks()
+        blocks = self._packed_blocks
         if blocks is not None:
             # equal-length rows: one gather, no padding
             input_ids = torch.from_numpy(blocks[indices].astype(np.int64))
@@ -163,12 +160,11 @@ class Batcher:
             batch["labels"] = input_ids.masked_fill(attention == 0, IGNORE_INDEX)
         return batch
 
+    @cached_property
     def _packed_blocks(self) -> np.ndarray | None:
         """The causal-LM blocks as a zero-copy [samples, length] view, when every row has the same
-        length and the dataset is a plain in-order Arrow table; None otherwise (rows one by one)."""
-        if self._blocks_checked:
-            return self._blocks
-        self._blocks_checked = True
+        length and the dataset is a plain in-order Arrow table; None otherwise (rows one by one).
+        Built on first use: computing the epoch order needs none of it."""
         dataset = self.dataset
         if (
             self.task == "sequence-classification"
@@ -183,8 +179,7 @@ class Batcher:
         if width == 0 or column.null_count or not np.all(np.diff(offsets) == width):
             return None
         values = column.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
-        self._blocks = values.reshape(len(dataset), width)
-        return self._blocks
+        return values.reshape(len(dataset), width)
 
     def eval_micro_batches(self, batch_size: int) -> list[tuple[dict[str, torch.Tensor], int]]:
         """This rank's evaluation batches as (batch, real rows). Every rank gets the same number of

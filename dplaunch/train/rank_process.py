@@ -47,7 +47,7 @@ def exit_rank(status: int) -> NoReturn:
     try:
         atexit._run_exitfuncs()  # the user's handlers and the libraries' (trackers, loggers)
     finally:
-        _destroy_process_groups()
+        # no destroy_process_group(): it does not stop the race, and with a dead peer it can block
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -65,14 +65,3 @@ def status_of(exit_request: SystemExit) -> int:
         return code
     print(code, file=sys.stderr)
     return 1
-
-
-def _destroy_process_groups() -> None:
-    distributed = sys.modules.get("torch.distributed")
-    if distributed is None:
-        return
-    try:
-        if distributed.is_available() and distributed.is_initialized():
-            distributed.destroy_process_group()
-    except Exception:  # noqa: BLE001, S110 — the work is done; only the exit is left
-        pass
