@@ -9,6 +9,7 @@ only one rank, and signals sent to a rank, to the launcher or to dplaunch found 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -372,9 +373,17 @@ def test_killing_dplaunch_itself_stops_every_rank(tmp_path):
     killed_at = time.time()
     dplaunch.kill()  # SIGKILL: dplaunch gets no chance to clean up
     dplaunch.wait()
-    wait_for(
-        lambda: run_processes(str(script)) == [], TEARDOWN_LIMIT_S, "no process of the job left"
-    )
+    try:
+        wait_for(
+            lambda: run_processes(str(script)) == [], TEARDOWN_LIMIT_S, "no process of the job left"
+        )
+    except AssertionError:
+        # seen once in a full run: say which process outlived the limit, and in what state
+        left = []
+        for process in run_processes(str(script)):
+            with contextlib.suppress(psutil.Error):
+                left.append((process.pid, process.status(), " ".join(process.cmdline())[:200]))
+        raise AssertionError(f"processes left {TEARDOWN_LIMIT_S} s after kill -9: {left}") from None
     print(f"teardown after kill -9 of dplaunch: {time.time() - killed_at:.1f} s")
 
 
