@@ -387,13 +387,39 @@ def test_killing_dplaunch_itself_stops_every_rank(tmp_path):
     print(f"teardown after kill -9 of dplaunch: {time.time() - killed_at:.1f} s")
 
 
-def test_killing_the_launcher_between_dplaunch_and_the_ranks_leaves_no_orphan(tmp_path):
+def test_ranks_stop_with_dplaunch_even_when_the_launcher_passes_nothing_on(tmp_path):
+    # the launcher in between turns its parent-death SIGTERM into a Python exception, which a
+    # finalizer running at that moment can swallow; the ranks must not depend on it
     dplaunch, script = _waiting_job(tmp_path)
-    launcher = next(
+    launcher = _launcher_of(dplaunch)
+    ranks = [p for p in run_processes(str(script)) if p.pid not in (launcher.pid, dplaunch.pid)]
+    assert len(ranks) == 2
+    launcher.suspend()  # SIGSTOP: it gets the parent-death signal but cannot act on it
+    try:
+        dplaunch.kill()
+        dplaunch.wait()
+        wait_for(
+            lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks),
+            TEARDOWN_LIMIT_S,
+            "both ranks gone while their launcher is stopped",
+        )
+        assert launcher.status() == psutil.STATUS_STOPPED
+    finally:
+        with contextlib.suppress(psutil.Error):
+            launcher.kill()
+
+
+def _launcher_of(dplaunch: subprocess.Popen) -> psutil.Process:
+    return next(
         p
         for p in psutil.Process(dplaunch.pid).children()
         if "accelerate.commands.launch" in " ".join(p.cmdline())
     )
+
+
+def test_killing_the_launcher_between_dplaunch_and_the_ranks_leaves_no_orphan(tmp_path):
+    dplaunch, script = _waiting_job(tmp_path)
+    launcher = _launcher_of(dplaunch)
     launcher.kill()  # torchrun dies without stopping its ranks: they are orphans now
     code = dplaunch.wait(timeout=120)
     assert code != 0

@@ -37,6 +37,8 @@ REFRESH_EVERY_POLLS = 4
 READER_JOIN_SECONDS = 5
 
 _PR_SET_PDEATHSIG = 1
+# the ranks watch this process and stop when it is gone (dplaunch.train.rank_process)
+SUPERVISOR_PID_ENV = "DPLAUNCH_SUPERVISOR_PID"
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -59,7 +61,7 @@ def run_supervised(
     piped = subprocess.PIPE if watch is not None else None
     process = subprocess.Popen(
         list(argv),
-        env=env,
+        env={**env, SUPERVISOR_PID_ENV: str(parent)},
         cwd=cwd,
         start_new_session=True,
         preexec_fn=lambda: _prepare_launcher(libc, parent),

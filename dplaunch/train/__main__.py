@@ -8,7 +8,7 @@ import traceback
 from pathlib import Path
 
 from dplaunch.launching.rundir import ERRORS_DIR
-from dplaunch.train.rank_process import exit_rank, line_buffered_output
+from dplaunch.train.rank_process import begin_rank, exit_rank
 
 # the terminal line stays short; the whole message and traceback are in the file
 MAX_MESSAGE_CHARS = 600
@@ -49,5 +49,5 @@ def one_line(error: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    line_buffered_output()
+    begin_rank()
     exit_rank(main(sys.argv[1:]))

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from dplaunch.train.__main__ import report_failure
-from dplaunch.train.rank_process import exit_rank, line_buffered_output
+from dplaunch.train.rank_process import begin_rank, exit_rank
 
 
 def export_rank(run_dir: Path, checkpoint: Path, out: Path) -> int:
@@ -49,5 +49,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    line_buffered_output()
+    begin_rank()
     exit_rank(main(sys.argv[1:]))

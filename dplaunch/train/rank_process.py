@@ -17,15 +17,74 @@ about 12 of an unmodified two-rank Accelerate script (core dump: ProcessGroupGlo
 
 So every rank dplaunch starts ends like a normal exit (thread pools stopped, non-daemon threads
 joined, atexit handlers run, streams flushed) and then leaves with os._exit, skipping the finalization that races.
+
+Supervisor: if the dplaunch process that started the job dies, even by SIGKILL, the rank gets
+SIGTERM. The launcher in between (accelerate → torchrun's agent) normally passes its own
+parent-death SIGTERM on, but only through a Python exception that a finalizer running at that
+moment can swallow; the rank does not depend on it.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+import select
+import signal
 import sys
 import threading
+import time
 from typing import NoReturn
+
+from dplaunch.launching.process import SUPERVISOR_PID_ENV
+
+# without pidfd (Linux < 5.3) the supervisor is polled this often
+SUPERVISOR_POLL_S = 1.0
+
+
+def begin_rank() -> None:
+    """What every rank dplaunch starts does first: whole-line output, stop with dplaunch."""
+    line_buffered_output()
+    stop_with_supervisor()
+
+
+def stop_with_supervisor() -> None:
+    """SIGTERM this process once the dplaunch process named in the environment has ended."""
+    try:
+        supervisor = int(os.environ[SUPERVISOR_PID_ENV])
+    except (KeyError, ValueError):
+        return  # not started by dplaunch (a plain `accelerate launch` of our entry point)
+    threading.Thread(
+        target=_wait_then_stop, args=(supervisor,), name="dplaunch-supervisor", daemon=True
+    ).start()
+
+
+def _wait_then_stop(supervisor: int) -> None:
+    try:
+        handle = os.pidfd_open(supervisor)
+    except ProcessLookupError:
+        handle = None  # already gone
+    except (AttributeError, OSError):  # no pidfd here: poll
+        while _alive(supervisor):
+            time.sleep(SUPERVISOR_POLL_S)
+        handle = None
+    if handle is not None:
+        select.select([handle], [], [])  # readable once the process has exited
+        os.close(handle)
+    # the rank's own SIGTERM handling: the training loop saves a checkpoint and stops, a plain
+    # script ends as it would under `kill`
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def line_buffered_output() -> None:

@@ -11,7 +11,7 @@ import os
 import runpy
 import sys
 
-from dplaunch.train.rank_process import exit_rank, line_buffered_output, status_of
+from dplaunch.train.rank_process import begin_rank, exit_rank, status_of
 
 
 def main(argv: list[str]) -> int:
@@ -44,5 +44,5 @@ def _from_script(tb, script: str):  # noqa: ANN001, ANN202 — traceback objects
 
 
 if __name__ == "__main__":
-    line_buffered_output()
+    begin_rank()
     exit_rank(main(sys.argv[1:]))
