@@ -472,6 +472,34 @@ def test_a_busy_default_port_is_replaced_by_a_free_one_and_the_run_works(tmp_pat
     assert {r["port"] for r in reports} == {chosen.group(1)} and {r["sum"] for r in reports} == {2}
 
 
+def test_two_runs_started_together_on_one_machine_get_different_ports(tmp_path):
+    # between dplaunch's check of 29500 and the rendezvous store binding it, the launcher starts
+    # (seconds). Without a claim on the port both runs plan 29500; Accelerate then moves the second
+    # to a random port behind dplaunch's back (a warning), and its run directory names the wrong one
+    script = write_script(tmp_path, "report.py", "import json\n" + REPORTS)
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run in runs:
+        run.mkdir()
+    started = [
+        start_dplaunch(run, "launch", script, "--cpu", "--gpus", "2", "-o", run / "run")
+        for run in runs
+    ]
+    ports = []
+    for run, dplaunch in zip(runs, started, strict=True):
+        code = dplaunch.wait(timeout=180)
+        stdout, stderr = output(run)
+        assert code == 0, stdout + stderr
+        reports = [
+            json.loads(line[7:]) for line in stdout.splitlines() if line.startswith("REPORT ")
+        ]
+        assert sorted(r["rank"] for r in reports) == [0, 1] and {r["sum"] for r in reports} == {2}
+        ports.append({r["port"] for r in reports})
+        planned = yaml.safe_load((run / "run" / "accelerate.yaml").read_text())["main_process_port"]
+        assert ports[-1] == {str(planned)}, (ports[-1], planned)  # launch.sh reruns the same
+        assert "already in use" not in stderr
+    assert all(len(p) == 1 for p in ports) and ports[0] != ports[1], ports
+
+
 # --- security -------------------------------------------------------------------------------------
 
 

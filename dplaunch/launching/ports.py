@@ -1,8 +1,21 @@
-"""Rendezvous ports: detect a busy one before launch instead of failing inside 16 ranks."""
+"""Rendezvous ports: detect a busy one before launch instead of failing inside 16 ranks.
+
+Checking that a port is free and the rendezvous store binding it are seconds apart (the
+launcher starts in between), so two runs started together on one machine would both take
+29500. A run therefore also *claims* its port: an flock on a per-user lock file, held by the
+dplaunch process for as long as it lives. Another dplaunch on the machine skips a claimed port.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import socket
+import tempfile
+from pathlib import Path
+
+# lock files of the ports this process has claimed; kept open (and locked) until it exits
+_claims: list[int] = []
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -21,3 +34,27 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def claim_port(port: int) -> str | None:
+    """Claim ``port`` for this process's run; None when done, else why not ("busy", "claimed")."""
+    if not port_is_free(port):
+        return "busy"
+    directory = Path(tempfile.gettempdir()) / f"dplaunch-{os.getuid()}-ports"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    handle = os.open(directory / f"{port}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(handle)
+        return "claimed"
+    _claims.append(handle)
+    return None
+
+
+def claim_free_port() -> int:
+    """A port that is free now and that no other dplaunch on this machine has claimed."""
+    while True:
+        port = free_port()
+        if claim_port(port) is None:
+            return port

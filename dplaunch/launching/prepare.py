@@ -25,7 +25,7 @@ from dplaunch.cluster.slurm import (
 from dplaunch.config.load import dump_run_config, load_run_config
 from dplaunch.config.schema import LaunchConfig, ModelConfig, RunConfig, ScriptRunConfig
 from dplaunch.errors import UserError
-from dplaunch.launching.ports import free_port, port_is_free
+from dplaunch.launching.ports import claim_free_port, claim_port
 from dplaunch.planning.data_check import check_data
 from dplaunch.planning.devices import visible_gpu_count
 from dplaunch.planning.model_facts import ModelFacts, load_config_json
@@ -307,22 +307,24 @@ def rank_environment(plan: Plan) -> dict[str, str]:
 
 def _settle_port(plan: Plan, *, explicit: bool, render_only: bool) -> Plan:
     # a busy port fails deep inside every rank: catch it here. One node: pick another; several: say so
-    if render_only or port_is_free(plan.master_port):
+    if render_only or (plan.num_nodes > 1 and plan.node_rank != 0):
+        return plan  # on other nodes the port is the head node's
+    taken = claim_port(plan.master_port)
+    if taken is None:
         return plan
+    why = "is busy" if taken == "busy" else "is taken by another dplaunch run on this machine"
     if plan.num_nodes > 1:
-        if plan.node_rank != 0:
-            return plan  # the port is busy on the head node, not here
         raise UserError(
             "launch.master_port",
-            f"port {plan.master_port} is in use on this node",
+            f"port {plan.master_port} {why}",
             "pick a free one with --master-port and pass the same to every node",
         )
-    port = free_port()
+    port = claim_free_port()
     reason = "given" if explicit else "default"
     return replace(
         plan,
         master_port=port,
-        notes=(*plan.notes, f"port {plan.master_port} ({reason}) is busy: using free port {port}"),
+        notes=(*plan.notes, f"port {plan.master_port} ({reason}) {why}: using free port {port}"),
     )
 
 
