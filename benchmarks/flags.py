@@ -50,7 +50,7 @@ FIRST_STEP = "step 1/"
 
 
 def run(options: Options) -> dict[str, Any]:
-    reps = options.repetitions(full=2, quick=1)
+    reps = options.repetitions(full=1, quick=1)
     work = options.work_dir / NAME
     work.mkdir(parents=True, exist_ok=True)
     warmup, steps = window(options)

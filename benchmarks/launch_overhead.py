@@ -45,7 +45,7 @@ ACCELERATE = "accelerate launch (same loop)"
 
 
 def run(options: Options) -> dict[str, Any]:
-    reps = options.repetitions(full=5, quick=2)
+    reps = options.repetitions(full=4, quick=2)
     work = options.work_dir / NAME
     work.mkdir(parents=True, exist_ok=True)
     print(f"\n[{NAME}] command → first optimizer step, 2 CPU ranks, tiny Llama, {reps} repetitions")

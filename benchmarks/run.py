@@ -1,6 +1,6 @@
 """`make bench` = `python -m benchmarks.run`: every comparison, side by side, medians and ratios.
 
-    python -m benchmarks.run                     # all comparisons (≈ 12 minutes on 2 cores)
+    python -m benchmarks.run                     # all comparisons (10.5–15 minutes on 2 cores)
     python -m benchmarks.run --quick             # one repetition, shorter windows (a smoke run)
     python -m benchmarks.run --only throughput   # some of: startup, launch_overhead, throughput, scaling, flags
     python -m benchmarks.run --reps 5 --no-write # more repetitions, keep results/ untouched
@@ -70,20 +70,27 @@ def main(argv: list[str]) -> int:
     chosen = args.only or list(COMPARISONS)
     started = time.perf_counter()
     summary: dict[str, dict] = {}
+    minutes: dict[str, float] = {}
     failed: list[str] = []
     try:
         for name in chosen:
             options.load_at_start = os.getloadavg()
+            began = time.perf_counter()
             try:
                 summary[name] = COMPARISONS[name].run(options)["ratios"]
             except Exception as error:  # noqa: BLE001 — one broken comparison must not hide the others
                 print(f"\n[{name}] FAILED: {error}", file=sys.stderr)
                 failed.append(name)
+            minutes[name] = (time.perf_counter() - began) / 60
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
 
-    print(f"\n== all ratios ({(time.perf_counter() - started) / 60:.1f} min)")
+    print(
+        f"\n== all ratios ({(time.perf_counter() - started) / 60:.1f} min: "
+        + ", ".join(f"{name} {spent:.1f}" for name, spent in minutes.items())
+        + ")"
+    )
     for name, ratios in summary.items():
         for label, entry in ratios.items():
             print(f"  {name:<16} {label:<60} {entry['value']:7.3f}×  {verdict(entry)}")
