@@ -131,7 +131,7 @@ def run(options: Options) -> dict[str, Any]:
             "Data-parallel scaling on CPU ranks (higher is better)",
             {"tokens/s": {**samples, "2 × 1 rank (ideal)": ideal}},
             ylabel="tokens/s (median; dots = repetitions)",
-            subtitle=f"efficiency {efficiency:.3f} (goal ≥ 0.9); machine ceiling {ceiling:.3f}; "
-            f"2 ranks / two runs apart {cost:.3f}",
+            subtitle=f"efficiency {efficiency:.3f} (goal ≥ 0.9), ceiling {ceiling:.3f}, "
+            f"2 ranks / apart {cost:.3f}",
         )
     return payload
