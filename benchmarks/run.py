@@ -3,6 +3,7 @@
     python -m benchmarks.run                     # all comparisons (10.5–15 minutes on 2 cores)
     python -m benchmarks.run --quick             # one repetition, shorter windows (a smoke run)
     python -m benchmarks.run --only throughput   # some of: startup, launch_overhead, throughput, scaling, flags
+    python -m benchmarks.run --only scaling_peers  # optional: scaling of dplaunch and of the hand loop
     python -m benchmarks.run --reps 5 --no-write # more repetitions, keep results/ untouched
 
 Results go to benchmarks/results/NAME.json (with date, machine, versions) and NAME.png. The GPU
@@ -19,12 +20,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import flags, launch_overhead, scaling, startup, throughput
+from benchmarks import flags, launch_overhead, scaling, scaling_peers, startup, throughput
 from benchmarks.common import RESULTS, Options, machine_facts, verdict
 
 COMPARISONS = {
-    module.NAME: module for module in (startup, launch_overhead, throughput, scaling, flags)
+    module.NAME: module
+    for module in (startup, launch_overhead, throughput, scaling, flags, scaling_peers)
 }
+# what `make bench` runs without --only: the rest is optional (it would pass 15 minutes)
+DEFAULT = ["startup", "launch_overhead", "throughput", "scaling", "flags"]
 
 
 def main(argv: list[str]) -> int:
@@ -67,7 +71,7 @@ def main(argv: list[str]) -> int:
     options = Options(
         quick=args.quick, reps=args.reps, steps=args.steps, work_dir=work, write=not args.no_write
     )
-    chosen = args.only or list(COMPARISONS)
+    chosen = args.only or DEFAULT
     started = time.perf_counter()
     summary: dict[str, dict] = {}
     minutes: dict[str, float] = {}

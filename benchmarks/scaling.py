@@ -15,6 +15,7 @@ then what data parallelism itself costs (gradient all-reduce, launcher, stop-sig
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
@@ -41,6 +42,22 @@ APART = "two 1-rank runs at once"
 SEQ_LEN = 128
 
 
+def ranks_flags(count: int, steps: int) -> list[str]:
+    """`dplaunch train`/`config` flags of the scaling runs: COUNT CPU ranks, MICRO_BATCH each."""
+    flags = ["--cpu", "--gpus", str(count), "--max-steps", str(steps)]
+    flags += ["--global-batch", str(MICRO_BATCH * count), "--micro-batch", str(MICRO_BATCH)]
+    return [*flags, "--set", "train.log_every=1"]
+
+
+def dplaunch_tokens_per_s(run_dir: Path, count: int, warmup: int, steps: int) -> float:
+    """Steady-state tokens/s of one `dplaunch train` scaling run on COUNT ranks (log RUN_DIR.log)."""
+    argv = [PYTHON, "-m", "dplaunch", "train", str(CONFIG), *ranks_flags(count, steps)]
+    argv += ["--master-port", str(free_port()), "-o", str(run_dir)]
+    run_checked(argv, run_dir.with_name(f"{run_dir.name}.log"), bench_environment())
+    tokens = MICRO_BATCH * count * SEQ_LEN
+    return steady_tokens_per_s(dplaunch_step_times(run_dir), warmup, steps, tokens)
+
+
 def run(options: Options) -> dict[str, Any]:
     reps = options.repetitions(full=3, quick=1)
     work = options.work_dir / NAME
@@ -51,14 +68,7 @@ def run(options: Options) -> dict[str, Any]:
     )
 
     def one_run(count: int, name: str) -> float:
-        run_dir = work / name
-        argv = [PYTHON, "-m", "dplaunch", "train", str(CONFIG), "--cpu", "--gpus", str(count)]
-        argv += ["--global-batch", str(MICRO_BATCH * count), "--micro-batch", str(MICRO_BATCH)]
-        argv += ["--max-steps", str(steps), "--set", "train.log_every=1"]
-        argv += ["--master-port", str(free_port()), "-o", str(run_dir)]
-        run_checked(argv, work / f"{name}.log", bench_environment())
-        tokens = MICRO_BATCH * count * SEQ_LEN
-        return steady_tokens_per_s(dplaunch_step_times(run_dir), warmup, steps, tokens)
+        return dplaunch_tokens_per_s(work / name, count, warmup, steps)
 
     def ranks(count: int) -> Any:
         return lambda rep: one_run(count, fresh(work, f"ranks{count}-{rep}"))

@@ -102,15 +102,7 @@ def measure_layout(
     render = work / f"rendered-{layout}"
     launch = render_run(CONFIG, render, *common)
     env = bench_environment(**launch["env"])
-    blocks = work / "blocks.pt"
-    if not blocks.exists():
-        log = work / "blocks.log"
-        run_checked(
-            [PYTHON, "-m", "benchmarks.contenders.prepare_blocks", str(render), str(blocks)],
-            log,
-            env,
-        )
-        print("  " + log.read_text().strip().splitlines()[-1])
+    blocks = prepare_blocks(render, work, env)
     step_tokens = tokens_per_step(render)
     first_step: dict[str, list[float]] = {DPLAUNCH: [], TRAINER: [], HAND_LOOP: []}
 
@@ -127,15 +119,9 @@ def measure_layout(
     def peer(contender: str, module: str, label: str) -> Any:
         def measure(rep: int) -> float:
             name = fresh(work, f"{label}-{layout}-{rep}")
-            times = work / f"{name}.times.jsonl"
-            argv = [PYTHON, "-m", "accelerate.commands.launch"]
-            argv += ["--config_file", str(render / "accelerate.yaml")]
-            argv += ["--main_process_port", str(free_port())]
-            argv += ["-m", module, str(render), str(blocks), str(times)]
-            log = work / f"{name}.log"
-            seen = time_to_lines(argv, [FIRST_LINE[contender]], log, env)
-            first_step[contender].append(seen[FIRST_LINE[contender]])
-            return steady_tokens_per_s(clock_step_times(times), warmup, steps, step_tokens)
+            at, first = run_peer(contender, module, render, blocks, work / name, env)
+            first_step[contender].append(first)
+            return steady_tokens_per_s(at, warmup, steps, step_tokens)
 
         return measure
 
@@ -152,6 +138,36 @@ def measure_layout(
         retried=retried,
     )
     return samples, first_step
+
+
+def prepare_blocks(render: Path, work: Path, env: dict[str, str]) -> Path:
+    """WORK/blocks.pt: the rendered run's training blocks, tokenised once for the peers."""
+    blocks = work / "blocks.pt"
+    if not blocks.exists():
+        log = work / "blocks.log"
+        run_checked(
+            [PYTHON, "-m", "benchmarks.contenders.prepare_blocks", str(render), str(blocks)],
+            log,
+            env,
+        )
+        print("  " + log.read_text().strip().splitlines()[-1])
+    return blocks
+
+
+def run_peer(
+    contender: str, module: str, render: Path, blocks: Path, stem: Path, env: dict[str, str]
+) -> tuple[dict[int, float], float]:
+    """One run of a peer contender under `accelerate launch` with the rendered accelerate.yaml:
+    (step → seconds from its step clock, seconds from the command to its first step's line).
+    Its log is STEM.log, its clock STEM.times.jsonl."""
+    times = stem.with_name(f"{stem.name}.times.jsonl")
+    argv = [PYTHON, "-m", "accelerate.commands.launch"]
+    argv += ["--config_file", str(render / "accelerate.yaml")]
+    argv += ["--main_process_port", str(free_port())]
+    argv += ["-m", module, str(render), str(blocks), str(times)]
+    log = stem.with_name(f"{stem.name}.log")
+    seen = time_to_lines(argv, [FIRST_LINE[contender]], log, env)
+    return clock_step_times(times), seen[FIRST_LINE[contender]]
 
 
 def tokens_per_step(render: Path) -> int:
