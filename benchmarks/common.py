@@ -68,6 +68,12 @@ class Options:
     # the load average when the current comparison started (set by benchmarks.run)
     load_at_start: tuple[float, ...] = ()
 
+    def folder(self, name: str) -> Path:
+        """WORK_DIR/NAME, created: where one comparison keeps its run directories and logs."""
+        work = self.work_dir / name
+        work.mkdir(parents=True, exist_ok=True)
+        return work
+
     def repetitions(self, full: int, quick: int = 1) -> int:
         """--reps wins; else ``quick`` under --quick and ``full`` otherwise."""
         if self.reps is not None:

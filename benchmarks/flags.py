@@ -51,8 +51,7 @@ FIRST_STEP = "step 1/"
 
 def run(options: Options) -> dict[str, Any]:
     reps = options.repetitions(full=1, quick=1)
-    work = options.work_dir / NAME
-    work.mkdir(parents=True, exist_ok=True)
+    work = options.folder(NAME)
     warmup, steps = window(options)
     first_step: dict[str, list[float]] = {name: [] for name in VARIANTS}
     print(

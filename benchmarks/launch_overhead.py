@@ -46,8 +46,7 @@ ACCELERATE = "accelerate launch (same loop)"
 
 def run(options: Options) -> dict[str, Any]:
     reps = options.repetitions(full=4, quick=2)
-    work = options.work_dir / NAME
-    work.mkdir(parents=True, exist_ok=True)
+    work = options.folder(NAME)
     print(f"\n[{NAME}] command → first optimizer step, 2 CPU ranks, tiny Llama, {reps} repetitions")
     own: list[float] = []
     to_exit: dict[str, list[float]] = {DPLAUNCH: [], ACCELERATE: []}

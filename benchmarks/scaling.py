@@ -60,18 +60,16 @@ def dplaunch_tokens_per_s(run_dir: Path, count: int, warmup: int, steps: int) ->
 
 def run(options: Options) -> dict[str, Any]:
     reps = options.repetitions(full=3, quick=1)
-    work = options.work_dir / NAME
-    work.mkdir(parents=True, exist_ok=True)
+    work = options.folder(NAME)
     warmup, steps = window(options)
     print(
         f"\n[{NAME}] 1 vs 2 CPU ranks × 1 thread, micro batch {MICRO_BATCH} per rank, {reps} reps"
     )
 
-    def one_run(count: int, name: str) -> float:
-        return dplaunch_tokens_per_s(work / name, count, warmup, steps)
-
     def ranks(count: int) -> Any:
-        return lambda rep: one_run(count, fresh(work, f"ranks{count}-{rep}"))
+        return lambda rep: dplaunch_tokens_per_s(
+            work / fresh(work, f"ranks{count}-{rep}"), count, warmup, steps
+        )
 
     def two_apart(rep: int) -> float:
         names = [fresh(work, f"apart{i}-{rep}") for i in (1, 2)]
@@ -80,7 +78,7 @@ def run(options: Options) -> dict[str, Any]:
 
         def run_one(name: str) -> None:
             try:
-                results[name] = one_run(1, name)
+                results[name] = dplaunch_tokens_per_s(work / name, 1, warmup, steps)
             except BaseException as error:  # noqa: BLE001 — re-raised below, in this thread
                 errors.append(error)
 

@@ -8,7 +8,8 @@ the same rendered files, the four runs alternating. It reports each one's effici
 
 If the hand loop's efficiency is no better than dplaunch's, what the scaling comparison loses on a
 machine is the machine's (two processes in lockstep on shared cores), not dplaunch's loop. It is
-left out of the default run to keep `make bench` under 15 minutes (4 runs per repetition, ~1.5 min).
+left out of the default run to keep `make bench` under 15 minutes (about 1 min per repetition,
+4 min with the default 4).
 """
 
 from __future__ import annotations
@@ -36,17 +37,16 @@ from benchmarks.throughput import (
     prepare_blocks,
     run_peer,
     steady_tokens_per_s,
+    tokens_per_step,
     window,
 )
 
 NAME = "scaling_peers"
-HAND_MODULE = "benchmarks.contenders.hand_loop"
 
 
 def run(options: Options) -> dict[str, Any]:
     reps = options.repetitions(full=4, quick=1)
-    work = options.work_dir / NAME
-    work.mkdir(parents=True, exist_ok=True)
+    work = options.folder(NAME)
     warmup, steps = window(options)
     print(
         f"\n[{NAME}] 1 vs 2 CPU ranks × 1 thread, dplaunch and the hand-written loop, "
@@ -70,8 +70,8 @@ def run(options: Options) -> dict[str, Any]:
         def measure(rep: int) -> float:
             render, env = renders[count]
             stem = work / fresh(work, f"hand{count}-{rep}")
-            at, _ = run_peer(HAND_LOOP, HAND_MODULE, render, blocks, stem, env)
-            return steady_tokens_per_s(at, warmup, steps, MICRO_BATCH * count * SEQ_LEN)
+            at, _ = run_peer(HAND_LOOP, render, blocks, stem, env)
+            return steady_tokens_per_s(at, warmup, steps, tokens_per_step(render))
 
         return measure
 
@@ -87,20 +87,18 @@ def run(options: Options) -> dict[str, Any]:
         retried=retried,
     )
     goals = {"dplaunch": 0.9, "hand loop": None}
-    efficiency = {
-        who: paired_ratios(samples[f"{who}, 2 ranks"], [2 * x for x in samples[f"{who}, 1 rank"]])
-        for who in goals
-    }
+    ideal = {who: [2 * x for x in samples[f"{who}, 1 rank"]] for who in goals}
     ratios = {
         f"{who} efficiency: tokens/s(2) / (2 × tokens/s(1))": ratio_entry(
-            efficiency[who],
-            [1.0] * reps,
+            samples[f"{who}, 2 ranks"],
+            ideal[who],
             goal=goal,
             higher_is_better=True,
             meaning=f"data-parallel scaling efficiency of the {who} on CPU ranks; 1.0 is perfect",
         )
         for who, goal in goals.items()
     }
+    efficiency = {who: paired_ratios(samples[f"{who}, 2 ranks"], ideal[who]) for who in goals}
     ratios["dplaunch efficiency / hand-loop efficiency"] = ratio_entry(
         efficiency["dplaunch"],
         efficiency["hand loop"],

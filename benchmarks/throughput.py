@@ -53,6 +53,11 @@ HAND_LOOP = "hand-written Accelerate loop"
 LAYOUTS = {"DDP": (), "ZeRO-2": ("--zero", "2")}
 # what each contender prints (rank 0, stdout) once its first optimizer step is done
 FIRST_LINE = {DPLAUNCH: "step 1/", TRAINER: "{'loss'", HAND_LOOP: "step 1/"}
+# the peers' programs, run under `accelerate launch`
+PEER_MODULES = {
+    TRAINER: "benchmarks.contenders.hf_trainer",
+    HAND_LOOP: "benchmarks.contenders.hand_loop",
+}
 
 
 def window(options: Options) -> tuple[int, int]:
@@ -116,10 +121,10 @@ def measure_layout(
         first_step[DPLAUNCH].append(seen[FIRST_LINE[DPLAUNCH]])
         return steady_tokens_per_s(dplaunch_step_times(run_dir), warmup, steps, step_tokens)
 
-    def peer(contender: str, module: str, label: str) -> Any:
+    def peer(contender: str, label: str) -> Any:
         def measure(rep: int) -> float:
             name = fresh(work, f"{label}-{layout}-{rep}")
-            at, first = run_peer(contender, module, render, blocks, work / name, env)
+            at, first = run_peer(contender, render, blocks, work / name, env)
             first_step[contender].append(first)
             return steady_tokens_per_s(at, warmup, steps, step_tokens)
 
@@ -131,8 +136,8 @@ def measure_layout(
     samples = alternate(
         {
             DPLAUNCH: dplaunch,
-            TRAINER: peer(TRAINER, "benchmarks.contenders.hf_trainer", "trainer"),
-            HAND_LOOP: peer(HAND_LOOP, "benchmarks.contenders.hand_loop", "hand"),
+            TRAINER: peer(TRAINER, "trainer"),
+            HAND_LOOP: peer(HAND_LOOP, "hand"),
         },
         reps,
         retried=retried,
@@ -155,7 +160,7 @@ def prepare_blocks(render: Path, work: Path, env: dict[str, str]) -> Path:
 
 
 def run_peer(
-    contender: str, module: str, render: Path, blocks: Path, stem: Path, env: dict[str, str]
+    contender: str, render: Path, blocks: Path, stem: Path, env: dict[str, str]
 ) -> tuple[dict[int, float], float]:
     """One run of a peer contender under `accelerate launch` with the rendered accelerate.yaml:
     (step → seconds from its step clock, seconds from the command to its first step's line).
@@ -164,7 +169,7 @@ def run_peer(
     argv = [PYTHON, "-m", "accelerate.commands.launch"]
     argv += ["--config_file", str(render / "accelerate.yaml")]
     argv += ["--main_process_port", str(free_port())]
-    argv += ["-m", module, str(render), str(blocks), str(times)]
+    argv += ["-m", PEER_MODULES[contender], str(render), str(blocks), str(times)]
     log = stem.with_name(f"{stem.name}.log")
     seen = time_to_lines(argv, [FIRST_LINE[contender]], log, env)
     return clock_step_times(times), seen[FIRST_LINE[contender]]
@@ -180,8 +185,7 @@ def tokens_per_step(render: Path) -> int:
 
 def run(options: Options) -> dict[str, Any]:
     reps = options.repetitions(full=3, quick=1)
-    work = options.work_dir / NAME
-    work.mkdir(parents=True, exist_ok=True)
+    work = options.folder(NAME)
     print(f"\n[{NAME}] steady-state tokens/s, 2 CPU ranks × 1 thread, {CONFIG.name}, {reps} reps")
     results: dict[str, dict[str, list[float]]] = {}
     starts: dict[str, dict[str, list[float]]] = {}
