@@ -311,12 +311,13 @@ def train(
 def config(
     flags: Any,
     out: Annotated[
-        Path,
+        Path | None,
         typer.Option(
             "--out",
-            help="Directory to write accelerate.yaml, deepspeed.json, run.yaml, launch.sh into.",
+            help="Directory to write accelerate.yaml, deepspeed.json, run.yaml, launch.sh into "
+            "(or -o DIR: the run directory launch.sh then trains in).",
         ),
-    ],
+    ] = None,
 ) -> None:
     """Render the run's Accelerate/DeepSpeed files for the target the flags describe (GPUs need not be here)."""
     from dplaunch.commands.train import run_config

@@ -134,6 +134,12 @@ CASES = [
         lambda t: ["train", TINY_LLAMA, "--micro-batch", "16"],
         "micro_batch_size 16 is larger",
     ),
+    ("config-without-out", lambda t: ["config", TINY_LLAMA], "--out: no directory"),
+    (
+        "config-out-and-output-dir-differ",
+        lambda t: ["config", TINY_LLAMA, "--out", t / "a", "-o", t / "b"],
+        "name two directories",
+    ),
     ("zero-gpus", lambda t: ["train", TINY_LLAMA, "--gpus", "0"], "launch.gpus"),
     ("negative-gpus", lambda t: ["train", TINY_LLAMA, "--set", "launch.gpus=-2"], "launch.gpus"),
     (

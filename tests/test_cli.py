@@ -96,6 +96,16 @@ def test_config_renders_a_16_gpu_cluster_layout_on_a_laptop(tmp_path):
     subprocess.run(["bash", "-n", str(out / "launch.sh")], check=True)
 
 
+def test_config_takes_the_run_directory_flag_of_train_as_its_output(tmp_path):
+    # `dplaunch train ... -o DIR` and `dplaunch config ... -o DIR`: the same flag, the same directory
+    run = tmp_path / "run"
+    result = run_dplaunch("config", TINY_LLAMA, "--cpu", "--gpus", "2", "-o", run)
+    assert result.returncode == 0, result.stderr
+    assert (run / "accelerate.yaml").is_file() and (run / "launch.sh").is_file()
+    assert yaml.safe_load((run / "run.yaml").read_text())["output_dir"] == str(run)
+    assert str(run) in (run / "launch.sh").read_text()
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("script", ["accelerate_script.py", "ddp_script.py"])
 def test_launch_runs_a_users_script_on_two_cpu_ranks(tmp_path, script):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from dplaunch.errors import UserError
 from dplaunch.launching.prepare import (
     PreparedRun,
     RunFlags,
@@ -99,8 +100,16 @@ def _print_resume(point: ResumePoint | None, resume: str | None) -> None:
         typer.echo(f"resume note: {note}")
 
 
-def run_config(flags: RunFlags, out: Path) -> int:
-    """Render the run's files into ``out`` for the target the flags describe."""
+def run_config(flags: RunFlags, out: Path | None) -> int:
+    """Render the run's files into ``out`` (or -o DIR) for the target the flags describe."""
+    named = Path(flags.output_dir) if flags.output_dir else None
+    if out is None and named is None:
+        raise UserError("--out", "no directory to write the files into", "give --out DIR or -o DIR")
+    if out is not None and named is not None and out.resolve() != named.resolve():
+        raise UserError(
+            "--out", f"{out} and --output-dir {named} name two directories", "give one of them"
+        )
+    out = out or named
     prepared = prepare_training_run(flags, render_only=True, out_dir=out)
     write_run_files(out, prepared.files)
     print_prepared(prepared, show_files=False)
