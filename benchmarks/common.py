@@ -111,7 +111,10 @@ def alternate(
             try:
                 value = contenders[name](rep)
             except RunFailed as error:
-                note = f"{name}, repetition {rep + 1}: {str(error).splitlines()[0]}"
+                lines = [line for line in str(error).splitlines() if line.strip()]
+                # the command, and the failed run's last line (its log is gone with the work dir)
+                cause = lines[-1].strip() if len(lines) > 1 else "no output"
+                note = f"{name}, repetition {rep + 1}: {lines[0]} → {cause}"
                 say(f"  rep {rep + 1}/{reps}  {name}: failed, running it again ({note})")
                 if retried is not None:
                     retried.append(note)
