@@ -245,6 +245,28 @@ def _git_commit() -> str | None:
         return None
 
 
+def tokens_payload(
+    what: str,
+    config: Path,
+    reps: int,
+    samples: dict[str, list[float]],
+    ratios: dict[str, dict[str, Any]],
+    retried: list[str],
+    **extra: Any,
+) -> dict[str, Any]:
+    """The result of a comparison of tokens/s: what was measured, on which run file, every sample
+    (EXTRA after them), the ratios and the runs that had to be repeated."""
+    return {
+        "what": what,
+        "config": str(config.relative_to(REPO)),
+        "repetitions": reps,
+        "contenders": summarize(samples, "tokens/s"),
+        **extra,
+        "ratios": ratios,
+        "repeated_runs": retried,
+    }
+
+
 def write_result(name: str, payload: dict[str, Any], options: Options) -> Path | None:
     """benchmarks/results/NAME.json with the machine facts, unless --no-write."""
     if not options.write:

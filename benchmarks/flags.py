@@ -16,7 +16,6 @@ from typing import Any
 
 from benchmarks.common import (
     PYTHON,
-    REPO,
     RESULTS,
     Options,
     alternate,
@@ -29,6 +28,7 @@ from benchmarks.common import (
     ratio_entry,
     summarize,
     time_to_lines,
+    tokens_payload,
     write_result,
 )
 from benchmarks.throughput import (
@@ -97,17 +97,17 @@ def run(options: Options) -> dict[str, Any]:
             meaning="seconds from the command to the first step; compiling happens here",
         )
     print_ratios("Optional flags (2 CPU ranks, DDP)", ratios)
-    payload = {
-        "what": f"steady-state tokens/s (median step of steps {warmup + 1}..{steps}) and seconds to "
+    payload = tokens_payload(
+        f"steady-state tokens/s (median step of steps {warmup + 1}..{steps}) and seconds to "
         "the first step of `dplaunch train` with each flag; compiled runs start from an empty "
         "inductor cache",
-        "config": str(CONFIG.relative_to(REPO)),
-        "repetitions": reps,
-        "contenders": summarize(samples, "tokens/s"),
-        "to_first_step": summarize(first_step, "s"),
-        "ratios": ratios,
-        "repeated_runs": retried,
-    }
+        CONFIG,
+        reps,
+        samples,
+        ratios,
+        retried,
+        to_first_step=summarize(first_step, "s"),
+    )
     write_result(NAME, payload, options)
     if options.write:
         bar_chart(

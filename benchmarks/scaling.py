@@ -20,7 +20,6 @@ from typing import Any
 
 from benchmarks.common import (
     PYTHON,
-    REPO,
     RESULTS,
     Options,
     alternate,
@@ -31,7 +30,7 @@ from benchmarks.common import (
     print_ratios,
     ratio_entry,
     run_checked,
-    summarize,
+    tokens_payload,
     write_result,
 )
 from benchmarks.throughput import CONFIG, dplaunch_step_times, steady_tokens_per_s, window
@@ -122,15 +121,15 @@ def run(options: Options) -> dict[str, Any]:
         ),
     }
     print_ratios("Data-parallel scaling (CPU)", ratios)
-    payload = {
-        "what": f"steady-state tokens/s (median step of steps {warmup + 1}..{steps}) of `dplaunch train`, "
+    payload = tokens_payload(
+        f"steady-state tokens/s (median step of steps {warmup + 1}..{steps}) of `dplaunch train`, "
         f"micro batch {MICRO_BATCH} × {SEQ_LEN} tokens per rank, no gradient accumulation",
-        "config": str(CONFIG.relative_to(REPO)),
-        "repetitions": reps,
-        "contenders": summarize(samples, "tokens/s"),
-        "ratios": ratios,
-        "repeated_runs": retried,
-    }
+        CONFIG,
+        reps,
+        samples,
+        ratios,
+        retried,
+    )
     write_result(NAME, payload, options)
     if options.write:
         efficiency, ceiling, cost = (entry["value"] for entry in ratios.values())

@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.common import (
-    REPO,
     RESULTS,
     Options,
     alternate,
@@ -28,7 +27,7 @@ from benchmarks.common import (
     print_ratios,
     ratio_entry,
     render_run,
-    summarize,
+    tokens_payload,
     write_result,
 )
 from benchmarks.scaling import CONFIG, MICRO_BATCH, SEQ_LEN, dplaunch_tokens_per_s, ranks_flags
@@ -107,15 +106,15 @@ def run(options: Options) -> dict[str, Any]:
         meaning="above 1: dplaunch scales better than the hand-written loop on this machine",
     )
     print_ratios("Data-parallel scaling next to the hand-written Accelerate loop (CPU)", ratios)
-    payload = {
-        "what": f"steady-state tokens/s (median step of steps {warmup + 1}..{steps}), micro batch "
+    payload = tokens_payload(
+        f"steady-state tokens/s (median step of steps {warmup + 1}..{steps}), micro batch "
         f"{MICRO_BATCH} × {SEQ_LEN} tokens per rank, no gradient accumulation, 1 and 2 CPU ranks",
-        "config": str(CONFIG.relative_to(REPO)),
-        "repetitions": reps,
-        "contenders": summarize(samples, "tokens/s"),
-        "ratios": ratios,
-        "repeated_runs": retried,
-    }
+        CONFIG,
+        reps,
+        samples,
+        ratios,
+        retried,
+    )
     write_result(NAME, payload, options)
     if options.write:
         values = [entry["value"] for entry in ratios.values()]
