@@ -233,8 +233,10 @@ def _git_commit() -> str | None:
             text=True,
             check=True,
         ).stdout.strip()
+        # the code measured; not the results folder, this run's own output
+        paths = ["dplaunch", "benchmarks", f":!{RESULTS.relative_to(REPO)}"]
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "dplaunch", "benchmarks"],
+            ["git", "status", "--porcelain", "--", *paths],
             cwd=REPO,
             capture_output=True,
             text=True,
