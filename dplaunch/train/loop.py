@@ -158,14 +158,16 @@ def train(run_dir: Path) -> int:
     control = ControlChannel(plan.timeout_minutes)
 
     tokenizer = load_tokenizer(config.model)
+    # rank 0 first: loading may download and writes the datasets cache, which the others then read
     with accelerator.main_process_first():
         train_raw, eval_raw = load_splits(config.data, config.train.seed)
-        train_set = tokenize(train_raw, tokenizer, config.data, config.model.task)
-        eval_set = (
-            tokenize(eval_raw, tokenizer, config.data, config.model.task)
-            if eval_raw is not None
-            else None
-        )
+    # then every rank tokenises at once (in memory, no cache): one tokenisation of start-up, not two
+    train_set = tokenize(train_raw, tokenizer, config.data, config.model.task)
+    eval_set = (
+        tokenize(eval_raw, tokenizer, config.data, config.model.task)
+        if eval_raw is not None
+        else None
+    )
     sharding = Sharding(
         place.data_parallel_rank,
         plan.data_parallel_size,
