@@ -66,7 +66,7 @@ class DataConfig(Section):
     max_length: int = Field(128, ge=8)
     # concatenate texts into full max_length blocks (causal-lm only); default on for causal-lm
     packing: bool | None = None
-    # DataLoader worker processes per rank
+    # processes that tokenise the data when it is not cached yet (0: the rank itself)
     num_workers: int = Field(0, ge=0)
 
     @model_validator(mode="after")

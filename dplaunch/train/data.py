@@ -13,9 +13,13 @@ int per token), so cutting batches costs microseconds next to a training step.
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import json
+import os
+import socket
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -53,12 +57,80 @@ def load_splits(data: DataConfig, seed: int) -> tuple[Any, Any | None]:
     return train, evaluation
 
 
-def tokenize(dataset: Any, tokenizer: Any, data: DataConfig, task: str) -> Any:
-    """Token ids (and labels) ready for batching; causal-LM texts are packed into full blocks."""
-    columns = dataset.column_names
-    if task == "sequence-classification":
+# tokenised datasets are cached next to the `datasets` cache of their source, under this prefix
+TOKENIZED_PREFIX = "dplaunch-tokenized-"
 
-        def encode(batch: dict[str, list]) -> dict[str, list]:
+
+def tokenized_cache_file(dataset: Any, tokenizer: Any, data: DataConfig, task: str) -> Path | None:
+    """Where the tokenised form of DATASET is cached, or None when it cannot be cached safely.
+
+    The name is a digest of everything the tokens depend on: the source dataset's `datasets`
+    fingerprint (changes with the files' contents, the split, the eval_fraction cut), the
+    tokenizer's full definition, the data fields that shape the tokens, the task and the source of
+    tokenize() itself, so a change to any of them is a new file, never a stale one. No cache for
+    datasets held only in memory, tokenizers without a serialisable definition (slow, Python
+    ones), when `datasets` caching is off, or when the cache folder is not writable.
+    """
+    import datasets
+
+    fingerprint = getattr(dataset, "_fingerprint", None)
+    files = getattr(dataset, "cache_files", None)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not (datasets.is_caching_enabled() and fingerprint and files and backend is not None):
+        return None
+    folder = Path(files[0]["filename"]).parent
+    if not os.access(folder, os.W_OK):
+        return None
+    definition = json.loads(backend.to_str())
+    # transformers sets these per call (truncation=True, max_length…): not part of the tokenizer
+    definition.pop("truncation", None)
+    definition.pop("padding", None)
+    key = {
+        "dataset": fingerprint,
+        "tokenizer": definition,
+        "tokenizer_class": type(tokenizer).__name__,
+        "eos": tokenizer.eos_token_id,
+        "truncation_side": getattr(tokenizer, "truncation_side", None),
+        "data": data.model_dump(
+            include={"text_column", "text_pair_column", "label_column", "max_length", "packing"}
+        ),
+        "task": task,
+        "code": _tokenize_source(),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    return folder / f"{TOKENIZED_PREFIX}{digest}.arrow"
+
+
+def _tokenize_source() -> str:
+    # the code that makes the tokens; an install without sources falls back to the version
+    try:
+        return inspect.getsource(tokenize)
+    except OSError:
+        from dplaunch import __version__
+
+        return __version__
+
+
+def tokenize(
+    dataset: Any, tokenizer: Any, data: DataConfig, task: str, cache_file: Path | None = None
+) -> Any:
+    """Token ids (and labels) ready for batching; causal-LM texts are packed into full blocks.
+
+    Two passes. Rows are tokenised one by one, in `data.num_workers` processes when set; then one
+    process assembles the result (packing cuts each run of 10,000 rows into blocks), so the tokens
+    do not depend on the worker count. With CACHE_FILE (see tokenized_cache_file) the result is
+    read from it when it exists, else written there (the row pass goes to a temporary file beside
+    it, removed afterwards); without, everything stays in memory."""
+    from datasets import Dataset
+
+    if cache_file is not None and cache_file.is_file():
+        return Dataset.from_file(str(cache_file))
+    workers = data.num_workers if data.num_workers > 1 else None
+    packing = task == "causal-lm" and (data.packing if data.packing is not None else True)
+    eos = tokenizer.eos_token_id
+
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        if task == "sequence-classification":
             pair = batch[data.text_pair_column] if data.text_pair_column else None
             out = tokenizer(
                 batch[data.text_column], pair, truncation=True, max_length=data.max_length
@@ -67,26 +139,55 @@ def tokenize(dataset: Any, tokenizer: Any, data: DataConfig, task: str) -> Any:
                 "input_ids": out["input_ids"],
                 "labels": [int(x) for x in batch[data.label_column]],
             }
-
-        return dataset.map(encode, batched=True, remove_columns=columns, keep_in_memory=True)
-
-    packing = data.packing if data.packing is not None else True
-    eos = tokenizer.eos_token_id
-
-    def encode_lm(batch: dict[str, list]) -> dict[str, list]:
         ids = tokenizer(batch[data.text_column], add_special_tokens=False)["input_ids"]
         ids = [row + [eos] if eos is not None else row for row in ids]
-        if not packing:
-            return {"input_ids": [row[: data.max_length] for row in ids]}
-        # one flat int32 array cut into full blocks: Arrow takes it without a Python int per token
-        flat = np.fromiter(chain.from_iterable(ids), dtype=np.int32, count=sum(map(len, ids)))
-        usable = (len(flat) // data.max_length) * data.max_length
-        return {"input_ids": flat[:usable].reshape(-1, data.max_length)}
+        return {"input_ids": ids if packing else [row[: data.max_length] for row in ids]}
 
-    # packing concatenates across rows, so use large map batches to lose little at block edges
-    return dataset.map(
-        encode_lm, batched=True, batch_size=10_000, remove_columns=columns, keep_in_memory=True
+    def pack(batch: Any) -> dict[str, Any]:
+        # one flat int32 array of the rows' tokens cut into full blocks (no Python int per token)
+        column = batch.column("input_ids").combine_chunks()
+        offsets = column.offsets.to_numpy()
+        flat = column.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
+        usable = (len(flat) // data.max_length) * data.max_length
+        return {"input_ids": flat[:usable].astype(np.int32).reshape(-1, data.max_length)}
+
+    def store(name: Path | None) -> dict[str, Any]:
+        if name is None:
+            return {"keep_in_memory": True}
+        return {
+            "keep_in_memory": False,
+            "cache_file_name": str(name),
+            "load_from_cache_file": False,
+            "new_fingerprint": hashlib.sha256(str(name).encode()).hexdigest()[:32],
+        }
+
+    # the row pass's file is this process's own: ranks of several nodes may share the folder
+    rows_file = (
+        cache_file.with_name(f"{cache_file.stem}-rows-{socket.gethostname()}-{os.getpid()}.arrow")
+        if cache_file is not None
+        else None
     )
+    rows = dataset.map(
+        encode,
+        batched=True,
+        remove_columns=dataset.column_names,
+        num_proc=workers,
+        desc="tokenising",
+        **store(rows_file),
+    )
+    try:
+        if packing:
+            # packing concatenates across rows: 10,000-row runs lose little at block edges
+            assembled = rows.with_format("arrow").map(
+                pack, batched=True, batch_size=10_000, desc="packing", **store(cache_file)
+            )
+        else:
+            assembled = rows.map(batched=True, desc="storing", **store(cache_file))
+        return assembled.with_format(None)
+    finally:
+        if rows_file is not None:
+            for entry in rows.cache_files:
+                Path(entry["filename"]).unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from dplaunch.train.checkpoint import (
     ControlChannel,
     StopSignals,
 )
-from dplaunch.train.data import Batcher, Sharding, load_splits, tokenize
+from dplaunch.train.data import Batcher, Sharding, load_splits, tokenize, tokenized_cache_file
 from dplaunch.train.engines import AccelerateEngine, StepEngine, build_optimizer
 from dplaunch.train.metrics import MetricsWriter
 from dplaunch.train.modeling import load_model, load_tokenizer
@@ -161,10 +161,9 @@ def train(run_dir: Path) -> int:
     # rank 0 first: loading may download and writes the datasets cache, which the others then read
     with accelerator.main_process_first():
         train_raw, eval_raw = load_splits(config.data, config.train.seed)
-    # then every rank tokenises at once (in memory, no cache): one tokenisation of start-up, not two
-    train_set = tokenize(train_raw, tokenizer, config.data, config.model.task)
+    train_set = _tokenized(accelerator, train_raw, tokenizer, config, "training", say)
     eval_set = (
-        tokenize(eval_raw, tokenizer, config.data, config.model.task)
+        _tokenized(accelerator, eval_raw, tokenizer, config, "evaluation", say)
         if eval_raw is not None
         else None
     )
@@ -286,6 +285,33 @@ def train(run_dir: Path) -> int:
     metrics.close()
     accelerator.end_training()
     return 0
+
+
+def _tokenized(
+    accelerator: Any, dataset: Any, tokenizer: Any, config: RunConfig, what: str, say: Any
+) -> Any:
+    """DATASET tokenised: read from the tokenised cache, or built once per node and cached there."""
+    task = config.model.task
+    cache_file = tokenized_cache_file(dataset, tokenizer, config.data, task)
+    started = time.perf_counter()
+    if cache_file is None:
+        # nothing shared to wait for: every rank tokenises in memory at the same time
+        tokenized = tokenize(dataset, tokenizer, config.data, task)
+        say(
+            f"[dplaunch] {what} data: {len(tokenized)} samples tokenised in memory in "
+            f"{time.perf_counter() - started:.2f} s (no cache for this dataset or tokenizer)"
+        )
+        return tokenized
+    # a miss: each node's first rank tokenises and writes the file, the node's others then read it
+    with accelerator.local_main_process_first():
+        existed = cache_file.is_file()
+        tokenized = tokenize(dataset, tokenizer, config.data, task, cache_file)
+    done = "read from the tokenised cache" if existed else "tokenised and cached"
+    say(
+        f"[dplaunch] {what} data: {len(tokenized)} samples {done} in "
+        f"{time.perf_counter() - started:.2f} s ({cache_file})"
+    )
+    return tokenized
 
 
 def build_model(config: RunConfig, tokenizer: Any, accelerator: Any) -> Any:

@@ -1,0 +1,152 @@
+"""The tokenised-data cache: written once, read back identically, never stale."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from dplaunch.config.schema import DataConfig
+from dplaunch.train.data import Batcher, Sharding, load_splits, tokenize, tokenized_cache_file
+from dplaunch.train.tokenizer import byte_level_tokenizer
+
+TASK = "causal-lm"
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "texts.jsonl"
+    rows = [{"text": f"review {i}: " + "good value " * (i % 7 + 1)} for i in range(300)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def data_config(path, **changes) -> DataConfig:
+    return DataConfig(**{"dataset": str(path), "max_length": 16, "eval_fraction": 0.1, **changes})
+
+
+class CannotTokenise:
+    """The byte-level tokenizer's definition, but tokenising anything fails: a cache hit needs none."""
+
+    def __init__(self, real):
+        self.eos_token_id = real.eos_token_id
+
+    def __call__(self, *args, **kwargs):
+        raise AssertionError("tokenised again instead of reading the cache")
+
+
+class PidLogging:
+    """The byte-level tokenizer, noting in a file which process each call ran in."""
+
+    def __init__(self, real, log):
+        self.real, self.log = real, log
+        self.eos_token_id = real.eos_token_id
+
+    def __call__(self, *args, **kwargs):
+        with open(self.log, "a") as log:
+            log.write(f"{os.getpid()}\n")
+        return self.real(*args, **kwargs)
+
+
+def blocks(dataset) -> np.ndarray:
+    batcher = Batcher(dataset, Sharding(0, 1, 4, 1), pad_id=0, task=TASK, seed=1)
+    packed = batcher._packed_blocks
+    assert packed is not None, "cached blocks lost the zero-copy packed path"
+    return np.array(packed)
+
+
+def test_tokenised_data_is_cached_once_and_read_back_identically(corpus):
+    tokenizer = byte_level_tokenizer()
+    config = data_config(corpus)
+    train, _ = load_splits(config, seed=3)
+    cache_file = tokenized_cache_file(train, tokenizer, config, TASK)
+    assert cache_file is not None and not cache_file.exists()
+    first = tokenize(train, tokenizer, config, TASK, cache_file)
+    assert cache_file.is_file()
+    in_memory = tokenize(train, tokenizer, config, TASK)
+    assert in_memory.cache_files == []
+
+    # a later run: the same files and settings name the same cache file, read without tokenising
+    again, _ = load_splits(config, seed=3)
+    assert tokenized_cache_file(again, byte_level_tokenizer(), config, TASK) == cache_file
+    read = tokenize(again, CannotTokenise(tokenizer), config, TASK, cache_file)
+    assert len(read) == len(in_memory) == len(first) > 0
+    np.testing.assert_array_equal(blocks(read), blocks(in_memory))
+    np.testing.assert_array_equal(blocks(first), blocks(in_memory))
+
+
+def test_anything_the_tokens_depend_on_names_another_cache_file(corpus, tmp_path):
+    tokenizer = byte_level_tokenizer()
+    config = data_config(corpus)
+    train, evaluation = load_splits(config, seed=3)
+    base = tokenized_cache_file(train, tokenizer, config, TASK)
+    assert base is not None
+
+    def name(config=config, seed=3, tokenizer=tokenizer, split=0, task=TASK):
+        return tokenized_cache_file(load_splits(config, seed)[split], tokenizer, config, task)
+
+    assert name(split=1) not in (None, base)  # the evaluation split
+    assert name(config=data_config(corpus, max_length=32)) != base
+    assert name(config=data_config(corpus, packing=False)) != base
+    assert name(seed=4) != base  # another eval_fraction cut
+    other = byte_level_tokenizer()
+    other.backend_tokenizer.post_processor = None  # no EOS appended by the template
+    assert name(tokenizer=other) != base
+    # the same file with other contents
+    corpus.write_text(corpus.read_text().replace("good", "poor"))
+    assert name() != base
+
+
+def test_datasets_held_only_in_memory_are_tokenised_in_memory(corpus):
+    from datasets import Dataset
+
+    tokenizer = byte_level_tokenizer()
+    config = data_config(corpus)
+    memory_only = Dataset.from_dict({"text": ["one text", "another text"] * 40})
+    assert tokenized_cache_file(memory_only, tokenizer, config, TASK) is None
+    assert len(tokenize(memory_only, tokenizer, config, TASK)) > 0
+
+
+def test_tokenising_workers_change_neither_the_tokens_nor_the_cache_file(corpus):
+    tokenizer = byte_level_tokenizer()
+    one, several = data_config(corpus), data_config(corpus, num_workers=2)
+    train, _ = load_splits(one, seed=3)
+    cache_file = tokenized_cache_file(train, tokenizer, one, TASK)
+    assert tokenized_cache_file(train, tokenizer, several, TASK) == cache_file
+    by_one = tokenize(train, tokenizer, one, TASK)
+    log = corpus.with_name("pids.txt")
+    by_two = tokenize(train, PidLogging(tokenizer, log), several, TASK)
+    pids = set(log.read_text().split())
+    assert len(pids) == 2 and str(os.getpid()) not in pids  # two worker processes tokenised
+    np.testing.assert_array_equal(blocks(by_two), blocks(by_one))
+    cached = tokenize(train, tokenizer, several, TASK, cache_file)
+    np.testing.assert_array_equal(blocks(cached), blocks(by_one))
+    # only the result is left beside the dataset's cache, not the workers' row files
+    assert sorted(cache_file.parent.glob("dplaunch-tokenized-*")) == [cache_file]
+
+
+def test_classification_rows_are_cached_with_their_labels(tmp_path):
+    path = tmp_path / "labelled.jsonl"
+    rows = [{"text": "fine " * (i % 5 + 1), "label": i % 2} for i in range(120)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tokenizer = byte_level_tokenizer()
+    config = data_config(path, max_length=8)
+    train, _ = load_splits(config, seed=3)
+    task = "sequence-classification"
+    cache_file = tokenized_cache_file(train, tokenizer, config, task)
+    assert cache_file != tokenized_cache_file(train, tokenizer, config, TASK)
+    written = tokenize(
+        train,
+        tokenizer,
+        config,
+        task,
+        cache_file,
+    )
+    read = tokenize(train, CannotTokenise(tokenizer), config, task, cache_file)
+    in_memory = tokenize(train, tokenizer, config, task)
+    for dataset in (written, read):
+        assert dataset["labels"] == in_memory["labels"]
+        assert dataset["input_ids"] == in_memory["input_ids"]
+    assert max(len(ids) for ids in in_memory["input_ids"]) == 8  # truncated to max_length
