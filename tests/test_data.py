@@ -150,3 +150,17 @@ def test_classification_rows_are_cached_with_their_labels(tmp_path):
         assert dataset["labels"] == in_memory["labels"]
         assert dataset["input_ids"] == in_memory["input_ids"]
     assert max(len(ids) for ids in in_memory["input_ids"]) == 8  # truncated to max_length
+
+
+def test_an_empty_split_is_cached_without_touching_its_source(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text('{"text": "only one row"}\n')
+    tokenizer = byte_level_tokenizer()
+    config = DataConfig(dataset=str(path), max_length=8)
+    train, _ = load_splits(config, seed=3)
+    empty = train.select([])
+    sources = [entry["filename"] for entry in train.cache_files]
+    cache_file = tokenized_cache_file(empty, tokenizer, config, TASK)
+    assert len(tokenize(empty, tokenizer, config, TASK, cache_file)) == 0
+    assert all(os.path.exists(source) for source in sources)
+    assert len(train) == 1

@@ -186,8 +186,11 @@ def tokenize(
         return assembled.with_format(None)
     finally:
         if rows_file is not None:
+            # only the row pass's own files (one per worker): an empty map hands back its source's
             for entry in rows.cache_files:
-                Path(entry["filename"]).unlink(missing_ok=True)
+                path = Path(entry["filename"])
+                if path.name.startswith(rows_file.stem):
+                    path.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
