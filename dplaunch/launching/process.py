@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -88,14 +89,17 @@ def run_supervised(
             tree.signal_ranks(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    exited = _exit_handle(process.pid)
     try:
         polls = 0
         while process.poll() is None:
             if polls % REFRESH_EVERY_POLLS == 0:
                 tree.refresh()
             polls += 1
-            time.sleep(POLL_SECONDS)
+            _wait_a_little(exited)
     finally:
+        if exited is not None:
+            os.close(exited)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if process.poll() is None:  # we are unwinding (an error in dplaunch): stop the job
@@ -108,6 +112,23 @@ def run_supervised(
             watch.leftovers = leftovers
     code = process.returncode
     return code if code >= 0 else 128 - code
+
+
+def _exit_handle(pid: int) -> int | None:
+    """A pidfd that becomes readable when ``pid`` exits (None where Linux or Python has none)."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _wait_a_little(exited: int | None) -> None:
+    # POLL_SECONDS, or less when the launcher exits first: dplaunch returns as soon as the job ends
+    # (a signal runs its handler and the wait goes on, PEP 475)
+    if exited is None:
+        time.sleep(POLL_SECONDS)
+    else:
+        select.select([exited], [], [], POLL_SECONDS)
 
 
 def _stop_launcher(process: subprocess.Popen) -> None:
