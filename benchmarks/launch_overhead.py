@@ -41,7 +41,6 @@ FIRST_STEP = "step 1/"
 # dplaunch prints this line after planning and checking, right before it starts the launcher
 BEFORE_LAUNCH = "run directory:"
 DPLAUNCH = "dplaunch train"
-WARM_UP = -1
 ACCELERATE = "accelerate launch (same loop)"
 
 
@@ -52,8 +51,8 @@ def run(options: Options) -> dict[str, Any]:
     own: list[float] = []
     to_exit: dict[str, list[float]] = {DPLAUNCH: [], ACCELERATE: []}
 
-    def dplaunch_train(rep: int) -> float:
-        name = fresh(work, f"dplaunch-{_label(rep)}")
+    def dplaunch_train(rep: int | str) -> float:
+        name = fresh(work, f"dplaunch-{rep}")
         run_dir = work / name
         argv = [PYTHON, "-m", "dplaunch", "train", str(CONFIG), *FLAGS]
         argv += ["--master-port", str(free_port()), "-o", str(run_dir)]
@@ -64,9 +63,9 @@ def run(options: Options) -> dict[str, Any]:
         to_exit[DPLAUNCH].append(seen[EXIT])
         return seen[FIRST_STEP]
 
-    def accelerate_launch(rep: int) -> float:
+    def accelerate_launch(rep: int | str) -> float:
         # rendered before the clock starts: this contender pays for none of dplaunch's work
-        name = fresh(work, f"accelerate-{_label(rep)}")
+        name = fresh(work, f"accelerate-{rep}")
         run_dir = work / name
         launch = render_run(CONFIG, run_dir, *FLAGS, "--master-port", str(free_port()))
         env = bench_environment(**launch["env"])
@@ -77,8 +76,8 @@ def run(options: Options) -> dict[str, Any]:
     # one untimed run of each first: the first training run after an install pays for cold page
     # caches, .pyc files and the tokenised-data cache, and would land on whoever goes first
     print(f"  warm-up: one untimed run of each ({DPLAUNCH}, {ACCELERATE})")
-    dplaunch_train(WARM_UP)
-    accelerate_launch(WARM_UP)
+    dplaunch_train("warm-up")
+    accelerate_launch("warm-up")
     own.clear()
     for values in to_exit.values():
         values.clear()
@@ -135,7 +134,3 @@ def run(options: Options) -> dict[str, Any]:
             f"(goal ≤ 1.05)\ndplaunch's own part {median(own):.2f} s",
         )
     return payload
-
-
-def _label(rep: int) -> str:
-    return "warm-up" if rep == WARM_UP else str(rep)

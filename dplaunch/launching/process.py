@@ -89,7 +89,7 @@ def run_supervised(
             tree.signal_ranks(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
-    exited = _exit_handle(process.pid)
+    exited = exit_handle(process.pid)
     try:
         polls = 0
         while process.poll() is None:
@@ -114,8 +114,9 @@ def run_supervised(
     return code if code >= 0 else 128 - code
 
 
-def _exit_handle(pid: int) -> int | None:
-    """A pidfd that becomes readable when ``pid`` exits (None where Linux or Python has none)."""
+def exit_handle(pid: int) -> int | None:
+    """A pidfd that becomes readable when ``pid`` exits; None where Linux or Python has none
+    (poll instead) or when the process is already gone."""
     try:
         return os.pidfd_open(pid)
     except (AttributeError, OSError):

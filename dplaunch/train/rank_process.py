@@ -36,7 +36,7 @@ import threading
 import time
 from typing import NoReturn
 
-from dplaunch.launching.process import SUPERVISOR_PID_ENV
+from dplaunch.launching.process import SUPERVISOR_PID_ENV, exit_handle
 
 # without pidfd (Linux < 5.3) the supervisor is polled this often
 SUPERVISOR_POLL_S = 1.0
@@ -60,17 +60,13 @@ def stop_with_supervisor() -> None:
 
 
 def _wait_then_stop(supervisor: int) -> None:
-    try:
-        handle = os.pidfd_open(supervisor)
-    except ProcessLookupError:
-        handle = None  # already gone
-    except (AttributeError, OSError):  # no pidfd here: poll
-        while _alive(supervisor):
-            time.sleep(SUPERVISOR_POLL_S)
-        handle = None
+    handle = exit_handle(supervisor)
     if handle is not None:
         select.select([handle], [], [])  # readable once the process has exited
         os.close(handle)
+    else:  # no pidfd here (or already gone: then the first check ends the loop)
+        while _alive(supervisor):
+            time.sleep(SUPERVISOR_POLL_S)
     # the rank's own SIGTERM handling: the training loop saves a checkpoint and stops, a plain
     # script ends as it would under `kill`
     with contextlib.suppress(ProcessLookupError):
