@@ -44,24 +44,25 @@ def say(text):  # one write per line: print() writes the newline separately, ran
     sys.stdout.flush()
 say(f"rank {rank} ready")
 """
-RAISES_ON_RANK_1 = """
+RANK_1_RAISES = """
 if rank == 1:
-    time.sleep(1)  # rank 0 is inside the all-reduce by then
+    time.sleep(1)  # rank 0 is waiting (in its all-reduce or its sleep) by then
     open(sys.argv[1], "w").write(str(time.time()))
     raise ValueError("rank one broke on purpose")
+"""
+# rank 0 waits for rank 1 inside an all-reduce and gets a connection error when rank 1 dies
+RAISES_ON_RANK_1 = (
+    RANK_1_RAISES
+    + """
 # torchrun SIGTERMs rank 0 within its 0.1 s poll of rank 1's exit; a plain script would die of it
 # before its connection error prints whenever that error is slower (a cold machine): rank 0 defers
 # SIGTERM as dplaunch's loop does, so it always gets to report (the plain case is the next test)
 signal.signal(signal.SIGTERM, lambda signum, frame: None)
 dist.all_reduce(torch.ones(1))
 """
+)
 # rank 0 is nowhere near a collective when rank 1 raises: torchrun's SIGTERM ends it, silently
-RAISES_WHILE_RANK_0_SLEEPS = """
-if rank == 1:
-    time.sleep(1)
-    raise ValueError("rank one broke on purpose")
-time.sleep(120)
-"""
+RAISES_WHILE_RANK_0_SLEEPS = RANK_1_RAISES + "time.sleep(120)\n"
 KILLS_ITSELF_ON_RANK_1 = """
 if rank == 1:
     time.sleep(1)
@@ -229,11 +230,12 @@ def test_a_rank_that_raises_ends_the_job_and_its_error_is_printed_once_last(tmp_
 def test_a_rank_the_launcher_stopped_is_not_reported_as_failed(tmp_path):
     script = write_script(tmp_path, "raises.py", RAISES_WHILE_RANK_0_SLEEPS)
     result = run_dplaunch(
-        "launch", script, "--cpu", "--gpus", "2", "-o", tmp_path / "run", timeout=120
-    )
+        "launch", script, "--cpu", "--gpus", "2", "-o", tmp_path / "run",
+        "--", tmp_path / "raised-at", timeout=120,
+    )  # fmt: skip
     assert result.returncode != 0
     assert last_line(result.stderr) == "[rank 1] ValueError: rank one broke on purpose"
-    assert "rank 0" not in result.stderr.replace("rank 0 ready", "")  # no failure line for it
+    assert "rank 0" not in result.stderr  # no failure line for it ("rank 0 ready" is on stdout)
     assert "rank(s)" not in result.stderr
     assert_no_launcher_noise(result.stdout + result.stderr)
     assert run_processes(str(script)) == []
