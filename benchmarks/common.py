@@ -111,10 +111,7 @@ def alternate(
             try:
                 value = contenders[name](rep)
             except RunFailed as error:
-                lines = [line for line in str(error).splitlines() if line.strip()]
-                # the command, and the failed run's last line (its log is gone with the work dir)
-                cause = lines[-1].strip() if len(lines) > 1 else "no output"
-                note = f"{name}, repetition {rep + 1}: {lines[0]} → {cause}"
+                note = f"{name}, repetition {rep + 1}: {failure_note(error)}"
                 say(f"  rep {rep + 1}/{reps}  {name}: failed, running it again ({note})")
                 if retried is not None:
                     retried.append(note)
@@ -122,6 +119,12 @@ def alternate(
             samples[name].append(value)
             say(f"  rep {rep + 1}/{reps}  {name:<28} {value:10.3f}")
     return samples
+
+
+def failure_note(error: RunFailed) -> str:
+    """The failed command and its last line of output (its log is gone with the work dir)."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return f"{lines[0]} → {lines[-1].strip() if len(lines) > 1 else 'no output'}"
 
 
 def paired_ratios(top: list[float], bottom: list[float]) -> list[float]:
@@ -329,15 +332,23 @@ class RunFailed(RuntimeError):
     """A contender's process failed, hung past its limit, or did not print what it should."""
 
 
-def _stop_tree(process: subprocess.Popen) -> None:
-    """Stop a command we started and everything it started (ranks run in sessions of their own)."""
-    import psutil  # accelerate's dependency; light
+def process_tree(pid: int) -> list[Any]:
+    """psutil handles of a process and of everything it started (ranks run in sessions of their
+    own, so a process group would miss them); empty once it is gone."""
+    import psutil  # dplaunch's and accelerate's dependency; light
 
     try:
-        family = [psutil.Process(process.pid)]
-        family += family[0].children(recursive=True)
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
     except psutil.Error:
-        return
+        return []
+
+
+def _stop_tree(process: subprocess.Popen) -> None:
+    """Stop a command we started and everything it started."""
+    import psutil
+
+    family = process_tree(process.pid)
     for member in family:
         with contextlib.suppress(psutil.Error):
             member.terminate()

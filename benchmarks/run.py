@@ -4,7 +4,7 @@
     python -m benchmarks.run --quick             # one repetition, shorter windows (a smoke run)
     python -m benchmarks.run --only throughput   # some of: startup, launch_overhead, throughput, scaling, flags
     python -m benchmarks.run --only scaling_peers  # optional: scaling of dplaunch and of the hand loop
-    python -m benchmarks.run --reps 5 --no-write # more repetitions, keep results/ untouched
+    python -m benchmarks.run --reps 5 --no-write # more repetitions (throughput: rounds), keep results/ untouched
 
 Results go to benchmarks/results/NAME.json (with date, machine, versions) and NAME.png. The GPU
 benchmark is benchmarks/gpu.sh (it needs a GPU and is not run here).
@@ -41,12 +41,14 @@ def main(argv: list[str]) -> int:
         help="run only this comparison (repeatable)",
     )
     parser.add_argument(
-        "--reps", type=int, help="repetitions per contender (default per comparison)"
+        "--reps",
+        type=int,
+        help="repetitions per contender (default per comparison; throughput: rounds of turns)",
     )
     parser.add_argument(
         "--steps",
         type=int,
-        help="last step of the throughput/scaling runs (at least 7; default 16, quick 10)",
+        help="last step of the scaling and flags runs (at least 7; default 16, quick 10)",
     )
     parser.add_argument(
         "--no-write", action="store_true", help="print only; leave benchmarks/results/ as it is"

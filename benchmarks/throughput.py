@@ -10,9 +10,11 @@ schedule and clipping of benchmarks/configs/llama-3m.yaml as rendered by `dplaun
   through Accelerate's DeepSpeed plugin with the gloo handler.
 
 Every contender logs its loss every step and timestamps its optimizer steps (dplaunch: `elapsed_s`
-of its metrics.jsonl lines; the peers: a file written by rank 0 after each step). Tokens/s = tokens
-of one step / the median duration of the steps after the first WARMUP, so start-up, data loading
-and the first steps (allocator warm-up) are excluded. Goals: ≥ 1.0× Trainer, ≥ 0.97× the hand loop.
+of its metrics.jsonl lines; the peers: a file written by rank 0 after each step). The three run
+interleaved (benchmarks/interleave.py): each starts alone and takes its first WARMUP steps (start-up,
+data loading, allocator warm-up), then they train by turns of a few steps, the others frozen.
+A round's tokens/s = tokens of one step / the median of the contender's clean steps in its turn; a
+ratio is the median of the per-round ratios. Goals: ≥ 1.0× Trainer, ≥ 0.97× the hand loop.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from benchmarks.common import (
     REPO,
     RESULTS,
     Options,
-    alternate,
+    RunFailed,
     bar_chart,
     bench_environment,
+    failure_note,
     free_port,
     fresh,
     median,
@@ -44,6 +47,7 @@ from benchmarks.common import (
     time_to_lines,
     write_result,
 )
+from benchmarks.interleave import Contender, interleave
 
 NAME = "throughput"
 CONFIG = CONFIGS / "llama-3m.yaml"
@@ -51,8 +55,8 @@ DPLAUNCH = "dplaunch train"
 TRAINER = "HF Trainer"
 HAND_LOOP = "hand-written Accelerate loop"
 LAYOUTS = {"DDP": (), "ZeRO-2": ("--zero", "2")}
-# what each contender prints (rank 0, stdout) once its first optimizer step is done
-FIRST_LINE = {DPLAUNCH: "step 1/", TRAINER: "{'loss'", HAND_LOOP: "step 1/"}
+# what each peer prints (rank 0, stdout) once its first optimizer step is done
+FIRST_LINE = {TRAINER: "{'loss'", HAND_LOOP: "step 1/"}
 # the peers' programs, run under `accelerate launch`
 PEER_MODULES = {
     TRAINER: "benchmarks.contenders.hf_trainer",
@@ -60,9 +64,14 @@ PEER_MODULES = {
 }
 
 
+# the first steps of a run (start-up, allocator warm-up) are never timed
+WARMUP = 4
+
+
 def window(options: Options) -> tuple[int, int]:
-    """(warm-up steps excluded, last step): the steady state is steps warmup+1 .. last."""
-    warmup = 4
+    """(warm-up steps excluded, last step) of one run on its own (the scaling and flags
+    comparisons): the steady state is steps warmup+1 .. last."""
+    warmup = WARMUP
     last = options.steps or (10 if options.quick else 16)
     if last < warmup + 3:
         raise ValueError(f"--steps {last}: use at least {warmup + 3}")
@@ -79,70 +88,105 @@ def steady_tokens_per_s(at: dict[int, float], warmup: int, steps: int, tokens: i
     return tokens / median(durations)
 
 
+def turn_steps(options: Options) -> int:
+    """Steps of one turn of an interleaved contender; the first straddles the freeze."""
+    return 3 if options.quick else 4
+
+
+def run_steps(rounds: int, turn: int) -> int:
+    """--max-steps of an interleaved run: warm-up, every round's turn and one turn to spare (a
+    step that ends as its turn is frozen counts in that turn)."""
+    return WARMUP + (rounds + 1) * turn
+
+
+def _metrics_step(record: dict[str, Any]) -> tuple[int, float] | None:
+    """A train line of dplaunch's metrics.jsonl → (step, its elapsed_s)."""
+    return (record["step"], record["elapsed_s"]) if record.get("type") == "train" else None
+
+
+def _clock_step(record: dict[str, Any]) -> tuple[int, float]:
+    """A line of a peer's step clock → (step, its time)."""
+    return record["step"], record["time"]
+
+
 def dplaunch_step_times(run_dir: Path) -> dict[int, float]:
     """Step → seconds, from the `elapsed_s` of every train line of a dplaunch run (log_every 1)."""
-    records = read_jsonl(run_dir / "metrics.jsonl")
-    return {r["step"]: r["elapsed_s"] for r in records if r["type"] == "train"}
+    steps = map(_metrics_step, read_jsonl(run_dir / "metrics.jsonl"))
+    return dict(step for step in steps if step is not None)
 
 
 def clock_step_times(times: Path) -> dict[int, float]:
     """Step → seconds, from a peer's step clock."""
-    return {r["step"]: r["time"] for r in read_jsonl(times)}
+    return dict(map(_clock_step, read_jsonl(times)))
 
 
 def measure_layout(
     layout: str,
     flags: tuple[str, ...],
-    reps: int,
+    rounds: int,
     work: Path,
     options: Options,
     retried: list[str] | None = None,
-) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Alternating repetitions of the three contenders on one layout: (tokens/s samples, seconds
-    from the command to the first step's log line)."""
-    warmup, steps = window(options)
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """The three contenders on one layout, interleaved (benchmarks/interleave.py): (tokens/s of
+    each round, seconds from the command to the first step)."""
+    turn = turn_steps(options)
     # every contender logs (and so syncs its loss) every step: the same work, and per-step clocks
-    common = ("--cpu", "--gpus", "2", *flags, "--max-steps", str(steps))
+    common = ("--cpu", "--gpus", "2", *flags, "--max-steps", str(run_steps(rounds, turn)))
     common += ("--set", "train.log_every=1")
     render = work / f"rendered-{layout}"
     launch = render_run(CONFIG, render, *common)
     env = bench_environment(**launch["env"])
     blocks = prepare_blocks(render, work, env)
     step_tokens = tokens_per_step(render)
-    first_step: dict[str, list[float]] = {DPLAUNCH: [], TRAINER: [], HAND_LOOP: []}
 
-    def dplaunch(rep: int) -> float:
-        name = fresh(work, f"dplaunch-{layout}-{rep}")
-        run_dir = work / name
+    def contenders() -> list[Contender]:
+        run_dir = work / fresh(work, f"dplaunch-{layout}")
         argv = [PYTHON, "-m", "dplaunch", "train", str(CONFIG), *common]
         argv += ["--master-port", str(free_port()), "-o", str(run_dir)]
-        log = work / f"{name}.log"
-        seen = time_to_lines(argv, [FIRST_LINE[DPLAUNCH]], log, bench_environment())
-        first_step[DPLAUNCH].append(seen[FIRST_LINE[DPLAUNCH]])
-        return steady_tokens_per_s(dplaunch_step_times(run_dir), warmup, steps, step_tokens)
-
-    def peer(contender: str, label: str) -> Any:
-        def measure(rep: int) -> float:
-            name = fresh(work, f"{label}-{layout}-{rep}")
-            at, first = run_peer(contender, render, blocks, work / name, env)
-            first_step[contender].append(first)
-            return steady_tokens_per_s(at, warmup, steps, step_tokens)
-
-        return measure
+        chosen = [
+            Contender(
+                DPLAUNCH,
+                argv,
+                bench_environment(),
+                run_dir.with_name(f"{run_dir.name}.log"),
+                run_dir / "metrics.jsonl",
+                _metrics_step,
+            )
+        ]
+        for peer, label in ((TRAINER, "trainer"), (HAND_LOOP, "hand")):
+            stem = work / fresh(work, f"{label}-{layout}")
+            times = stem.with_name(f"{stem.name}.times.jsonl")
+            chosen.append(
+                Contender(
+                    peer,
+                    peer_argv(peer, render, blocks, times),
+                    env,
+                    stem.with_name(f"{stem.name}.log"),
+                    times,
+                    _clock_step,
+                )
+            )
+        return chosen
 
     print(
-        f"  {layout}: tokens/s of the median step of {warmup + 1}..{steps}, {step_tokens} tokens a step"
+        f"  {layout}: {rounds} rounds of {turn} steps by turns, {step_tokens} tokens a step "
+        f"(median of steps 2..{turn} of each turn)"
     )
-    samples = alternate(
-        {
-            DPLAUNCH: dplaunch,
-            TRAINER: peer(TRAINER, "trainer"),
-            HAND_LOOP: peer(HAND_LOOP, "hand"),
-        },
-        reps,
-        retried=retried,
-    )
-    return samples, first_step
+    try:
+        measured = interleave(contenders(), warmup=WARMUP, rounds=rounds, turn_steps=turn)
+    except RunFailed as error:
+        # on a shared machine a run has failed for reasons of its own: the session is run once more
+        note = f"{layout}: {failure_note(error)}"
+        print(f"  {layout}: failed, running it again ({note})")
+        if retried is not None:
+            retried.append(note)
+        measured = interleave(contenders(), warmup=WARMUP, rounds=rounds, turn_steps=turn)
+    tokens = {
+        name: [step_tokens / seconds for seconds in per_round]
+        for name, per_round in measured.step_s.items()
+    }
+    return tokens, measured.to_first_step
 
 
 def prepare_blocks(render: Path, work: Path, env: dict[str, str]) -> Path:
@@ -159,19 +203,25 @@ def prepare_blocks(render: Path, work: Path, env: dict[str, str]) -> Path:
     return blocks
 
 
-def run_peer(
-    contender: str, render: Path, blocks: Path, stem: Path, env: dict[str, str]
-) -> tuple[dict[int, float], float]:
-    """One run of a peer contender under `accelerate launch` with the rendered accelerate.yaml:
-    (step → seconds from its step clock, seconds from the command to its first step's line).
-    Its log is STEM.log, its clock STEM.times.jsonl."""
-    times = stem.with_name(f"{stem.name}.times.jsonl")
+def peer_argv(contender: str, render: Path, blocks: Path, times: Path) -> list[str]:
+    """`accelerate launch` of a peer contender with the rendered accelerate.yaml; it writes its
+    step clock to TIMES."""
     argv = [PYTHON, "-m", "accelerate.commands.launch"]
     argv += ["--config_file", str(render / "accelerate.yaml")]
     argv += ["--main_process_port", str(free_port())]
-    argv += ["-m", PEER_MODULES[contender], str(render), str(blocks), str(times)]
+    return argv + ["-m", PEER_MODULES[contender], str(render), str(blocks), str(times)]
+
+
+def run_peer(
+    contender: str, render: Path, blocks: Path, stem: Path, env: dict[str, str]
+) -> tuple[dict[int, float], float]:
+    """One run of a peer contender on its own: (step → seconds from its step clock, seconds from
+    the command to its first step's line). Its log is STEM.log, its clock STEM.times.jsonl."""
+    times = stem.with_name(f"{stem.name}.times.jsonl")
     log = stem.with_name(f"{stem.name}.log")
-    seen = time_to_lines(argv, [FIRST_LINE[contender]], log, env)
+    seen = time_to_lines(
+        peer_argv(contender, render, blocks, times), [FIRST_LINE[contender]], log, env
+    )
     return clock_step_times(times), seen[FIRST_LINE[contender]]
 
 
@@ -184,15 +234,18 @@ def tokens_per_step(render: Path) -> int:
 
 
 def run(options: Options) -> dict[str, Any]:
-    reps = options.repetitions(full=3, quick=1)
+    rounds = options.repetitions(full=20, quick=4)
     work = options.folder(NAME)
-    print(f"\n[{NAME}] steady-state tokens/s, 2 CPU ranks × 1 thread, {CONFIG.name}, {reps} reps")
+    print(
+        f"\n[{NAME}] steady-state tokens/s, 2 CPU ranks × 1 thread, {CONFIG.name}, interleaved, "
+        f"{rounds} rounds"
+    )
     results: dict[str, dict[str, list[float]]] = {}
-    starts: dict[str, dict[str, list[float]]] = {}
+    starts: dict[str, dict[str, float]] = {}
     ratios: dict[str, dict[str, Any]] = {}
     retried: list[str] = []
     for layout, flags in LAYOUTS.items():
-        samples, first_step = measure_layout(layout, flags, reps, work, options, retried)
+        samples, first_step = measure_layout(layout, flags, rounds, work, options, retried)
         results[layout], starts[layout] = samples, first_step
         ratios[f"{layout}: dplaunch / HF Trainer"] = ratio_entry(
             samples[DPLAUNCH],
@@ -208,29 +261,29 @@ def run(options: Options) -> dict[str, Any]:
             higher_is_better=True,
             meaning="tokens/s relative to the minimal Accelerate loop (the ceiling); higher is better",
         )
-        for peer in (TRAINER, HAND_LOOP):
-            ratios[f"{layout}: start-up, dplaunch / {peer}"] = ratio_entry(
-                first_step[DPLAUNCH],
-                first_step[peer],
-                goal=None,
-                higher_is_better=False,
-                meaning="seconds from the command to the first step's log line (dplaunch also "
-                "plans, renders and tokenises; the peers read pre-tokenised blocks)",
-            )
-    print_ratios("Training throughput (tokens/s, steady state) and start-up", ratios)
-    warmup, steps = window(options)
+    print_ratios("Training throughput (tokens/s, steady state, per round)", ratios)
+    turn = turn_steps(options)
     payload = {
-        "what": "steady-state training tokens/s: tokens of one optimizer step / the median "
-        f"duration of steps {warmup + 1}..{steps}, from each contender's own per-step clock "
-        "(every contender logs its loss every step); and seconds from the command to the first "
-        "step's log line",
+        "what": "steady-state training tokens/s, the contenders interleaved: each starts alone "
+        f"and takes its first {WARMUP} steps, then {rounds} rounds in which each in turn trains "
+        f"{turn} steps while the others are frozen (SIGSTOP); a round's tokens/s = tokens of one "
+        f"step / the median of steps 2..{turn} of the turn, from the contender's own per-step "
+        "clock (every contender logs its loss every step); ratios are medians of per-round ratios",
         "config": str(CONFIG.relative_to(REPO)),
         "setting": "2 CPU ranks × OMP_NUM_THREADS=1, gloo, fp32, torch AdamW (the kernel dplaunch "
         "picks), linear schedule, clipping 1.0, micro batch 4 × grad-accum 2 × 2 ranks = 16 "
         "samples × 128 tokens a step",
-        "repetitions": reps,
+        "repetitions": rounds,
         "layouts": {layout: summarize(samples, "tokens/s") for layout, samples in results.items()},
-        "to_first_step": {layout: summarize(first, "s") for layout, first in starts.items()},
+        "to_first_step_s": {
+            "what": "seconds from the command to the harness seeing step 1 on the contender's "
+            "clock, started alone (the others frozen), one run each; dplaunch also plans, renders "
+            "and tokenises, the peers read pre-tokenised blocks",
+            **{
+                layout: {name: round(seconds, 2) for name, seconds in first.items()}
+                for layout, first in starts.items()
+            },
+        },
         "ratios": ratios,
         "repeated_runs": retried,
     }
@@ -239,13 +292,12 @@ def run(options: Options) -> dict[str, Any]:
         subtitle = "; ".join(
             f"{name.replace('dplaunch / ', 'dplaunch/')} {entry['value']:.3f}×"
             for name, entry in ratios.items()
-            if "start-up" not in name
         )
         bar_chart(
             RESULTS / f"{NAME}.png",
-            "Steady-state training throughput, 2 CPU ranks (higher is better)",
+            "Steady-state training throughput, 2 CPU ranks, interleaved (higher is better)",
             results,
-            ylabel="tokens/s (median; dots = repetitions)",
+            ylabel="tokens/s (median; dots = rounds)",
             subtitle=_wrap(subtitle),
         )
     return payload

@@ -1,0 +1,194 @@
+"""Interleaved contenders: all of them started, then trained by turns while the others are frozen.
+
+Separate runs a minute apart compare under different machine speeds: on this project's 2-vCPU VMs
+the same loop's median step drifted by 30 % over tens of minutes, and stretches of a few steps ran
+20-60 % slower than the rest. Here each contender starts alone, takes its first WARMUP steps and is
+frozen (SIGSTOP to its whole process tree: launcher and ranks). Then, round after round, each one
+in turn is thawed for a few steps and frozen again, so a round compares the contenders within
+seconds of each other, and many short rounds replace a few long runs. A step counts only when it
+began and ended inside one turn: the first step of a turn straddles the freeze and is dropped. A
+frozen contender uses no CPU, only its memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import REPO, RUN_LIMIT_S, RunFailed, median, process_tree
+
+# how often the harness looks at the step clocks: often enough to freeze a contender early in
+# the step after its turn, rarely enough that the harness itself takes no visible CPU
+POLL_S = 0.02
+# a turn of a few steps that takes longer than this hangs
+TURN_LIMIT_S = 120.0
+# a finished contender's remaining steps (run by all at once) and its exit
+FINISH_LIMIT_S = 300.0
+
+
+@dataclass
+class Contender:
+    """One command and the file in which it timestamps its optimizer steps."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+    clock: Path
+    # one JSON line of the clock → (step, seconds), or None for lines that are not a step
+    read_step: Callable[[dict[str, Any]], tuple[int, float] | None]
+
+
+@dataclass
+class Interleaved:
+    """What an interleaved session measured."""
+
+    # contender → the median clean step duration of each round (seconds)
+    step_s: dict[str, list[float]]
+    # contender → seconds from its command to its first step (started alone, the others frozen)
+    to_first_step: dict[str, float]
+
+
+class _Running:
+    """A started contender: its process tree, and the steps its clock has shown so far."""
+
+    def __init__(self, contender: Contender):
+        self.contender = contender
+        self.steps: dict[int, float] = {}
+        self._read = 0
+        self._partial = ""
+        # when the harness first saw step 1 (within POLL_S of it)
+        self.first_seen: float | None = None
+        contender.clock.unlink(missing_ok=True)
+        self.started = time.perf_counter()
+        with contender.log.open("w") as out:
+            self.process = subprocess.Popen(
+                contender.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=contender.env,
+                cwd=REPO,
+            )
+
+    def last_step(self) -> int:
+        """The newest step on the clock (0 before the first), reading only what was appended."""
+        try:
+            with self.contender.clock.open() as clock:
+                clock.seek(self._read)
+                text = clock.read()
+                self._read = clock.tell()
+        except FileNotFoundError:
+            return 0
+        lines = (self._partial + text).split("\n")
+        self._partial = lines.pop()  # a line still being written
+        for line in lines:
+            with contextlib.suppress(ValueError):
+                entry = self.contender.read_step(json.loads(line))
+                if entry is not None:
+                    self.steps[entry[0]] = entry[1]
+        if self.first_seen is None and self.steps:
+            self.first_seen = time.perf_counter()
+        return max(self.steps, default=0)
+
+    def wait_for_step(self, step: int, limit_s: float) -> None:
+        deadline = time.perf_counter() + limit_s
+        while self.last_step() < step:
+            code = self.process.poll()
+            if code is not None or time.perf_counter() > deadline:
+                reason = (
+                    f"exited with {code}"
+                    if code is not None
+                    else f"no step {step} after {limit_s:.0f} s"
+                )
+                self._fail(reason)
+            time.sleep(POLL_S)
+
+    def send(self, signum: int) -> None:
+        import psutil
+
+        for member in process_tree(self.process.pid):
+            with contextlib.suppress(psutil.Error):
+                member.send_signal(signum)
+
+    def finish(self) -> None:
+        """Let it run its last steps and exit; it must succeed like any benchmark run."""
+        self.send(signal.SIGCONT)
+        try:
+            code = self.process.wait(timeout=FINISH_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            self._fail(f"did not exit within {FINISH_LIMIT_S:.0f} s of its last turn")
+        if code != 0:
+            self._fail(f"exited with {code}")
+
+    def kill(self) -> None:
+        import psutil
+
+        family = process_tree(self.process.pid)
+        for member in family:
+            with contextlib.suppress(psutil.Error):
+                member.send_signal(signal.SIGCONT)
+                member.kill()
+        psutil.wait_procs(family, timeout=15)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=15)
+
+    def _fail(self, reason: str) -> None:
+        tail = self.contender.log.read_text(errors="replace").splitlines()[-30:]
+        raise RunFailed(
+            f"{self.contender.name} ({' '.join(self.contender.argv[:6])} …) {reason}; last output:\n"
+            + "\n".join(tail)
+        )
+
+
+def interleave(
+    contenders: list[Contender],
+    *,
+    warmup: int,
+    rounds: int,
+    turn_steps: int,
+    say: Callable[[str], None] = print,
+) -> Interleaved:
+    """Start each contender to step WARMUP, then ROUNDS rounds of TURN_STEPS steps each by turns
+    (who goes first rotates); every contender must then finish its run and succeed. The runs must
+    have at least warmup + (rounds + 1) × turn_steps steps."""
+    if turn_steps < 2:
+        raise ValueError("a turn needs at least 2 steps: its first one straddles the freeze")
+    running: list[_Running] = []
+    step_s: dict[str, list[float]] = {c.name: [] for c in contenders}
+    try:
+        for contender in contenders:
+            run = _Running(contender)
+            running.append(run)
+            run.wait_for_step(warmup, RUN_LIMIT_S)
+            run.send(signal.SIGSTOP)
+        to_first = {r.contender.name: r.first_seen - r.started for r in running}
+        for number in range(rounds):
+            shift = number % len(running)
+            for run in running[shift:] + running[:shift]:
+                before = run.last_step()
+                run.send(signal.SIGCONT)
+                run.wait_for_step(before + turn_steps, TURN_LIMIT_S)
+                run.send(signal.SIGSTOP)
+                # a step that ended between the last look and the freeze belongs to this turn
+                after = run.last_step()
+                at = run.steps
+                clean = [at[s] - at[s - 1] for s in range(before + 2, after + 1)]
+                step_s[run.contender.name].append(median(clean))
+            say(
+                f"  round {number + 1}/{rounds}  "
+                + "  ".join(f"{name} {values[-1] * 1e3:.0f} ms" for name, values in step_s.items())
+            )
+        for run in running:
+            run.finish()
+    finally:
+        for run in running:
+            if run.process.poll() is None:
+                run.kill()
+    return Interleaved(step_s, to_first)
