@@ -61,7 +61,7 @@ class Options:
 
     quick: bool = False
     reps: int | None = None
-    # last optimizer step of the throughput and scaling windows (None: their default)
+    # last optimizer step of the flags and scaling_peers runs (None: their default)
     steps: int | None = None
     work_dir: Path = field(default_factory=lambda: Path("/tmp"))
     write: bool = True

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, RUN_LIMIT_S, RunFailed, median, process_tree
+from benchmarks.common import REPO, RUN_LIMIT_S, RunFailed, failure_note, median, process_tree
 
 # how often the harness looks at the step clocks: often enough to freeze a contender early in
 # the step after its turn, rarely enough that the harness itself takes no visible CPU
@@ -97,18 +97,13 @@ class _Running:
             self.first_seen = time.perf_counter()
         return max(self.steps, default=0)
 
-    def wait_for_step(self, step: int, limit_s: float) -> None:
-        deadline = time.perf_counter() + limit_s
-        while self.last_step() < step:
-            code = self.process.poll()
-            if code is not None or time.perf_counter() > deadline:
-                reason = (
-                    f"exited with {code}"
-                    if code is not None
-                    else f"no step {step} after {limit_s:.0f} s"
-                )
-                self._fail(reason)
-            time.sleep(POLL_S)
+    def check(self, deadline: float, step: int) -> None:
+        """Fail if it exited, or if the deadline passed before its clock showed STEP."""
+        code = self.process.poll()
+        if code is not None:
+            self._fail(f"exited with {code} before step {step}")
+        if time.perf_counter() > deadline:
+            self._fail(f"no step {step} in time")
 
     def send(self, signum: int) -> None:
         import psutil
@@ -148,47 +143,88 @@ class _Running:
 
 
 def interleave(
-    contenders: list[Contender],
+    turns: dict[str, list[Contender]],
     *,
     warmup: int,
     rounds: int,
     turn_steps: int,
     say: Callable[[str], None] = print,
 ) -> Interleaved:
-    """Start each contender to step WARMUP, then ROUNDS rounds of TURN_STEPS steps each by turns
-    (who goes first rotates); every contender must then finish its run and succeed. The runs must
-    have at least warmup + (rounds + 1) × turn_steps steps."""
+    """Start the contenders of each turn together and run them to step WARMUP, then ROUNDS rounds
+    in which each turn's contenders train TURN_STEPS steps together while all others are frozen
+    (who goes first rotates; a contender that is done waits frozen for the others of its turn);
+    every contender must then finish its run and succeed. The runs must have at least
+    warmup + (rounds + 1) × turn_steps steps."""
     if turn_steps < 2:
         raise ValueError("a turn needs at least 2 steps: its first one straddles the freeze")
-    running: list[_Running] = []
-    step_s: dict[str, list[float]] = {c.name: [] for c in contenders}
+    groups: list[list[_Running]] = []
+    step_s: dict[str, list[float]] = {c.name: [] for group in turns.values() for c in group}
     try:
-        for contender in contenders:
-            run = _Running(contender)
-            running.append(run)
-            run.wait_for_step(warmup, RUN_LIMIT_S)
-            run.send(signal.SIGSTOP)
-        to_first = {r.contender.name: r.first_seen - r.started for r in running}
+        for contenders in turns.values():
+            groups.append([_Running(contender) for contender in contenders])
+            _train_together(
+                groups[-1], {run.contender.name: warmup for run in groups[-1]}, RUN_LIMIT_S
+            )
+        every = [run for group in groups for run in group]
+        to_first = {run.contender.name: run.first_seen - run.started for run in every}
         for number in range(rounds):
-            shift = number % len(running)
-            for run in running[shift:] + running[:shift]:
-                before = run.last_step()
-                run.send(signal.SIGCONT)
-                run.wait_for_step(before + turn_steps, TURN_LIMIT_S)
-                run.send(signal.SIGSTOP)
-                # a step that ended between the last look and the freeze belongs to this turn
-                after = run.last_step()
-                at = run.steps
-                clean = [at[s] - at[s - 1] for s in range(before + 2, after + 1)]
-                step_s[run.contender.name].append(median(clean))
+            shift = number % len(groups)
+            for group in groups[shift:] + groups[:shift]:
+                before = {run.contender.name: run.last_step() for run in group}
+                _train_together(group, {name: step + turn_steps for name, step in before.items()})
+                for run in group:
+                    # a step that ended between the last look and the freeze belongs to this turn
+                    after, at = run.last_step(), run.steps
+                    start = before[run.contender.name] + 2
+                    clean = [at[s] - at[s - 1] for s in range(start, after + 1)]
+                    step_s[run.contender.name].append(median(clean))
             say(
                 f"  round {number + 1}/{rounds}  "
                 + "  ".join(f"{name} {values[-1] * 1e3:.0f} ms" for name, values in step_s.items())
             )
-        for run in running:
+        for run in every:
             run.finish()
     finally:
-        for run in running:
-            if run.process.poll() is None:
-                run.kill()
+        for group in groups:
+            for run in group:
+                if run.process.poll() is None:
+                    run.kill()
     return Interleaved(step_s, to_first)
+
+
+def _train_together(
+    group: list[_Running], targets: dict[str, int], limit_s: float = TURN_LIMIT_S
+) -> None:
+    """Thaw the group and freeze each of its contenders once its clock shows its target step."""
+    deadline = time.perf_counter() + limit_s
+    for run in group:
+        run.send(signal.SIGCONT)
+    waiting = list(group)
+    while waiting:
+        for run in list(waiting):
+            target = targets[run.contender.name]
+            if run.last_step() >= target:
+                run.send(signal.SIGSTOP)
+                waiting.remove(run)
+            else:
+                run.check(deadline, target)
+        if waiting:
+            time.sleep(POLL_S)
+
+
+def interleave_retrying(
+    make_turns: Callable[[], dict[str, list[Contender]]],
+    label: str,
+    retried: list[str],
+    **settings: Any,
+) -> Interleaved:
+    """interleave(make_turns(), **settings), run once more with fresh runs when a contender fails
+    (on a shared machine runs have failed for reasons of their own); the failure is noted in
+    RETRIED."""
+    try:
+        return interleave(make_turns(), **settings)
+    except RunFailed as error:
+        note = f"{label}: {failure_note(error)}"
+        print(f"  {label}: failed, running it again ({note})")
+        retried.append(note)
+        return interleave(make_turns(), **settings)

@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--steps",
         type=int,
-        help="last step of the scaling and flags runs (at least 7; default 16, quick 10)",
+        help="last step of the flags and scaling_peers runs (at least 7; default 16, quick 10)",
     )
     parser.add_argument(
         "--no-write", action="store_true", help="print only; leave benchmarks/results/ as it is"

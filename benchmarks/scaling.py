@@ -2,19 +2,19 @@
 
 Both run `dplaunch train` on benchmarks/configs/llama-3m.yaml with the same per-rank work (micro
 batch 8, no accumulation), so the 2-rank run's global batch is twice the 1-rank one. Efficiency =
-tokens/s(2 ranks) / (2 × tokens/s(1 rank)), steady state as in the throughput comparison. Goal:
-≥ 90%. On a 2-core machine the 2-rank run needs both cores; anything else running at the same time
-(other engineers' tests) takes from it and not from the 1-rank run, so the figure is a lower bound.
+tokens/s(2 ranks) / (2 × tokens/s(1 rank)), steady state, the runs interleaved by turns as in the
+throughput comparison (benchmarks/interleave.py). Goal: ≥ 90%. On a 2-core machine the 2-rank run
+needs both cores while the 1-rank run leaves one idle, so anything else the machine does takes
+from the 2-rank run first: the figure is a lower bound.
 
-A third contender measures what the machine itself allows: two independent 1-rank runs at the
-same time (no communication at all). Two processes on two cores already lose to shared caches,
-memory bandwidth and the hypervisor; tokens/s(2 ranks) / tokens/s(two 1-rank runs together) is
-then what data parallelism itself costs (gradient all-reduce, launcher, stop-signal exchange).
+A third contender measures what the machine itself allows: two independent 1-rank runs trained
+in the same turns (no communication at all). Two processes on two cores already lose to shared
+caches, memory bandwidth and the hypervisor; tokens/s(2 ranks) / tokens/s(two 1-rank runs
+together) is then what data parallelism itself costs (gradient all-reduce, lockstep, launcher).
 """
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,6 @@ from benchmarks.common import (
     PYTHON,
     RESULTS,
     Options,
-    alternate,
     bar_chart,
     bench_environment,
     free_port,
@@ -33,10 +32,21 @@ from benchmarks.common import (
     tokens_payload,
     write_result,
 )
-from benchmarks.throughput import CONFIG, dplaunch_step_times, steady_tokens_per_s, window
+from benchmarks.interleave import Contender, interleave_retrying
+from benchmarks.throughput import (
+    CONFIG,
+    WARMUP,
+    dplaunch_step_times,
+    metrics_step,
+    run_steps,
+    steady_tokens_per_s,
+    turn_steps,
+)
 
 NAME = "scaling"
 MICRO_BATCH = 8
+ONE = "1 rank"
+TWO = "2 ranks"
 APART = "two 1-rank runs at once"
 SEQ_LEN = 128
 
@@ -58,46 +68,49 @@ def dplaunch_tokens_per_s(run_dir: Path, count: int, warmup: int, steps: int) ->
 
 
 def run(options: Options) -> dict[str, Any]:
-    reps = options.repetitions(full=3, quick=1)
+    rounds = options.repetitions(full=20, quick=4)
+    turn = turn_steps(options)
     work = options.folder(NAME)
-    warmup, steps = window(options)
     print(
-        f"\n[{NAME}] 1 vs 2 CPU ranks × 1 thread, micro batch {MICRO_BATCH} per rank, {reps} reps"
+        f"\n[{NAME}] 1 vs 2 CPU ranks × 1 thread, micro batch {MICRO_BATCH} per rank, "
+        f"interleaved, {rounds} rounds of {turn} steps"
     )
 
-    def ranks(count: int) -> Any:
-        return lambda rep: dplaunch_tokens_per_s(
-            work / fresh(work, f"ranks{count}-{rep}"), count, warmup, steps
+    def contender(name: str, count: int) -> Contender:
+        run_dir = work / fresh(work, name.replace(" ", "-"))
+        argv = [PYTHON, "-m", "dplaunch", "train", str(CONFIG)]
+        argv += ranks_flags(count, run_steps(rounds, turn))
+        argv += ["--master-port", str(free_port()), "-o", str(run_dir)]
+        log = run_dir.with_name(f"{run_dir.name}.log")
+        return Contender(
+            name, argv, bench_environment(), log, run_dir / "metrics.jsonl", metrics_step
         )
 
-    def two_apart(rep: int) -> float:
-        names = [fresh(work, f"apart{i}-{rep}") for i in (1, 2)]
-        results: dict[str, float] = {}
-        errors: list[BaseException] = []
-
-        def run_one(name: str) -> None:
-            try:
-                results[name] = dplaunch_tokens_per_s(work / name, 1, warmup, steps)
-            except BaseException as error:  # noqa: BLE001 — re-raised below, in this thread
-                errors.append(error)
-
-        threads = [threading.Thread(target=run_one, args=(name,)) for name in names]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise errors[0]
-        return sum(results.values())
+    def turns() -> dict[str, list[Contender]]:
+        return {
+            ONE: [contender(ONE, 1)],
+            TWO: [contender(TWO, 2)],
+            # started together, trained in the same turns
+            APART: [contender(f"{APART} ({i})", 1) for i in (1, 2)],
+        }
 
     retried: list[str] = []
-    samples = alternate(
-        {"1 rank": ranks(1), "2 ranks": ranks(2), APART: two_apart}, reps, retried=retried
-    )
-    ideal = [2 * x for x in samples["1 rank"]]
+    step_s = interleave_retrying(
+        turns, NAME, retried, warmup=WARMUP, rounds=rounds, turn_steps=turn
+    ).step_s
+    rank_tokens = MICRO_BATCH * SEQ_LEN
+    samples = {
+        ONE: [rank_tokens / s for s in step_s[ONE]],
+        TWO: [2 * rank_tokens / s for s in step_s[TWO]],
+        APART: [
+            rank_tokens / a + rank_tokens / b
+            for a, b in zip(step_s[f"{APART} (1)"], step_s[f"{APART} (2)"], strict=True)
+        ],
+    }
+    ideal = [2 * x for x in samples[ONE]]
     ratios = {
         "2-rank efficiency: tokens/s(2) / (2 × tokens/s(1))": ratio_entry(
-            samples["2 ranks"],
+            samples[TWO],
             ideal,
             goal=0.9,
             higher_is_better=True,
@@ -112,7 +125,7 @@ def run(options: Options) -> dict[str, Any]:
         ),
         "cost of data parallelism: tokens/s(2 ranks) / tokens/s(two 1-rank runs at once)": (
             ratio_entry(
-                samples["2 ranks"],
+                samples[TWO],
                 samples[APART],
                 goal=None,
                 higher_is_better=True,
@@ -120,12 +133,15 @@ def run(options: Options) -> dict[str, Any]:
             )
         ),
     }
-    print_ratios("Data-parallel scaling (CPU)", ratios)
+    print_ratios("Data-parallel scaling (CPU, per round)", ratios)
     payload = tokens_payload(
-        f"steady-state tokens/s (median step of steps {warmup + 1}..{steps}) of `dplaunch train`, "
-        f"micro batch {MICRO_BATCH} × {SEQ_LEN} tokens per rank, no gradient accumulation",
+        f"steady-state tokens/s of `dplaunch train`, micro batch {MICRO_BATCH} × {SEQ_LEN} tokens "
+        f"per rank, no gradient accumulation, interleaved: each contender starts alone and takes "
+        f"its first {WARMUP} steps, then {rounds} rounds in which each in turn trains {turn} steps "
+        f"while the others are frozen; a round's tokens/s = tokens of one step / the median of "
+        f"steps 2..{turn} of the turn; ratios are medians of per-round ratios",
         CONFIG,
-        reps,
+        rounds,
         samples,
         ratios,
         retried,
@@ -135,9 +151,9 @@ def run(options: Options) -> dict[str, Any]:
         efficiency, ceiling, cost = (entry["value"] for entry in ratios.values())
         bar_chart(
             RESULTS / f"{NAME}.png",
-            "Data-parallel scaling on CPU ranks (higher is better)",
+            "Data-parallel scaling on CPU ranks, interleaved (higher is better)",
             {"tokens/s": {**samples, "2 × 1 rank (ideal)": ideal}},
-            ylabel="tokens/s (median; dots = repetitions)",
+            ylabel="tokens/s (median; dots = rounds)",
             subtitle=f"efficiency {efficiency:.3f} (goal ≥ 0.9), ceiling {ceiling:.3f}, "
             f"2 ranks / apart {cost:.3f}",
         )

@@ -31,10 +31,8 @@ from benchmarks.common import (
     REPO,
     RESULTS,
     Options,
-    RunFailed,
     bar_chart,
     bench_environment,
-    failure_note,
     free_port,
     fresh,
     median,
@@ -47,7 +45,7 @@ from benchmarks.common import (
     time_to_lines,
     write_result,
 )
-from benchmarks.interleave import Contender, interleave
+from benchmarks.interleave import Contender, interleave_retrying
 
 NAME = "throughput"
 CONFIG = CONFIGS / "llama-3m.yaml"
@@ -69,7 +67,7 @@ WARMUP = 4
 
 
 def window(options: Options) -> tuple[int, int]:
-    """(warm-up steps excluded, last step) of one run on its own (the scaling and flags
+    """(warm-up steps excluded, last step) of one run on its own (the flags and scaling_peers
     comparisons): the steady state is steps warmup+1 .. last."""
     warmup = WARMUP
     last = options.steps or (10 if options.quick else 16)
@@ -99,25 +97,25 @@ def run_steps(rounds: int, turn: int) -> int:
     return WARMUP + (rounds + 1) * turn
 
 
-def _metrics_step(record: dict[str, Any]) -> tuple[int, float] | None:
+def metrics_step(record: dict[str, Any]) -> tuple[int, float] | None:
     """A train line of dplaunch's metrics.jsonl → (step, its elapsed_s)."""
     return (record["step"], record["elapsed_s"]) if record.get("type") == "train" else None
 
 
-def _clock_step(record: dict[str, Any]) -> tuple[int, float]:
+def clock_step(record: dict[str, Any]) -> tuple[int, float]:
     """A line of a peer's step clock → (step, its time)."""
     return record["step"], record["time"]
 
 
 def dplaunch_step_times(run_dir: Path) -> dict[int, float]:
     """Step → seconds, from the `elapsed_s` of every train line of a dplaunch run (log_every 1)."""
-    steps = map(_metrics_step, read_jsonl(run_dir / "metrics.jsonl"))
+    steps = map(metrics_step, read_jsonl(run_dir / "metrics.jsonl"))
     return dict(step for step in steps if step is not None)
 
 
 def clock_step_times(times: Path) -> dict[int, float]:
     """Step → seconds, from a peer's step clock."""
-    return dict(map(_clock_step, read_jsonl(times)))
+    return dict(map(clock_step, read_jsonl(times)))
 
 
 def measure_layout(
@@ -126,7 +124,7 @@ def measure_layout(
     rounds: int,
     work: Path,
     options: Options,
-    retried: list[str] | None = None,
+    retried: list[str],
 ) -> tuple[dict[str, list[float]], dict[str, float]]:
     """The three contenders on one layout, interleaved (benchmarks/interleave.py): (tokens/s of
     each round, seconds from the command to the first step)."""
@@ -140,7 +138,7 @@ def measure_layout(
     blocks = prepare_blocks(render, work, env)
     step_tokens = tokens_per_step(render)
 
-    def contenders() -> list[Contender]:
+    def turns() -> dict[str, list[Contender]]:
         run_dir = work / fresh(work, f"dplaunch-{layout}")
         argv = [PYTHON, "-m", "dplaunch", "train", str(CONFIG), *common]
         argv += ["--master-port", str(free_port()), "-o", str(run_dir)]
@@ -151,7 +149,7 @@ def measure_layout(
                 bench_environment(),
                 run_dir.with_name(f"{run_dir.name}.log"),
                 run_dir / "metrics.jsonl",
-                _metrics_step,
+                metrics_step,
             )
         ]
         for peer, label in ((TRAINER, "trainer"), (HAND_LOOP, "hand")):
@@ -164,24 +162,19 @@ def measure_layout(
                     env,
                     stem.with_name(f"{stem.name}.log"),
                     times,
-                    _clock_step,
+                    clock_step,
                 )
             )
-        return chosen
+        # one contender a turn
+        return {contender.name: [contender] for contender in chosen}
 
     print(
         f"  {layout}: {rounds} rounds of {turn} steps by turns, {step_tokens} tokens a step "
         f"(median of steps 2..{turn} of each turn)"
     )
-    try:
-        measured = interleave(contenders(), warmup=WARMUP, rounds=rounds, turn_steps=turn)
-    except RunFailed as error:
-        # on a shared machine a run has failed for reasons of its own: the session is run once more
-        note = f"{layout}: {failure_note(error)}"
-        print(f"  {layout}: failed, running it again ({note})")
-        if retried is not None:
-            retried.append(note)
-        measured = interleave(contenders(), warmup=WARMUP, rounds=rounds, turn_steps=turn)
+    measured = interleave_retrying(
+        turns, layout, retried, warmup=WARMUP, rounds=rounds, turn_steps=turn
+    )
     tokens = {
         name: [step_tokens / seconds for seconds in per_round]
         for name, per_round in measured.step_s.items()
