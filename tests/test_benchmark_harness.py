@@ -1,0 +1,87 @@
+"""The benchmarks' interleaving harness really takes turns: while one contender trains, the others
+(launcher and the processes it starts in sessions of their own, like torchrun's ranks) are frozen.
+
+Not a benchmark: nothing here asserts how long anything took, only the order of the steps.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.common import RunFailed
+from benchmarks.interleave import Contender, interleave
+
+# a launcher that starts its "rank" in a new session and waits for it; the rank writes a clock
+# line (step, wall time) after each step, as the contenders' step clocks do
+FAKE_CONTENDER = """
+import json, subprocess, sys, time
+clock, steps, fail_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+if sys.argv[4:] != ["rank"]:
+    rank = subprocess.Popen([sys.executable, __file__, *sys.argv[1:4], "rank"], start_new_session=True)
+    sys.exit(rank.wait())
+with open(clock, "w", buffering=1) as out:
+    for step in range(1, steps + 1):
+        time.sleep(0.03)
+        if step == fail_at:
+            sys.exit(3)
+        out.write(json.dumps({"step": step, "time": time.time()}) + "\\n")
+"""
+WARMUP, ROUNDS, TURN = 2, 3, 3
+
+
+def contender(folder: Path, name: str, fail_at: int = 0) -> Contender:
+    script = folder / "fake_contender.py"
+    script.write_text(FAKE_CONTENDER)
+    clock = folder / f"{name}.jsonl"
+    steps = WARMUP + (ROUNDS + 1) * TURN
+    return Contender(
+        name,
+        [sys.executable, str(script), str(clock), str(steps), str(fail_at)],
+        {},
+        folder / f"{name}.log",
+        clock,
+        lambda record: (record["step"], record["time"]),
+    )
+
+
+def test_contenders_train_by_turns_and_only_steps_inside_a_turn_count(tmp_path):
+    turns = {name: [contender(tmp_path, name)] for name in ("a", "b")}
+    measured = interleave(turns, warmup=WARMUP, rounds=ROUNDS, turn_steps=TURN, say=lambda _: None)
+    assert {name: len(values) for name, values in measured.step_s.items()} == {"a": 3, "b": 3}
+    assert set(measured.to_first_step) == {"a", "b"}
+
+    # every step of the rounds, both contenders, in the order they happened
+    timeline = sorted(
+        (record["time"], name)
+        for name in ("a", "b")
+        for record in map(json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines())
+        if WARMUP < record["step"] <= WARMUP + ROUNDS * TURN
+    )
+    blocks: list[list[str]] = []
+    for _, name in timeline:
+        if blocks and blocks[-1][0] == name:
+            blocks[-1].append(name)
+        else:
+            blocks.append([name])
+    # the first two blocks may be one step each: a contender can finish a step between reaching
+    # WARMUP and being frozen. After them, a contender that was not frozen (its rank runs in a
+    # session of its own) would step in between the other's steps: blocks of 1 or 2 steps
+    assert len(blocks) >= 4 and all(len(block) >= TURN for block in blocks[2:]), blocks
+
+
+def test_a_contender_that_fails_during_a_turn_is_reported_and_nothing_is_left_running(tmp_path):
+    import psutil
+
+    turns = {"a": [contender(tmp_path, "a")], "b": [contender(tmp_path, "b", fail_at=6)]}
+    with pytest.raises(RunFailed, match=r"^b \(.*exited with 3 before step"):
+        interleave(turns, warmup=WARMUP, rounds=ROUNDS, turn_steps=TURN, say=lambda _: None)
+    leftovers = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if str(tmp_path / "fake_contender.py") in " ".join(p.info["cmdline"] or [])
+    ]
+    assert leftovers == []
