@@ -30,7 +30,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dplaunch tests examples benchmarks
 
-# side-by-side benchmarks against the peers (11–13 min on 2 quiet cores); BENCH_ARGS=--quick, --only NAME, …
+# side-by-side benchmarks against the peers (8–11 min on 2 quiet cores); BENCH_ARGS=--quick, --only NAME, …
 bench: $(STAMP)
 	$(PY) -m compileall -q dplaunch benchmarks >/dev/null  # the peers run from pip-compiled bytecode too
 	OMP_NUM_THREADS=1 $(PY) -m benchmarks.run $(BENCH_ARGS)

@@ -1,6 +1,6 @@
 """`make bench` = `python -m benchmarks.run`: every comparison, side by side, medians and ratios.
 
-    python -m benchmarks.run                     # all comparisons (10.5–15 minutes on 2 cores)
+    python -m benchmarks.run                     # all comparisons (8–11 minutes on 2 cores)
     python -m benchmarks.run --quick             # one repetition, shorter windows (a smoke run)
     python -m benchmarks.run --only throughput   # some of: startup, launch_overhead, throughput, scaling, flags
     python -m benchmarks.run --only scaling_peers  # optional: scaling of dplaunch and of the hand loop
