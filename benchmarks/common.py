@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import socket
 import statistics
 import subprocess
@@ -344,13 +345,15 @@ def process_tree(pid: int) -> list[Any]:
         return []
 
 
-def _stop_tree(process: subprocess.Popen) -> None:
-    """Stop a command we started and everything it started."""
+def stop_tree(process: subprocess.Popen) -> None:
+    """Stop a command we started and everything it started: SIGTERM, SIGKILL after 15 s. Each is
+    thawed first (an interleaved contender may be frozen, and would hold its SIGTERM)."""
     import psutil
 
     family = process_tree(process.pid)
     for member in family:
         with contextlib.suppress(psutil.Error):
+            member.send_signal(signal.SIGCONT)
             member.terminate()
     _, alive = psutil.wait_procs(family, timeout=15)
     for member in alive:
@@ -360,10 +363,16 @@ def _stop_tree(process: subprocess.Popen) -> None:
 
 def _watched(process: subprocess.Popen, timeout: float) -> threading.Timer:
     """A timer that stops the command's whole process tree after ``timeout`` seconds."""
-    timer = threading.Timer(timeout, _stop_tree, args=(process,))
+    timer = threading.Timer(timeout, stop_tree, args=(process,))
     timer.daemon = True
     timer.start()
     return timer
+
+
+def dplaunch_train_argv(config: Path, run_dir: Path, *flags: str) -> list[str]:
+    """`dplaunch train CONFIG FLAGS` into RUN_DIR on a free port, run by this interpreter."""
+    argv = [PYTHON, "-m", "dplaunch", "train", str(config), *flags]
+    return argv + ["--master-port", str(free_port()), "-o", str(run_dir)]
 
 
 def run_checked(

@@ -15,13 +15,12 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.common import (
-    PYTHON,
     RESULTS,
     Options,
     alternate,
     bar_chart,
     bench_environment,
-    free_port,
+    dplaunch_train_argv,
     fresh,
     median,
     print_ratios,
@@ -62,9 +61,10 @@ def run(options: Options) -> dict[str, Any]:
         def measure(rep: int) -> float:
             name = fresh(work, f"{label.replace(' ', '-')}-{rep}")
             run_dir = work / name
-            argv = [PYTHON, "-m", "dplaunch", "train", str(CONFIG), "--cpu", "--gpus", "2"]
-            argv += ["--max-steps", str(steps), "--set", "train.log_every=1", *flags]
-            argv += ["--master-port", str(free_port()), "-o", str(run_dir)]
+            argv = dplaunch_train_argv(
+                CONFIG, run_dir, "--cpu", "--gpus", "2", "--max-steps", str(steps),
+                "--set", "train.log_every=1", *flags,
+            )  # fmt: skip
             env = bench_environment(TORCHINDUCTOR_CACHE_DIR=str(work / f"{name}.inductor"))
             seen = time_to_lines(argv, [FIRST_STEP], work / f"{name}.log", env)
             first_step[label].append(seen[FIRST_STEP])

@@ -22,7 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, RUN_LIMIT_S, RunFailed, failure_note, median, process_tree
+from benchmarks.common import (
+    REPO,
+    RUN_LIMIT_S,
+    RunFailed,
+    failure_note,
+    median,
+    process_tree,
+    stop_tree,
+)
 
 # how often the harness looks at the step clocks: often enough to freeze a contender early in
 # the step after its turn, rarely enough that the harness itself takes no visible CPU
@@ -113,26 +121,13 @@ class _Running:
                 member.send_signal(signum)
 
     def finish(self) -> None:
-        """Let it run its last steps and exit; it must succeed like any benchmark run."""
-        self.send(signal.SIGCONT)
+        """Wait for it (thawed) to run its last steps and exit; it must succeed like any run."""
         try:
             code = self.process.wait(timeout=FINISH_LIMIT_S)
         except subprocess.TimeoutExpired:
             self._fail(f"did not exit within {FINISH_LIMIT_S:.0f} s of its last turn")
         if code != 0:
             self._fail(f"exited with {code}")
-
-    def kill(self) -> None:
-        import psutil
-
-        family = process_tree(self.process.pid)
-        for member in family:
-            with contextlib.suppress(psutil.Error):
-                member.send_signal(signal.SIGCONT)
-                member.kill()
-        psutil.wait_procs(family, timeout=15)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=15)
 
     def _fail(self, reason: str) -> None:
         tail = self.contender.log.read_text(errors="replace").splitlines()[-30:]
@@ -182,13 +177,16 @@ def interleave(
                 f"  round {number + 1}/{rounds}  "
                 + "  ".join(f"{name} {values[-1] * 1e3:.0f} ms" for name, values in step_s.items())
             )
+        # the steps left (one turn's worth at most) run by all at once
+        for run in every:
+            run.send(signal.SIGCONT)
         for run in every:
             run.finish()
     finally:
         for group in groups:
             for run in group:
                 if run.process.poll() is None:
-                    run.kill()
+                    stop_tree(run.process)
     return Interleaved(step_s, to_first)
 
 

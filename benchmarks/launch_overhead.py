@@ -16,13 +16,13 @@ from typing import Any
 
 from benchmarks.common import (
     EXIT,
-    PYTHON,
     REPO,
     RESULTS,
     Options,
     alternate,
     bar_chart,
     bench_environment,
+    dplaunch_train_argv,
     free_port,
     fresh,
     median,
@@ -54,8 +54,7 @@ def run(options: Options) -> dict[str, Any]:
     def dplaunch_train(rep: int | str) -> float:
         name = fresh(work, f"dplaunch-{rep}")
         run_dir = work / name
-        argv = [PYTHON, "-m", "dplaunch", "train", str(CONFIG), *FLAGS]
-        argv += ["--master-port", str(free_port()), "-o", str(run_dir)]
+        argv = dplaunch_train_argv(CONFIG, run_dir, *FLAGS)
         seen = time_to_lines(
             argv, [BEFORE_LAUNCH, FIRST_STEP], work / f"{name}.log", bench_environment()
         )

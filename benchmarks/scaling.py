@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
-    PYTHON,
     RESULTS,
     Options,
     bar_chart,
     bench_environment,
-    free_port,
+    dplaunch_train_argv,
     fresh,
     print_ratios,
     ratio_entry,
@@ -36,8 +35,8 @@ from benchmarks.interleave import Contender, interleave_retrying
 from benchmarks.throughput import (
     CONFIG,
     WARMUP,
+    dplaunch_contender,
     dplaunch_step_times,
-    metrics_step,
     run_steps,
     steady_tokens_per_s,
     turn_steps,
@@ -60,8 +59,7 @@ def ranks_flags(count: int, steps: int) -> list[str]:
 
 def dplaunch_tokens_per_s(run_dir: Path, count: int, warmup: int, steps: int) -> float:
     """Steady-state tokens/s of one `dplaunch train` scaling run on COUNT ranks (log RUN_DIR.log)."""
-    argv = [PYTHON, "-m", "dplaunch", "train", str(CONFIG), *ranks_flags(count, steps)]
-    argv += ["--master-port", str(free_port()), "-o", str(run_dir)]
+    argv = dplaunch_train_argv(CONFIG, run_dir, *ranks_flags(count, steps))
     run_checked(argv, run_dir.with_name(f"{run_dir.name}.log"), bench_environment())
     tokens = MICRO_BATCH * count * SEQ_LEN
     return steady_tokens_per_s(dplaunch_step_times(run_dir), warmup, steps, tokens)
@@ -78,13 +76,7 @@ def run(options: Options) -> dict[str, Any]:
 
     def contender(name: str, count: int) -> Contender:
         run_dir = work / fresh(work, name.replace(" ", "-"))
-        argv = [PYTHON, "-m", "dplaunch", "train", str(CONFIG)]
-        argv += ranks_flags(count, run_steps(rounds, turn))
-        argv += ["--master-port", str(free_port()), "-o", str(run_dir)]
-        log = run_dir.with_name(f"{run_dir.name}.log")
-        return Contender(
-            name, argv, bench_environment(), log, run_dir / "metrics.jsonl", metrics_step
-        )
+        return dplaunch_contender(name, run_dir, *ranks_flags(count, run_steps(rounds, turn)))
 
     def turns() -> dict[str, list[Contender]]:
         return {

@@ -34,6 +34,7 @@ from benchmarks.common import (
     Options,
     bar_chart,
     bench_environment,
+    dplaunch_train_argv,
     free_port,
     fresh,
     median,
@@ -111,6 +112,19 @@ def clock_step(record: dict[str, Any]) -> tuple[int, float]:
     return record["step"], record["time"]
 
 
+def dplaunch_contender(name: str, run_dir: Path, *flags: str) -> Contender:
+    """`dplaunch train` of the benchmark config as an interleaved contender; its log RUN_DIR.log,
+    its step clock RUN_DIR/metrics.jsonl."""
+    return Contender(
+        name,
+        dplaunch_train_argv(CONFIG, run_dir, *flags),
+        bench_environment(),
+        run_dir.with_name(f"{run_dir.name}.log"),
+        run_dir / "metrics.jsonl",
+        metrics_step,
+    )
+
+
 def dplaunch_step_times(run_dir: Path) -> dict[int, float]:
     """Step → seconds, from the `elapsed_s` of every train line of a dplaunch run (log_every 1)."""
     steps = map(metrics_step, read_jsonl(run_dir / "metrics.jsonl"))
@@ -130,7 +144,7 @@ def measure_layout(
     options: Options,
     retried: list[str],
 ) -> tuple[dict[str, list[float]], dict[str, float]]:
-    """The three contenders on one layout, interleaved (benchmarks/interleave.py): (tokens/s of
+    """The four contenders on one layout, interleaved (benchmarks/interleave.py): (tokens/s of
     each round, seconds from the command to the first step)."""
     turn = turn_steps(options)
     # every contender logs (and so syncs its loss) every step: the same work, and per-step clocks
@@ -143,19 +157,7 @@ def measure_layout(
     step_tokens = tokens_per_step(render)
 
     def turns() -> dict[str, list[Contender]]:
-        run_dir = work / fresh(work, f"dplaunch-{layout}")
-        argv = [PYTHON, "-m", "dplaunch", "train", str(CONFIG), *common]
-        argv += ["--master-port", str(free_port()), "-o", str(run_dir)]
-        chosen = [
-            Contender(
-                DPLAUNCH,
-                argv,
-                bench_environment(),
-                run_dir.with_name(f"{run_dir.name}.log"),
-                run_dir / "metrics.jsonl",
-                metrics_step,
-            )
-        ]
+        chosen = [dplaunch_contender(DPLAUNCH, work / fresh(work, f"dplaunch-{layout}"), *common)]
         peers = (
             (TRAINER, TRAINER, "trainer"),
             (HAND_LOOP, HAND_LOOP, "hand"),
