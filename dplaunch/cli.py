@@ -574,6 +574,15 @@ def slurm(
         str,
         typer.Option("--time", help="Time limit, HH:MM:SS or D-HH:MM:SS.", rich_help_panel=_JOB),
     ] = "01:00:00",
+    signal_seconds: Annotated[
+        int | None,
+        typer.Option(
+            "--signal-seconds",
+            help="Seconds before the time limit at which the ranks checkpoint and stop "
+            "(SIGUSR1; default 120).",
+            rich_help_panel=_JOB,
+        ),
+    ] = None,
     partition: Annotated[
         str | None, typer.Option("--partition", help="SLURM partition.", rich_help_panel=_JOB)
     ] = None,
@@ -631,6 +640,7 @@ def slurm(
     options = SlurmOptions(
         cpus_per_gpu=cpus_per_gpu,
         time=time,
+        signal_seconds=signal_seconds,
         partition=partition,
         account=account,
         qos=qos,

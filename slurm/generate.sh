@@ -2,14 +2,16 @@
 # Regenerate the example batch scripts of this folder (or write them to OUT_DIR):
 # 16 GPUs of a Jean-Zay-like cluster as 4 nodes × 4 H100 and as 2 nodes × 8 A100, each as pure
 # data parallelism (DDP) and as hybrid parallelism (tensor parallel 4 inside a node × ZeRO-1 data
-# parallel across). Paths in the scripts are those of the checkout that runs this.
-#   bash slurm/generate.sh [OUT_DIR]
+# parallel across). Paths in the scripts are those of the checkout that runs this; the run
+# directories (and their logs/, which sbatch needs) are under RUNS (default: the checkout's runs/).
+#   [RUNS=DIR] bash slurm/generate.sh [OUT_DIR]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(dirname "$here")
 out=$(mkdir -p "${1:-$here}" && cd "${1:-$here}" && pwd)
 python=${PYTHON:-$repo/.venv/bin/python}
 cd "$repo"
+runs=${RUNS:-runs}
 
 # in the job, `python` is the one of the pytorch-gpu module (dplaunch pip-installed into it)
 common=(examples/llama-1b.yaml --gpus 16 --time 20:00:00 --python python
@@ -23,7 +25,7 @@ generate() {  # NAME LAYOUT-FLAGS...
     local name=$1
     shift
     "$python" -m dplaunch slurm "${common[@]}" "$@" --job-name "$name" \
-        --output-dir "runs/$name" --out "$out/$name.sbatch" >/dev/null
+        --output-dir "$runs/$name" --out "$out/$name.sbatch" >/dev/null
 }
 generate llama-1b-ddp-4x4 "${h100[@]}" --zero 0
 generate llama-1b-tp4-4x4 "${h100[@]}" --tp 4 --zero 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
+import subprocess
 import sys
 import textwrap
 import time
@@ -101,7 +103,7 @@ print(json.dumps(dataclasses.asdict(alloc) | extra))
 def test_a_rendered_script_with_a_hostile_name_runs_and_sees_its_allocation(
     slurm_cluster, tmp_path
 ):
-    name = 'my job $(touch canary) `touch canary` "q" #1 \\ end'
+    name = 'my job $(touch canary) `touch canary` "q" #1 \\ end l\'exp'
     spec = SbatchSpec(
         job_name=name,
         command=[sys.executable, "detect.py"],
@@ -198,8 +200,12 @@ def job_environment(slurm_cluster) -> dict[str, str]:
     }
 
 
-def submit_with_dplaunch(slurm_cluster, tmp_path: Path, run_dir: Path, *args) -> str:
-    """`dplaunch slurm tiny-llama.yaml --cpu --gpus 2 … --submit`; the job id it printed."""
+def submit_with_dplaunch(
+    slurm_cluster, tmp_path: Path, run_dir: Path, *args, submit: bool = True
+) -> str:
+    """`dplaunch slurm tiny-llama.yaml --cpu --gpus 2 … --submit`, or without --submit and then
+    the `sbatch …` it says to run; the job id."""
+    environment = job_environment(slurm_cluster)
     result = run_dplaunch(
         "slurm",
         TINY_LLAMA,
@@ -211,12 +217,23 @@ def submit_with_dplaunch(slurm_cluster, tmp_path: Path, run_dir: Path, *args) ->
         "-o",
         run_dir,
         *args,
-        "--submit",
-        env=job_environment(slurm_cluster),
+        *(["--submit"] if submit else []),
+        env=environment,
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
-    return re.search(r"submitted batch job (\d+)", result.stdout).group(1)
+    if submit:
+        return re.search(r"submitted batch job (\d+)", result.stdout).group(1)
+    command = re.search(r"^submit with: (sbatch .*)$", result.stdout, re.M).group(1)
+    sbatch = subprocess.run(
+        [*shlex.split(command.replace("sbatch ", "sbatch --parsable ", 1))],
+        env=environment,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert sbatch.returncode == 0, sbatch.stderr
+    return sbatch.stdout.strip().split(";")[0]
 
 
 def job_logs(run_dir: Path) -> str:
@@ -265,12 +282,16 @@ def release_requeued(slurm_cluster, job_id: str) -> None:
 def test_a_job_written_and_submitted_by_dplaunch_slurm_trains_two_cpu_ranks(
     slurm_cluster, tmp_path
 ):
-    # the job name is data everywhere: in #SBATCH, in the log file names, never run
-    name = "tiny $(touch canary) `touch canary`"
-    run_dir = tmp_path / "run"
+    # the job name is data everywhere: in #SBATCH, in the log file names, never run; an
+    # apostrophe, in it and in the job's directory (--chdir), is one more quote to sbatch
+    name = "tiny $(touch canary) `touch canary` l'exp"
+    folder = tmp_path / "l'expérience"
+    folder.mkdir()
+    run_dir = folder / "run"
     started = time.monotonic()
+    # submitted the way dplaunch says to without --submit: its log directory must exist already
     job_id = submit_with_dplaunch(
-        slurm_cluster, tmp_path, run_dir, "--max-steps", "3", "--job-name", name
+        slurm_cluster, folder, run_dir, "--max-steps", "3", "--job-name", name, submit=False
     )
     state = slurm_cluster.wait(job_id, timeout=600)
     print(f"dplaunch slurm job {job_id}: {state} in {time.monotonic() - started:.1f}s")
@@ -280,7 +301,7 @@ def test_a_job_written_and_submitted_by_dplaunch_slurm_trains_two_cpu_ranks(
     header = read_metrics(run_dir)[0]
     assert (header["world_size"], header["data_parallel_size"], header["num_nodes"]) == (2, 2, 1)
     assert len(train_losses(run_dir)) == 3
-    assert not (tmp_path / "canary").exists()
+    assert not (folder / "canary").exists()
     assert not list((run_dir / "logs").glob(".requeue-*"))
 
 
@@ -310,6 +331,34 @@ def test_at_the_time_limit_signal_the_job_checkpoints_requeues_itself_and_resume
     assert [r["step"] for r in read_metrics(run_dir) if r["type"] == "train"] == list(
         range(1, steps + 1)
     )
+
+
+def test_a_time_limit_signal_during_start_up_ends_the_job_instead_of_requeueing_it_forever(
+    slurm_cluster, tmp_path
+):
+    # a time limit shorter than start-up + --signal-seconds: the signal comes before step 1 of
+    # every run, so a requeue would never make progress. The signal is sent again and again from
+    # the job's start: a rank ignores it (as its launcher does) until it installs its handler,
+    # the first thing it does, and its first step comes seconds of start-up later
+    run_dir = tmp_path / "run"
+    job_id = submit_with_dplaunch(slurm_cluster, tmp_path, run_dir, "--max-steps", "3")
+    while slurm_cluster.job_state(job_id) in ("PENDING", "CONFIGURING", None):
+        time.sleep(0.2)
+    deadline = time.monotonic() + 600
+    while slurm_cluster.job_state(job_id) in ("RUNNING", "COMPLETING"):
+        assert time.monotonic() < deadline, job_logs(run_dir)[-6000:]
+        slurm_cluster.run("scancel", "--signal=USR1", job_id, check=False)
+        time.sleep(0.2)
+    state = slurm_cluster.wait(job_id, timeout=60)
+    logs = job_logs(run_dir)
+    assert state == "FAILED", logs[-6000:]
+    assert job_field(slurm_cluster, job_id, "Restarts") in ("0", None), logs[-6000:]
+    assert "requeueing" not in logs
+    assert (
+        "dplaunch: error: --time: the job's time-limit signal (SIGUSR1) came before its first "
+        "step (step 1)" in logs
+    ), logs[-6000:]
+    assert not train_losses(run_dir)
 
 
 def test_the_requeue_lines_of_a_rendered_script_rerun_a_launcher_that_exits_75(

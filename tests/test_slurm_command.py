@@ -96,7 +96,8 @@ def test_16_gpus_on_4_gpu_nodes_is_4_nodes_with_one_launcher_each(tmp_path):
     ]
     assert "mesh: dp 4 × tp 4 × pp 1 = 16 ranks" in printed
     assert "world size 16 (4 node(s) × 4 GPU(s), backend nccl)" in script  # the plan, as comments
-    assert not run_dir.exists()  # nothing is written there before the job runs
+    # nothing is written there before the job runs but the log directory, which sbatch needs
+    assert [path.name for path in run_dir.iterdir()] == ["logs"]
 
 
 def test_without_a_submit_the_script_goes_to_the_run_directory_and_says_how_to_submit(tmp_path):
@@ -106,7 +107,30 @@ def test_without_a_submit_the_script_goes_to_the_run_directory_and_says_how_to_s
     assert result.returncode == 0, result.stderr
     script = tmp_path / "run" / "job.sbatch"
     assert f"submit with: sbatch {script}" in result.stdout
-    assert "gres" not in sbatch_options(script.read_text())  # a CPU job
+    options = sbatch_options(script.read_text())
+    assert "gres" not in options  # a CPU job
+    # sbatch does not create the log directory: without it the job would fail, writing nothing
+    assert Path(options["output"]).parent.is_dir()
+    # the run file sets no periodic checkpoint: only the time-limit signal saves one
+    assert "note: train.checkpoint_every is not set" in result.stdout
+
+
+def test_the_checkpoint_signal_comes_as_long_before_the_limit_as_asked(tmp_path):
+    script, printed = write_script(
+        tmp_path,
+        "--cpu",
+        "--gpus",
+        "2",
+        "--time",
+        "2-00:00:00",
+        "--signal-seconds",
+        "900",
+        "--set",
+        "train.checkpoint_every=500",
+        config=TINY_LLAMA,
+    )
+    assert sbatch_options(script)["signal"] == "USR1@900"
+    assert "checkpoint_every" not in printed
 
 
 def test_out_dash_prints_the_script_alone_on_stdout(tmp_path):
@@ -115,7 +139,7 @@ def test_out_dash_prints_the_script_alone_on_stdout(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("#!/bin/bash\n") and "world size 2" in result.stderr
-    assert not (tmp_path / "r").exists()
+    assert [path.name for path in (tmp_path / "r").iterdir()] == ["logs"]
 
 
 def test_a_hostile_job_name_setup_and_override_stay_data_in_the_written_script(tmp_path):
@@ -156,6 +180,10 @@ def test_a_hostile_job_name_setup_and_override_stay_data_in_the_written_script(t
         (["--gpus", "16", "--node-rank", "1"], "--node-rank: SLURM decides it"),
         (["--gpus", "16", "--master-port", "29400"], "--master-port: SLURM decides it"),
         (["--gpus", "16", "--time", "tomorrow"], "--time: 'tomorrow' is not a SLURM time"),
+        # the checkpoint signal would come before the job starts
+        (["--gpus", "16", "--time", "00:02:00"], "--time: 00:02:00 is not longer than the 120 s"),
+        (["--gpus", "16", "--time", "10", "--signal-seconds", "600"], "than the 600 s before"),
+        (["--gpus", "16", "--signal-seconds", "0"], "--signal-seconds: 0 is not in 1..65535"),
         (["--gpus", "16", "--job-name", "a/b"], "--job-name:"),
         # the plan is checked as `train` would: tensor parallelism stays inside a node
         (["--gpus", "16", "--gpus-per-node", "4", "--tp", "8"], "parallel.tp: tp 8 is larger"),
@@ -206,7 +234,9 @@ def test_writing_a_script_imports_no_heavy_library(tmp_path):
 
 def shape(sinfo_answer=(None, None, "no sinfo here"), **launch):
     return job_shape(
-        LaunchConfig.model_validate(launch), SlurmOptions(), lambda partition: sinfo_answer
+        LaunchConfig.model_validate(launch),
+        SlurmOptions(),
+        lambda partition, constraint: sinfo_answer,
     )
 
 
@@ -271,11 +301,12 @@ def test_every_run_flag_the_job_repeats_is_an_option_of_dplaunch_train():
 
 
 def test_the_committed_examples_are_what_the_generator_writes(tmp_path):
+    runs = tmp_path / "runs"  # their log directories are made here, not in the checkout
     result = subprocess.run(
         ["bash", str(REPO / "slurm" / "generate.sh"), str(tmp_path)],
         capture_output=True,
         text=True,
-        env=child_environment(PYTHON=sys.executable),
+        env=child_environment(PYTHON=sys.executable, RUNS=str(runs)),
     )
     assert result.returncode == 0, result.stderr
     generated = sorted(path.name for path in tmp_path.glob("*.sbatch"))
@@ -293,6 +324,11 @@ def test_the_committed_examples_are_what_the_generator_writes(tmp_path):
 
     def portable(text: str, out_dir: Path) -> str:
         # the scripts hold this checkout's paths: compare them wherever the checkout lives
+        # the command in the header says RUNS as given (the committed ones: runs/); the rest
+        # has it absolute
+        header, rest = text.split("\n#   world size", 1)
+        header = header.replace(f"--output-dir {runs}/", "--output-dir runs/")
+        text = header + "\n#   world size" + rest.replace(str(runs), "<repo>/runs")
         return text.replace(str(out_dir), "<slurm>").replace(str(REPO), "<repo>")
 
     for name in generated:
@@ -305,6 +341,7 @@ def test_the_committed_examples_are_what_the_generator_writes(tmp_path):
         nodes, per_node = name.removesuffix(".sbatch").split("-")[-1].split("x")
         assert (options["nodes"], options["gres"]) == (nodes, f"gpu:{per_node}")
         assert os.access(tmp_path / name, os.R_OK)
+        assert (runs / name.removesuffix(".sbatch") / "logs").is_dir()
 
 
 # ---------------------------------------------------------------- inside an allocation

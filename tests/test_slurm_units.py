@@ -16,6 +16,7 @@ from dplaunch.cluster.hostlist import expand_hostlist, parse_hostlist
 from dplaunch.cluster.slurm import (
     MASTER_PORT_BASE,
     MASTER_PORT_SPAN,
+    SinfoRow,
     SlurmAllocation,
     check_allocation,
     detect_allocation,
@@ -35,6 +36,7 @@ from dplaunch.rendering.sbatch import (
     SbatchSpec,
     quote_for_sbatch,
     render_sbatch,
+    time_limit_seconds,
 )
 from tests.helpers import sbatch_options
 
@@ -323,6 +325,8 @@ def test_a_4_node_h100_job_on_jean_zay(tmp_path):
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
     assert srun == (
         "srun --nodes=4 --ntasks=4 --ntasks-per-node=1 --kill-on-bad-exit=1 --cpus-per-task=40 "
+        # the step keeps the job's one thread per core: srun's explicit --cpus-per-task would not
+        "--hint=nomultithread "
         'bash -c "$node_launcher" dplaunch-node '
         "dplaunch train runs/llama.yaml --set train.lr=3e-4 || status=$?"
     )
@@ -439,6 +443,24 @@ def test_sbatch_quoting_escapes_what_sbatch_treats_specially():
     assert quote_for_sbatch("run#1") == '"run\\#1"'
     assert quote_for_sbatch("back\\slash") == '"back\\\\slash"'
     assert quote_for_sbatch("") == '""'
+    # sbatch takes ' for a quote as well: "l'exp" unescaped is "Unmatched `'`", fatal
+    assert quote_for_sbatch("/work/l'exp") == '"/work/l\\\'exp"'
+
+
+@pytest.mark.parametrize(
+    ("limit", "seconds"),
+    [
+        ("30", 30 * 60),  # minutes
+        ("30:15", 30 * 60 + 15),  # minutes:seconds
+        ("20:00:00", 20 * 3600),
+        ("2-3", (2 * 24 + 3) * 3600),  # days-hours
+        ("2-3:04", (2 * 24 + 3) * 3600 + 4 * 60),
+        ("1-00:00:05", 24 * 3600 + 5),
+        ("UNLIMITED", None),
+    ],
+)
+def test_slurm_time_limits_in_seconds(limit, seconds):
+    assert time_limit_seconds(limit) == seconds
 
 
 @pytest.mark.parametrize(
@@ -573,20 +595,41 @@ def test_in_the_batch_shell_the_node_is_the_first_one():
 # ---------------------------------------------------------------- what sinfo says about nodes
 
 SINFO = """\
-debug*|(null)|2|1
-gpu_p5|gpu:8(S:0-1)|128|2
-gpu_p6|gpu:h100:4(S:0-1)|96|1
-gpu_p6|gpu:h100:4(S:0-1)|96|1
-mixed|gpu:4|40|1
-mixed|gpu:8|64|1
+debug*|(null)|2|1|(null)
+gpu_p5|gpu:8(S:0-1)|128|2|a100,amd
+gpu_p6|gpu:h100:4(S:0-1)|96|1|h100
+gpu_p6|gpu:h100:4(S:0-1)|96|1|h100
+mixed|gpu:4|40|1|v100,v100-32g
+mixed|gpu:8|64|1|a100
 """
 
 
-def test_sinfo_rows_give_gpus_and_physical_cores_per_node():
+def test_sinfo_rows_give_gpus_physical_cores_and_features_per_node():
     rows = parse_sinfo_nodes(SINFO)
-    assert rows[0] == ("debug*", None, 2)
-    assert rows[1] == ("gpu_p5", 8, 64)  # 128 CPUs, 2 threads per core
-    assert rows[2] == ("gpu_p6", 4, 96)
+    assert rows[0] == SinfoRow("debug*", None, 2, frozenset())
+    assert rows[1] == SinfoRow("gpu_p5", 8, 64, frozenset({"a100", "amd"}))  # 2 threads/core
+    assert rows[2] == SinfoRow("gpu_p6", 4, 96, frozenset({"h100"}))
+    # the four columns of older dplaunch versions' format still parse
+    assert parse_sinfo_nodes("gpu_p6|gpu:4|96|1\n") == [SinfoRow("gpu_p6", 4, 96)]
+
+
+@pytest.mark.parametrize(
+    ("partition", "constraint", "shape"),
+    [
+        # Jean-Zay routes a job by -C and the account, not the partition: every partition counts
+        (None, "h100", (4, 96)),
+        (None, "a100", (8, 64)),
+        (None, "v100-32g", (4, 40)),
+        (None, "a100&amd", (8, 64)),
+        (None, "v100|h100", (4, None)),  # 4 GPUs, but 40 or 96 cores
+        ("mixed", "a100", (8, 64)),
+        (None, "mi250", (None, None)),
+        # a form dplaunch does not read selects as if it were not there: the default partition
+        (None, "[h100*2]", (None, 2)),
+    ],
+)
+def test_the_node_shape_of_a_constraint(partition, constraint, shape):
+    assert node_shape(parse_sinfo_nodes(SINFO), partition, constraint)[:2] == shape
 
 
 @pytest.mark.parametrize(

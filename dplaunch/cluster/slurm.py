@@ -265,18 +265,32 @@ def rank_threads(alloc: SlurmAllocation, ranks_per_node: int) -> int | None:
     return max(1, alloc.cpus_per_task // max(1, ranks_per_node))
 
 
-def parse_sinfo_nodes(text: str) -> list[tuple[str, int | None, int]]:
-    """Rows of `sinfo -h -o "%P|%G|%c|%Z"`: (partition, GPUs per node or None, cores per node).
+@dataclass(frozen=True)
+class SinfoRow:
+    """One row of `sinfo -h -o "%P|%G|%c|%Z|%f"`: nodes of one partition that look alike."""
 
-    %G is the node's GRES ("gpu:4", "gpu:h100:4(S:0-1)", "(null)"), %c its CPUs and %Z its
-    threads per core; cores = CPUs / threads, what --hint=nomultithread hands out.
+    partition: str  # as sinfo prints it: the default partition ends with '*'
+    gpus: int | None  # GPUs per node, None when the GRES has none
+    cores: int  # physical cores per node (CPUs / threads per core)
+    features: frozenset[str] = frozenset()  # what --constraint selects (Jean-Zay: v100-32g, h100)
+
+
+SINFO_FORMAT = "%P|%G|%c|%Z|%f"
+
+
+def parse_sinfo_nodes(text: str) -> list[SinfoRow]:
+    """Rows of `sinfo -h -o SINFO_FORMAT` (a missing features column means none).
+
+    %G is the node's GRES ("gpu:4", "gpu:h100:4(S:0-1)", "(null)"), %c its CPUs, %Z its
+    threads per core (cores = CPUs / threads, what --hint=nomultithread hands out) and %f its
+    features, comma-separated.
     """
     rows = []
     for line in text.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) != 4:
+        parts = [part.strip() for part in line.strip().split("|")]
+        if len(parts) not in (4, 5):
             continue
-        partition, gres, cpus, threads = (part.strip() for part in parts)
+        partition, gres, cpus, threads = parts[:4]
         gpus = None
         for item in gres.split(","):
             match = re.match(r"gpu(?::[\w.-]+)?:(\d+)", item.strip())
@@ -286,32 +300,65 @@ def parse_sinfo_nodes(text: str) -> list[tuple[str, int | None, int]]:
         thread_count = _int(threads) or 1
         if cpu_count is None:
             continue
-        rows.append((partition, gpus, max(1, cpu_count // thread_count)))
+        features = frozenset(
+            name
+            for name in (parts[4] if len(parts) == 5 else "").split(",")
+            if name and name != "(null)"
+        )
+        rows.append(SinfoRow(partition, gpus, max(1, cpu_count // thread_count), features))
     return rows
 
 
 def node_shape(
-    rows: list[tuple[str, int | None, int]], partition: str | None
+    rows: list[SinfoRow], partition: str | None, constraint: str | None = None
 ) -> tuple[int | None, int | None, str]:
-    """(GPUs per node, cores per node, where from) for a partition (default: the one marked '*').
+    """(GPUs per node, cores per node, where from) of the nodes a job would get.
 
-    None where the partition's nodes disagree or sinfo did not say: the caller falls back to
+    The nodes: those of ``partition``, or, without one, of the default partition (marked '*');
+    with a ``constraint`` (features joined by & or |), those of any partition, or of
+    ``partition``, that have the features: on Jean-Zay -C h100 picks the nodes, not the
+    partition. None where those nodes disagree or sinfo did not say: the caller falls back to
     its defaults and says so.
     """
-    if partition is None:
-        chosen = [row for row in rows if row[0].endswith("*")]
+    wanted = _constraint_test(constraint)
+    if partition is not None:
+        chosen = [row for row in rows if row.partition.rstrip("*") == partition]
+        where = f"partition {partition}"
+    elif wanted is None:
+        chosen = [row for row in rows if row.partition.endswith("*")]
+        where = "the default partition"
     else:
-        chosen = [row for row in rows if row[0].rstrip("*") == partition]
+        chosen, where = rows, "any partition"
+    if constraint and wanted is None:
+        where += f"; --constraint {constraint} not read (only a, a&b and a|b are)"
+    if wanted is not None:
+        chosen = [row for row in chosen if wanted(row.features)]
+        where += f", nodes with {constraint}"
     if not chosen:
-        return None, None, "sinfo did not list that partition"
-    name = chosen[0][0].rstrip("*")
-    gpus = {row[1] for row in chosen}
-    cores = {row[2] for row in chosen}
+        return None, None, f"sinfo lists no such nodes ({where})"
+    if partition is None and wanted is None:
+        where = f"partition {chosen[0].partition.rstrip('*')}"
+    gpus = {row.gpus for row in chosen}
+    cores = {row.cores for row in chosen}
     return (
         gpus.pop() if len(gpus) == 1 else None,
         cores.pop() if len(cores) == 1 else None,
-        f"sinfo, partition {name}",
+        f"sinfo, {where}",
     )
+
+
+def _constraint_test(constraint: str | None) -> Callable[[frozenset[str]], bool] | None:
+    # the common forms only: "a", "a&b", "a|b"; brackets, counts and the like are not read
+    if not constraint:
+        return None
+    names = r"[\w.-]+"
+    if re.fullmatch(rf"{names}(&{names})*", constraint):
+        needed = set(constraint.split("&"))
+        return lambda features: needed <= features
+    if re.fullmatch(rf"{names}(\|{names})+", constraint):
+        either = set(constraint.split("|"))
+        return lambda features: bool(either & features)
+    return None
 
 
 def _job_number(job_id: str) -> int:

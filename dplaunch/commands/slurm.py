@@ -19,7 +19,7 @@ from pathlib import Path
 
 import typer
 
-from dplaunch.cluster.slurm import node_shape, parse_sinfo_nodes, srun_argv
+from dplaunch.cluster.slurm import SINFO_FORMAT, node_shape, parse_sinfo_nodes, srun_argv
 from dplaunch.config.load import load_run_config
 from dplaunch.config.schema import LaunchConfig
 from dplaunch.errors import UserError
@@ -36,12 +36,16 @@ from dplaunch.planning.plan import Plan
 from dplaunch.rendering.sbatch import (
     NODE_LAUNCHER,
     REQUEUE_EXIT_STATUS,
+    REQUEUE_MARK_ENV,
     SbatchSpec,
     render_sbatch,
+    time_limit_seconds,
 )
 
 # SLURM sends USR1 this many seconds before the time limit: time for a step and a checkpoint
 SIGNAL_SECONDS = 120
+# what SLURM's --signal accepts
+MAX_SIGNAL_SECONDS = 65535
 # when neither the flags nor sinfo say: Jean-Zay's V100/H100 nodes have 4 GPUs
 FALLBACK_GPUS_PER_NODE = 4
 # ... and 10 cores per GPU (a V100 node: 40 cores, 4 GPUs)
@@ -63,6 +67,7 @@ SPEC_FLAGS = {
     "modules": "--module",
     "setup_lines": "--setup",
     "log_dir": "--output-dir",
+    "signal_seconds": "--signal-seconds",
     "workdir": "the working directory",
     "command": "CONFIG / flags",
     "comments": "CONFIG / flags",
@@ -75,6 +80,8 @@ class SlurmOptions:
 
     cpus_per_gpu: int | None = None
     time: str = "01:00:00"
+    # None: SIGNAL_SECONDS
+    signal_seconds: int | None = None
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
@@ -109,6 +116,7 @@ def run_slurm(flags: RunFlags, options: SlurmOptions) -> int:
             "sbatch is not on PATH here",
             "run this on a login node of the cluster, or drop --submit and sbatch the script there",
         )
+    signal_seconds = _signal_seconds(options)
     config = load_run_config(
         flags.config, overrides=flags.overrides(), assignments=flags.assignments
     )
@@ -135,7 +143,7 @@ def run_slurm(flags: RunFlags, options: SlurmOptions) -> int:
         setup_lines=list(options.setup),
         log_dir=str(run_dir / LOG_DIR_NAME),
         requeue=True,
-        signal_seconds=SIGNAL_SECONDS,
+        signal_seconds=signal_seconds,
         cpu=prepared.plan.target == "cpu",
         # dplaunch's own lines reach the log in order with the ranks' output
         env={"PYTHONUNBUFFERED": "1"},
@@ -158,6 +166,15 @@ def run_slurm(flags: RunFlags, options: SlurmOptions) -> int:
         say(line)
     for note in shape.notes:
         say(f"note: {note}")
+    if not config.train.checkpoint_every:
+        say(
+            "note: train.checkpoint_every is not set: only the time-limit signal saves a "
+            "checkpoint, so a job that fails or is requeued after a node failure starts again "
+            "from step 0 (--set train.checkpoint_every=N)"
+        )
+    # sbatch does not create the directory of --output/--error: a job whose log directory is
+    # missing fails at once and writes nothing, so it exists before the script can be submitted
+    Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
     if options.out == "-":
         sys.stdout.write(script)
         return 0
@@ -168,8 +185,6 @@ def run_slurm(flags: RunFlags, options: SlurmOptions) -> int:
     if not options.submit:
         say(f"submit with: sbatch {shlex.quote(str(path))}")
         return 0
-    # sbatch does not create the directory of --output/--error; the job would fail silently
-    Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
     result = subprocess.run(
         ["sbatch", "--parsable", str(path)], capture_output=True, text=True, check=False
     )
@@ -181,11 +196,38 @@ def run_slurm(flags: RunFlags, options: SlurmOptions) -> int:
     return 0
 
 
+def _signal_seconds(options: SlurmOptions) -> int:
+    """The checkpoint signal's lead on the time limit; it must come after the job starts."""
+    seconds = SIGNAL_SECONDS if options.signal_seconds is None else options.signal_seconds
+    if not 1 <= seconds <= MAX_SIGNAL_SECONDS:
+        raise UserError(
+            "--signal-seconds",
+            f"{seconds} is not in 1..{MAX_SIGNAL_SECONDS}",
+            "give the seconds before the time limit at which the ranks checkpoint, e.g. 300",
+        )
+    try:
+        limit = time_limit_seconds(options.time)
+    except ValueError:
+        raise UserError(
+            "--time",
+            f"{options.time!r} is not a SLURM time limit",
+            "use HH:MM:SS, D-HH:MM:SS or minutes, e.g. 20:00:00",
+        ) from None
+    if limit is not None and limit <= seconds:
+        raise UserError(
+            "--time",
+            f"{options.time} is not longer than the {seconds} s before the limit "
+            "at which SLURM tells the ranks to checkpoint and stop",
+            "ask for more time, or a smaller --signal-seconds",
+        )
+    return seconds
+
+
 def job_shape(launch: LaunchConfig, options: SlurmOptions, sinfo) -> JobShape:
     """Nodes × per node and CPUs per task: the flags and run file first, then sinfo, then defaults.
 
-    ``launch`` is the run file's launch section with the flags applied; ``sinfo(partition)``
-    answers (GPUs per node, cores per node, source) or Nones.
+    ``launch`` is the run file's launch section with the flags applied;
+    ``sinfo(partition, constraint)`` answers (GPUs per node, cores per node, source) or Nones.
     """
     notes: list[str] = []
     total = launch.gpus
@@ -204,7 +246,7 @@ def job_shape(launch: LaunchConfig, options: SlurmOptions, sinfo) -> JobShape:
         per_node = total  # CPU ranks: one node unless told otherwise
     shape_gpus = shape_cores = None
     if per_node is None or options.cpus_per_gpu is None:
-        shape_gpus, shape_cores, source = sinfo(options.partition)
+        shape_gpus, shape_cores, source = sinfo(options.partition, options.constraint)
         if per_node is None and shape_gpus:
             per_node = min(shape_gpus, total)
             notes.append(f"{shape_gpus} GPUs per node ({source})")
@@ -255,20 +297,22 @@ def job_summary_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def query_sinfo(partition: str | None) -> tuple[int | None, int | None, str]:
-    """(GPUs per node, cores per node, source) of a partition as sinfo reports it."""
+def query_sinfo(
+    partition: str | None, constraint: str | None
+) -> tuple[int | None, int | None, str]:
+    """(GPUs per node, cores per node, source) of the nodes a job would get, as sinfo says."""
     sinfo = shutil.which("sinfo")
     if sinfo is None:
         return None, None, "no sinfo here"
     try:
         result = subprocess.run(
-            [sinfo, "-h", "-o", "%P|%G|%c|%Z"], capture_output=True, text=True, timeout=20
+            [sinfo, "-h", "-o", SINFO_FORMAT], capture_output=True, text=True, timeout=20
         )
     except (OSError, subprocess.SubprocessError):
         return None, None, "sinfo did not answer"
     if result.returncode != 0:
         return None, None, "sinfo did not answer"
-    return node_shape(parse_sinfo_nodes(result.stdout), partition)
+    return node_shape(parse_sinfo_nodes(result.stdout), partition, constraint)
 
 
 def train_command(flags: RunFlags, *, python: str | None = None) -> list[str]:
@@ -344,7 +388,7 @@ def run_under_srun(prepared: PreparedRun, argv: list[str], *, dry_run: bool) -> 
     mark = prepared.run_dir.absolute() / f".requeue-{job}"
     mark.unlink(missing_ok=True)
     prepared.run_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, UNDER_SRUN: "1", "DPLAUNCH_REQUEUE_MARK": str(mark)}
+    env = {**os.environ, UNDER_SRUN: "1", REQUEUE_MARK_ENV: str(mark)}
     code = run_supervised(argv, env)
     if code == 0 and mark.exists():
         mark.unlink(missing_ok=True)

@@ -61,12 +61,34 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
     stop = checkpoint.read_stop_record(prepared.run_dir)
     if stop is not None:
         code = int(stop["exit_status"])
+        _refuse_a_requeue_without_progress(stop, point)
         typer.echo(
             f"dplaunch: stopped at step {stop['step']} ({stop['reason']}), checkpoint {stop['checkpoint']}; "
             f"continue with --resume auto (exit status {code})",
             err=True,
         )
     return code
+
+
+def _refuse_a_requeue_without_progress(stop: dict, point: ResumePoint | None) -> None:
+    # in a SLURM script that requeues on 75: a stop before this launch's first step means the
+    # time-limit signal came during start-up, and every requeue would do the same, forever
+    from dplaunch.rendering.sbatch import REQUEUE_MARK_ENV
+    from dplaunch.train.checkpoint import EXIT_CHECKPOINTED
+
+    started_at = point.checkpoint.step if point is not None else 0
+    if (
+        os.environ.get(REQUEUE_MARK_ENV)
+        and stop["exit_status"] == EXIT_CHECKPOINTED
+        and stop["step"] <= started_at
+    ):
+        raise UserError(
+            "--time",
+            f"the job's time-limit signal ({stop['reason']}) came before its first step "
+            f"(step {started_at + 1}): a requeued job would stop there again, so it is not requeued",
+            "ask for a longer --time (start-up took longer than the time limit minus "
+            "--signal-seconds)",
+        )
 
 
 def _failure_hints(run_dir: Path) -> list[str] | None:

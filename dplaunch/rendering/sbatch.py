@@ -26,13 +26,15 @@ _MODULE_RE = re.compile(r"^[\w./+@:=,-]+$")
 
 # EX_TEMPFAIL: what dplaunch train returns after checkpointing on SIGUSR1/SIGTERM
 REQUEUE_EXIT_STATUS = 75
+# the marker file a node's launcher touches instead of exiting 75 (set by the script for srun)
+REQUEUE_MARK_ENV = "DPLAUNCH_REQUEUE_MARK"
 # run on every node by srun when requeue is on: turns 75 into a marker file and exit 0, because
 # `srun --kill-on-bad-exit=1` takes any other status for a failure and kills the other nodes
 # (srun then returns 143, not 75: measured on SLURM 22.05). Bash ignores USR1, which SLURM sends
 # to every process of the step: the ranks handle it, the launcher passes it on, bash would die.
 NODE_LAUNCHER = (
     'trap "" USR1; "$@"; status=$?; '
-    f'if [ "$status" -eq {REQUEUE_EXIT_STATUS} ]; then touch "$DPLAUNCH_REQUEUE_MARK"; exit 0; fi; '
+    f'if [ "$status" -eq {REQUEUE_EXIT_STATUS} ]; then touch "${REQUEUE_MARK_ENV}"; exit 0; fi; '
     'exit "$status"'
 )
 
@@ -144,6 +146,10 @@ def render_sbatch(spec: SbatchSpec) -> str:
         # SLURM 22.05 stopped passing the job's --cpus-per-task to srun; say it again
         f"--cpus-per-task={spec.cpus_per_task}",
     ]
+    if spec.nomultithread:
+        # and the hint with it: an explicit --cpus-per-task could otherwise place the launcher
+        # and its ranks on both hardware threads of half the cores
+        srun.append("--hint=nomultithread")
     if not spec.requeue:
         lines.append(" ".join(srun) + " " + shlex.join(spec.command))
         return "\n".join(lines) + "\n"
@@ -152,22 +158,40 @@ def render_sbatch(spec: SbatchSpec) -> str:
         f"# {REQUEUE_EXIT_STATUS} from a node's launcher: the ranks saved a checkpoint on SLURM's "
         "time-limit signal;",
         "# the job is then requeued and the same command resumes from that checkpoint.",
-        f"export DPLAUNCH_REQUEUE_MARK={mark}",
-        'rm -f "$DPLAUNCH_REQUEUE_MARK"',
+        f"export {REQUEUE_MARK_ENV}={mark}",
+        f'rm -f "${REQUEUE_MARK_ENV}"',
         f"node_launcher={shlex.quote(NODE_LAUNCHER)}",
         "status=0",
         " ".join(srun)
         + ' bash -c "$node_launcher" dplaunch-node '
         + shlex.join(spec.command)
         + " || status=$?",
-        'if [ "$status" -eq 0 ] && [ -e "$DPLAUNCH_REQUEUE_MARK" ]; then',
-        '    rm -f "$DPLAUNCH_REQUEUE_MARK"',
+        f'if [ "$status" -eq 0 ] && [ -e "${REQUEUE_MARK_ENV}" ]; then',
+        f'    rm -f "${REQUEUE_MARK_ENV}"',
         '    echo "dplaunch: checkpoint saved before the time limit: requeueing job $SLURM_JOB_ID" >&2',
         '    scontrol requeue "$SLURM_JOB_ID"',
         "fi",
         'exit "$status"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def time_limit_seconds(text: str) -> int | None:
+    """Seconds in a SLURM time limit (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S); None when unlimited."""
+    text = text.strip().lower()
+    if not _TIME_RE.match(text):
+        raise ValueError(f"time: {text!r} is not a SLURM time (e.g. 20:00:00, 1-00:00:00, 30)")
+    if text in ("infinite", "unlimited"):
+        return None
+    days, _, clock = text.rpartition("-")
+    parts = [int(part) for part in clock.split(":")]
+    if days:  # D-H, D-H:M, D-H:M:S
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    elif len(parts) == 3:  # H:M:S
+        hours, minutes, seconds = parts
+    else:  # M, M:S
+        hours, (minutes, seconds) = 0, (parts + [0])[:2]
+    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
 
 
 def sbatch_directive(option: str, value: str | None) -> str:
@@ -178,9 +202,10 @@ def sbatch_directive(option: str, value: str | None) -> str:
 
 
 def quote_for_sbatch(value: str) -> str:
-    """Quote a value for an #SBATCH line: escape \\ \" # and wrap in double quotes if needed."""
+    """Quote a value for an #SBATCH line: escape \\ \" ' # and wrap in double quotes if needed."""
     _refuse_line_breaks("value", value)
-    escaped = re.sub(r'([\\"#])', r"\\\1", value)
+    # sbatch takes ' as a quote too (an unmatched one is fatal); escaped, it is a plain character
+    escaped = re.sub(r"""([\\"'#])""", r"\\\1", value)
     if escaped == value and value and not re.search(r"\s", value):
         return value
     return f'"{escaped}"'
