@@ -174,7 +174,7 @@ def prepare_training_run(
         config.launch, allocation=allocation, render_only=render_only
     )
     facts = model_facts(config.model)
-    check_data(config.data, config.model.task)
+    check_data(config.data, config.model.task, config.train.global_batch_size)
     machine = Machine(visible_gpus=visible_gpu_count(), render_only=render_only)
     auto = None
     if config.parallel.auto:

@@ -37,7 +37,7 @@ def local_format(files: list[str], field: str) -> str:
     return formats.pop()
 
 
-def check_data(data: DataConfig, task: str) -> None:
+def check_data(data: DataConfig, task: str, global_batch_size: int | None = None) -> None:
     """Raise UserError when files or columns the run needs are missing."""
     needed = [data.text_column]
     if data.text_pair_column:
