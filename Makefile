@@ -8,8 +8,9 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# torch first, pinned: an open range would pull a multi-GB CUDA build
-	$(PY) -m pip install --quiet -c constraints.txt torch
+	# torch first, pinned: an open range would pull a multi-GB CUDA build. TORCH_INDEX: where pip
+	# finds the CPU build when its configuration does not offer one (README, Install)
+	$(PY) -m pip install --quiet -c constraints.txt $(TORCH_INDEX) torch
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	# an editable install compiles nothing, and with PYTHONDONTWRITEBYTECODE (containers, CI) no
 	# run ever writes bytecode: every command would compile dplaunch again (~50 ms before launch)
