@@ -1,9 +1,20 @@
-"""Check a run's data before launch: files exist, the named columns are there (reads one record)."""
+"""Check a run's data before launch, as `datasets` will read it in the ranks.
+
+Local files: each file is read once, record by record (JSON lines parsed, CSV rows split,
+Parquet from its footer), so a broken line, a missing column or a missing value is named here
+rather than in a rank's traceback; the training rows left after the eval split must fill one
+global batch. Hub ids: the dataset must be in the `datasets` cache, or (online) on the Hub.
+"""
 
 from __future__ import annotations
 
 import csv
+import glob
 import json
+import math
+import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from dplaunch.config.schema import DataConfig
@@ -17,6 +28,14 @@ LOCAL_FORMATS = {
     ".text": "text",
     ".parquet": "parquet",
 }
+
+# cells pandas (the CSV reader of `datasets`) reads as missing by default: these texts become None
+CSV_MISSING = frozenset(
+    {"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN"}
+    | {"<NA>", "N/A", "NA", "NULL", "NaN", "None", "n/a", "nan", "null"}
+)
+# how long the Hub may take to say whether a dataset that is not cached exists
+HUB_TIMEOUT_S = 10.0
 
 
 def is_local(dataset: str | list[str]) -> bool:
@@ -37,13 +56,22 @@ def local_format(files: list[str], field: str) -> str:
     return formats.pop()
 
 
+def eval_fraction_split(rows: int, eval_fraction: float) -> tuple[int, int]:
+    """(training, evaluation) rows of `Dataset.train_test_split(test_size=eval_fraction)`.
+
+    The same float arithmetic as `datasets` (ceil of fraction × rows held out), so the count
+    matches the ranks' split to the row: 0.07 × 100 is 7.000000000000001, which holds out 8."""
+    if rows == 0:
+        return 0, 0  # `datasets` hands an empty dataset back as both splits
+    held_out = math.ceil(eval_fraction * rows)
+    return rows - held_out, held_out
+
+
 def check_data(data: DataConfig, task: str, global_batch_size: int | None = None) -> None:
-    """Raise UserError when files or columns the run needs are missing."""
-    needed = [data.text_column]
-    if data.text_pair_column:
-        needed.append(data.text_pair_column)
-    if task == "sequence-classification":
-        needed.append(data.label_column)
+    """Raise UserError when files, records, columns or rows the run needs are missing."""
+    columns = _needed_columns(data, task)
+    packing = task == "causal-lm" and (data.packing if data.packing is not None else True)
+    training: _Summary | None = None
     for field, dataset in (
         ("data.dataset", data.dataset),
         ("data.eval_dataset", data.eval_dataset),
@@ -57,10 +85,17 @@ def check_data(data: DataConfig, task: str, global_batch_size: int | None = None
                     f"{dataset} is not a local file",
                     "give local file(s), or use data.eval_split for a hub dataset",
                 )
+            check_hub_dataset(dataset, field)
             continue
         files = dataset if isinstance(dataset, list) else [dataset]
         for item in files:
             path = Path(item).expanduser()
+            if path.is_dir():
+                raise UserError(
+                    field,
+                    f"{item} is a directory",
+                    "name the data files in it (a list of paths is fine)",
+                )
             if not path.is_file():
                 raise UserError(
                     field,
@@ -68,49 +103,385 @@ def check_data(data: DataConfig, task: str, global_batch_size: int | None = None
                     "check the path (relative paths are relative to the run file)",
                 )
         fmt = local_format(files, field)
-        columns = _columns(Path(files[0]).expanduser(), fmt)
-        if columns is None:
-            continue
-        for column, name in zip(needed, _column_fields(data, task), strict=True):
-            if column not in columns:
-                raise UserError(
-                    name,
-                    f"column {column!r} is not in {files[0]}",
-                    f"its columns are {', '.join(sorted(columns))}",
-                )
+        summary = _Summary(count_bytes=packing and field == "data.dataset")
+        for item in files:
+            _read_file(Path(item).expanduser(), fmt, field, columns, summary)
+        if summary.rows == 0 and summary.rows_known:
+            only = Path(files[0]).expanduser()
+            problem = (
+                f"{files[0]}: the file is empty"
+                if len(files) == 1 and only.stat().st_size == 0
+                else f"{', '.join(files)} hold(s) no records"
+            )
+            raise UserError(field, problem, "give a file with data")
+        if field == "data.dataset":
+            training = summary
     if is_local(data.dataset) and data.eval_split is not None and data.eval_split != data.split:
         raise UserError(
             "data.eval_split",
             f"local files have a single split, so {data.eval_split!r} does not exist",
             "use data.eval_fraction or data.eval_dataset",
         )
+    if training is not None and training.rows_known and global_batch_size:
+        _check_one_global_batch(training, data, packing, global_batch_size)
 
 
-def _column_fields(data: DataConfig, task: str) -> list[str]:
-    names = ["data.text_column"]
+def check_hub_dataset(name: str | list[str], field: str = "data.dataset") -> None:
+    """Refuse a hub dataset the ranks cannot load: not in the `datasets` cache and the Hub is
+    off (HF_HUB_OFFLINE) or does not have it. Only `datasets`' own cache counts: offline,
+    `load_dataset` reads nothing else (a hub-cache snapshot alone fails with ConnectionError)."""
+    if isinstance(name, list):
+        raise UserError(field, f"{name} names no local file", "a list must name local data files")
+    looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1
+    if looks_like_path:
+        raise UserError(
+            field,
+            f"{name} does not exist",
+            "check the path (relative paths are relative to the run file)",
+        )
+    cache = datasets_cache_dir()
+    if _in_datasets_cache(name, cache):
+        return
+    download = (
+        f'load it once where the Hub is reachable (python -c "import datasets; '
+        f"datasets.load_dataset('{name}')\") with the same HF_HOME, or give local files"
+    )
+    if hub_offline():
+        raise UserError(
+            field,
+            f"hub dataset {name!r} is not in the datasets cache ({cache}) and offline mode is "
+            "on (HF_HUB_OFFLINE)",
+            download,
+        )
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        HfApi().dataset_info(name, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        raise UserError(
+            field,
+            f"hub dataset {name!r} is gated and this account has no access",
+            f"ask for access on https://huggingface.co/datasets/{name} and log in (HF_TOKEN)",
+        ) from None
+    except RepositoryNotFoundError:
+        raise UserError(
+            field,
+            f"{name!r} is neither a local file nor a dataset on the Hugging Face Hub",
+            "check the id (org/name) or the path; a private dataset needs a login (HF_TOKEN)",
+        ) from None
+    except HfHubHTTPError:
+        return  # the Hub answered something else: the ranks will say what
+    except Exception as exc:  # no answer at all: DNS, refused, timed out
+        raise UserError(
+            field,
+            f"hub dataset {name!r} is not in the datasets cache ({cache}) and the Hub cannot "
+            f"be reached ({type(exc).__name__})",
+            download,
+        ) from None
+
+
+def datasets_cache_dir() -> Path:
+    """Where `datasets` keeps prepared datasets (HF_DATASETS_CACHE, else HF_HOME/datasets)."""
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface"
+    )
+    return Path(os.environ.get("HF_DATASETS_CACHE") or os.path.join(home, "datasets")).expanduser()
+
+
+def hub_offline() -> bool:
+    """Offline as `datasets` decides it: HF_DATASETS_OFFLINE when set, else HF_HUB_OFFLINE."""
+    true = {"1", "ON", "YES", "TRUE"}
+    datasets_offline = os.environ.get("HF_DATASETS_OFFLINE")
+    if datasets_offline is not None:
+        return datasets_offline.upper() in true
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.upper() in true
+
+
+def _in_datasets_cache(name: str, cache: Path) -> bool:
+    # the layout `datasets` looks up when the Hub is out of reach: <namespace>___<snake_name>/*/*/*
+    parts = name.split("/")
+    parts[-1] = _camelcase_to_snakecase(parts[-1])
+    root = cache / "___".join(parts)
+    return any(
+        os.path.isdir(path)
+        for path in glob.glob(os.path.join(glob.escape(str(root)), "*", "*", "*"))
+    )
+
+
+def _camelcase_to_snakecase(name: str) -> str:
+    # datasets.naming.camelcase_to_snakecase (not imported: `datasets` takes a second to import)
+    name = re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", name)
+    return re.sub(r"([a-z\d])([A-Z])", r"\1_\2", name).lower()
+
+
+@dataclass
+class _Summary:
+    """What the check learnt from a dataset's files."""
+
+    rows: int = 0
+    # UTF-8 bytes of the text column(s) over all rows: bounds the tokens a packed run can make
+    text_bytes: int = 0
+    # False when a file's rows could not be counted (a JSON file holding one object)
+    rows_known: bool = True
+    # whether text_bytes is needed (packed training data): Parquet columns are read only then
+    count_bytes: bool = False
+
+
+def _needed_columns(data: DataConfig, task: str) -> list[tuple[str, str]]:
+    """(field, column) pairs every record must carry."""
+    needed = [("data.text_column", data.text_column)]
     if data.text_pair_column:
-        names.append("data.text_pair_column")
+        needed.append(("data.text_pair_column", data.text_pair_column))
     if task == "sequence-classification":
-        names.append("data.label_column")
-    return names
+        needed.append(("data.label_column", data.label_column))
+    return needed
 
 
-def _columns(path: Path, fmt: str) -> set[str] | None:
+def _read_file(
+    path: Path, fmt: str, field: str, needed: list[tuple[str, str]], summary: _Summary
+) -> None:
     try:
         if fmt == "text":
-            return {"text"}
-        if fmt == "csv":
-            with path.open(newline="") as handle:
-                return set(next(csv.reader(handle), []))
-        if fmt == "json":
-            with path.open() as handle:
-                first = handle.readline().strip()
-                if first.startswith("["):
-                    return None  # a JSON array: `datasets` will check it
-                record = json.loads(first) if first else {}
-            return set(record) if isinstance(record, dict) else None
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
+            _read_text(path, needed, summary)
+        elif fmt == "csv":
+            _read_csv(path, needed, summary)
+        elif fmt == "json":
+            _read_json(path, field, needed, summary)
+        else:
+            _read_parquet(path, needed, summary)
+    except UserError:
+        raise
+    except UnicodeDecodeError as exc:
         raise UserError(
-            "data.dataset", f"cannot read {path}: {exc}", "fix or replace the file"
+            field,
+            f"cannot read {path}: not UTF-8 text (byte {exc.start})",
+            "save it as UTF-8",
         ) from None
-    return None  # parquet: `datasets` checks it in the ranks
+    except (OSError, ValueError, csv.Error) as exc:
+        raise UserError(field, f"cannot read {path}: {exc}", "fix or replace the file") from None
+
+
+def _missing_column(
+    field: str, column: str, path: Path, columns: set[str] | list[str]
+) -> UserError:
+    listed = ", ".join(sorted(columns)) if columns else "none"
+    return UserError(field, f"column {column!r} is not in {path}", f"its columns are {listed}")
+
+
+def _read_text(path: Path, needed: list[tuple[str, str]], summary: _Summary) -> None:
+    # the text builder: one row per line (universal newlines), blank lines included
+    for field, column in needed:
+        if column != "text":
+            raise _missing_column(field, column, path, ["text"])
+    with path.open(encoding="utf-8") as handle:
+        for line in handle:
+            summary.rows += 1
+            summary.text_bytes += len(line.rstrip("\n").encode())
+
+
+def _read_csv(path: Path, needed: list[tuple[str, str]], summary: _Summary) -> None:
+    # pandas as `datasets` calls it: a UTF-8 BOM is no part of the first column's name, blank
+    # lines are skipped (before the header too), and the cells in CSV_MISSING are missing
+    # pandas takes cells of any length; the csv module's default limit is 128 KiB
+    csv.field_size_limit(2**31 - 1)
+    with path.open(encoding="utf-8-sig", newline="") as handle:
+        reader = csv.reader(handle)
+        header: list[str] | None = None
+        positions: list[tuple[str, str, int]] = []
+        for row in reader:
+            if not row or (len(row) == 1 and not row[0].strip()):
+                continue
+            if header is None:
+                header = row
+                for field, column in needed:
+                    if column not in header:
+                        raise _missing_column(field, column, path, header)
+                    positions.append((field, column, header.index(column)))
+                continue
+            summary.rows += 1
+            for field, column, index in positions:
+                value = row[index] if index < len(row) else ""
+                if value in CSV_MISSING:
+                    raise UserError(
+                        field,
+                        f"line {reader.line_num} of {path} has no {column!r} "
+                        f"({value!r} reads as missing)",
+                        "fill it in or drop that row",
+                    )
+                if field != "data.label_column":
+                    summary.text_bytes += len(value.encode())
+        if header is None:
+            return  # no header at all: the file holds no rows
+
+
+_WHITESPACE = re.compile(r"\s*")
+
+
+def _read_json(path: Path, field: str, needed: list[tuple[str, str]], summary: _Summary) -> None:
+    """JSON lines, one record at a time; a file that is one JSON document (an array of records,
+    or one object spread over lines) is read whole, as `datasets` falls back to."""
+    decoder = json.JSONDecoder()
+    seen: set[str] = set()
+    records = _Summary()
+    problems: list[tuple[str, str, str]] = []  # (field, problem, fix) of the first bad record
+    with path.open(encoding="utf-8-sig") as handle:
+        for number, line in enumerate(handle, 1):
+            position = _WHITESPACE.match(line).end()
+            while position < len(line):
+                try:
+                    record, position = decoder.raw_decode(line, position)
+                except ValueError as exc:
+                    return _read_json_document(path, field, needed, summary, number, exc)
+                position = _WHITESPACE.match(line, position).end()
+                if not isinstance(record, dict):
+                    return _read_json_document(path, field, needed, summary, number, None)
+                seen.update(record)
+                records.rows += 1
+                _check_record(record, f"line {number}", path, needed, records, problems)
+    _finish_records(path, needed, seen, records, problems, summary)
+
+
+def _read_json_document(
+    path: Path,
+    field: str,
+    needed: list[tuple[str, str]],
+    summary: _Summary,
+    line: int,
+    error: ValueError | None,
+) -> None:
+    with path.open(encoding="utf-8-sig") as handle:
+        try:
+            document = json.load(handle)
+        except ValueError:
+            document = None
+    if isinstance(document, dict):
+        # one object: `datasets` makes it one row; its shape is for `datasets` to judge
+        summary.rows_known = False
+        return
+    if not isinstance(document, list) or not all(isinstance(item, dict) for item in document):
+        problem = f"not valid JSON: {error.msg}" if error is not None else "not a JSON object"
+        raise UserError(
+            field,
+            f"line {line} of {path} is {problem}",
+            "fix that line (JSON lines: one object per line)",
+        )
+    seen: set[str] = set()
+    records = _Summary()
+    problems: list[tuple[str, str, str]] = []
+    for number, record in enumerate(document, 1):
+        seen.update(record)
+        records.rows += 1
+        _check_record(record, f"record {number}", path, needed, records, problems)
+    _finish_records(path, needed, seen, records, problems, summary)
+
+
+def _check_record(
+    record: dict,
+    where: str,
+    path: Path,
+    needed: list[tuple[str, str]],
+    records: _Summary,
+    problems: list[tuple[str, str, str]],
+) -> None:
+    for field, column in needed:
+        value = record.get(column)
+        if field != "data.label_column":
+            if isinstance(value, str):
+                records.text_bytes += len(value.encode())
+                continue
+        elif value is not None:
+            continue
+        if not problems:
+            problem = (
+                f"{where} of {path} has no {column!r}"
+                if value is None
+                else f"{where} of {path} has {json.dumps(value)[:40]} as {column!r}, not a text"
+            )
+            problems.append((field, problem, "fix that record or drop it"))
+
+
+def _finish_records(
+    path: Path,
+    needed: list[tuple[str, str]],
+    seen: set[str],
+    records: _Summary,
+    problems: list[tuple[str, str, str]],
+    summary: _Summary,
+) -> None:
+    # a column no record has is the likelier mistake (a wrong name): say that first
+    if records.rows:
+        for field, column in needed:
+            if column not in seen:
+                raise _missing_column(field, column, path, seen)
+    if problems:
+        raise UserError(*problems[0])
+    summary.rows += records.rows
+    summary.text_bytes += records.text_bytes
+
+
+def _read_parquet(path: Path, needed: list[tuple[str, str]], summary: _Summary) -> None:
+    # the footer names the columns and counts the rows; the texts are read only for packing
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+        names = parquet.schema_arrow.names
+        for field, column in needed:
+            if column not in names:
+                raise _missing_column(field, column, path, names)
+        summary.rows += parquet.metadata.num_rows
+        texts = [column for field, column in needed if field != "data.label_column"]
+        if summary.count_bytes and parquet.metadata.num_rows:
+            table = parquet.read(columns=texts)
+            for column in texts:
+                summary.text_bytes += pc.sum(pc.binary_length(table.column(column))).as_py() or 0
+    except UserError:
+        raise
+    except Exception as exc:  # pyarrow's ArrowInvalid is a ValueError, but not all its errors are
+        raise ValueError(f"not a readable Parquet file ({exc})") from None
+
+
+def _check_one_global_batch(
+    training: _Summary, data: DataConfig, packing: bool, global_batch_size: int
+) -> None:
+    rows, held_out = training.rows, 0
+    if data.eval_fraction is not None:
+        rows, held_out = eval_fraction_split(training.rows, data.eval_fraction)
+    after_split = (
+        f" ({_count(training.rows, 'row')} less {held_out} held out by data.eval_fraction {data.eval_fraction})"
+        if held_out
+        else ""
+    )
+    if not packing:
+        if rows >= global_batch_size:
+            return
+        raise UserError(
+            "train.global_batch_size",
+            f"the training set has {_count(rows, 'sample')}{after_split}, fewer than one global batch of "
+            f"{global_batch_size}",
+            f"use a global batch of {rows} or less, or give more data"
+            if rows
+            else "give more data",
+        )
+    # packed causal LM: samples are blocks of max_length tokens. A tokenizer makes at most about
+    # one token per UTF-8 byte (the byte-level one exactly that), plus a prefix and the EOS per
+    # row, so this bound is never below the ranks' count (held-out rows are not subtracted)
+    tokens = training.text_bytes + 2 * training.rows
+    blocks = tokens // data.max_length
+    if blocks >= global_batch_size:
+        return
+    raise UserError(
+        "train.global_batch_size",
+        f"the training texts make at most {blocks} blocks of data.max_length {data.max_length} "
+        f"tokens ({_count(training.text_bytes, 'byte')} in {_count(training.rows, 'row')}), fewer than one global "
+        f"batch of {global_batch_size}",
+        (f"use a global batch of {blocks} or less, " if blocks else "")
+        + "a smaller data.max_length, or more data",
+    )
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"

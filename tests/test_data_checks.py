@@ -1,0 +1,277 @@
+"""Data mistakes are caught before launch, as `datasets` would meet them in the ranks: a hub
+dataset the ranks cannot load, a broken line anywhere in a file, a column missing from any file,
+fewer rows than one global batch. Valid files `datasets` reads (a UTF-8 BOM, blank lines) pass.
+Every case really runs `dplaunch train … --dry-run`."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import DEFAULT_CONFIG, TINY_LLAMA, child_environment, run_dplaunch
+
+# one global batch of 4 on one CPU rank, no evaluation cut: the row counts below are exact
+SMALL_BATCH = ("--cpu", "--gpus", "1", "--global-batch", "4", "--micro-batch", "1")
+NO_EVAL = ("--set", "data.eval_fraction=null")
+
+
+def reviews(count: int, label: bool = True) -> list[dict]:
+    rows = [
+        {"text": f"review {i}: the tour was {'good' if i % 2 else 'poor'}"} for i in range(count)
+    ]
+    if label:
+        for i, row in enumerate(rows):
+            row["label"] = i % 2
+    return rows
+
+
+def jsonl(rows: list[dict]) -> str:
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
+def files_under(folder: Path) -> list[str]:
+    return sorted(str(path.relative_to(folder)) for path in folder.rglob("*"))
+
+
+def hub_environment(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The test environment with an empty Hugging Face home of its own."""
+    env = child_environment(HF_HOME=str(tmp_path / "hf-home"), **extra)
+    env.pop("HF_DATASETS_CACHE", None)
+    env.pop("HF_HUB_CACHE", None)
+    return env
+
+
+def dry_run(tmp_path: Path, config: Path, *args, env: dict[str, str] | None = None):
+    return run_dplaunch(
+        "train", config, *args, "--dry-run", "-o", tmp_path / "run", env=env, timeout=120
+    )
+
+
+def refused(tmp_path: Path, config: Path, *args, env: dict[str, str] | None = None) -> str:
+    """Run the command, insist on the one-line refusal with nothing written; return the line."""
+    before = files_under(tmp_path)
+    result = dry_run(tmp_path, config, *args, env=env)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr + result.stdout[-2000:]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("dplaunch: error: ")
+    assert files_under(tmp_path) == before, "something was written"
+    return lines[0]
+
+
+def accepted(tmp_path: Path, config: Path, *args, env: dict[str, str] | None = None) -> None:
+    result = dry_run(tmp_path, config, *args, env=env)
+    assert result.returncode == 0, result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+# 1. hub datasets the ranks cannot load
+
+
+def test_a_hub_dataset_missing_from_the_cache_is_refused_when_offline(tmp_path):
+    line = refused(
+        tmp_path,
+        TINY_LLAMA,
+        "--set",
+        "data.dataset=someorg/nonexistent-ds",
+        env=hub_environment(tmp_path, HF_HUB_OFFLINE="1"),
+    )
+    assert line.startswith("dplaunch: error: data.dataset: hub dataset 'someorg/nonexistent-ds'")
+    assert "not in the datasets cache" in line and "offline" in line
+
+
+def test_a_hub_dataset_in_the_datasets_cache_passes_offline(tmp_path):
+    # the folder `load_dataset` falls back to offline: <namespace>___<snake_case name>/config/version/hash
+    env = hub_environment(tmp_path, HF_HUB_OFFLINE="1")
+    (
+        tmp_path / "hf-home" / "datasets" / "someorg___tiny_reviews" / "default" / "0.0.0" / "abc"
+    ).mkdir(parents=True)
+    accepted(tmp_path, TINY_LLAMA, "--set", "data.dataset=someorg/TinyReviews", env=env)
+    # HF_DATASETS_CACHE wins over HF_HOME, as in `datasets`
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    line = refused(
+        tmp_path,
+        TINY_LLAMA,
+        "--set",
+        "data.dataset=someorg/TinyReviews",
+        env={**env, "HF_DATASETS_CACHE": str(elsewhere)},
+    )
+    assert str(elsewhere) in line
+
+
+class FakeHub(http.server.BaseHTTPRequestHandler):
+    """The Hub's dataset-info endpoint: someorg/exists is there, anything else is not."""
+
+    def do_GET(self):  # noqa: N802 (the http.server name)
+        if self.path.startswith("/api/datasets/someorg/exists"):
+            body, status, headers = b'{"id": "someorg/exists", "sha": "abc"}', 200, {}
+        else:
+            body, status = b'{"error": "Repository not found"}', 404
+            headers = {"X-Error-Code": "RepoNotFound"}
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_hub():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_online_a_hub_dataset_not_cached_is_asked_for_at_the_hub(tmp_path, fake_hub):
+    env = hub_environment(tmp_path, HF_HUB_OFFLINE="0", HF_ENDPOINT=fake_hub)
+    line = refused(tmp_path, TINY_LLAMA, "--set", "data.dataset=someorg/nonexistent-ds", env=env)
+    assert "data.dataset: 'someorg/nonexistent-ds' is neither a local file nor a dataset" in line
+    # one the Hub has is left for the ranks to download
+    accepted(tmp_path, TINY_LLAMA, "--set", "data.dataset=someorg/exists", env=env)
+
+
+def test_online_an_unreachable_hub_is_refused_when_the_dataset_is_not_cached(tmp_path):
+    with socket.socket() as sock:  # a port nobody listens on: connection refused
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = hub_environment(tmp_path, HF_HUB_OFFLINE="0", HF_ENDPOINT=f"http://127.0.0.1:{port}")
+    line = refused(tmp_path, TINY_LLAMA, "--set", "data.dataset=someorg/nonexistent-ds", env=env)
+    assert "data.dataset: " in line and "the Hub cannot be reached" in line
+
+
+# 2. every file, every line, Parquet too
+
+
+def test_a_parquet_file_without_the_text_column_is_refused(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = reviews(40)
+    bad, good = tmp_path / "sentences.parquet", tmp_path / "texts.parquet"
+    pq.write_table(pa.table({"sentence": [r["text"] for r in rows]}), bad)
+    pq.write_table(pa.table({"text": [r["text"] for r in rows]}), good)
+    line = refused(tmp_path, TINY_LLAMA, "--set", f"data.dataset={bad}")
+    assert (
+        "data.text_column: column 'text' is not in" in line and "its columns are sentence" in line
+    )
+    accepted(tmp_path, TINY_LLAMA, "--set", f"data.dataset={good}")
+
+
+def test_every_file_of_a_list_is_checked(tmp_path):
+    good, other = tmp_path / "good.jsonl", tmp_path / "other.jsonl"
+    good.write_text(jsonl(reviews(40)))
+    other.write_text(jsonl([{"content": row["text"]} for row in reviews(40)]))
+    line = refused(tmp_path, TINY_LLAMA, "--set", f"data.dataset=[{good},{other}]")
+    assert f"data.text_column: column 'text' is not in {other}" in line
+    accepted(tmp_path, TINY_LLAMA, "--set", f"data.dataset=[{good},{good}]")
+
+
+def test_a_json_lines_file_broken_after_its_first_line_is_refused(tmp_path):
+    broken = tmp_path / "broken.jsonl"
+    lines = jsonl(reviews(40)).splitlines()
+    lines[30] = lines[30][:-1]  # the closing brace lost
+    broken.write_text("\n".join(lines) + "\n")
+    line = refused(tmp_path, DEFAULT_CONFIG, "--set", f"data.dataset={broken}")
+    assert f"data.dataset: line 31 of {broken} is not valid JSON" in line
+
+
+def test_a_record_without_its_label_is_refused(tmp_path):
+    rows = reviews(40)
+    del rows[12]["label"]
+    path = tmp_path / "reviews.jsonl"
+    path.write_text(jsonl(rows))
+    line = refused(tmp_path, DEFAULT_CONFIG, "--set", f"data.dataset={path}")
+    assert f"data.label_column: line 13 of {path} has no 'label'" in line
+
+
+# 3. valid files `datasets` reads are not refused
+
+
+def test_a_csv_file_with_a_utf8_bom_passes(tmp_path):
+    path = tmp_path / "bom.csv"
+    rows = "".join(f"{row['text']},{row['label']}\n" for row in reviews(40))
+    path.write_text("\ufefftext,label\n" + rows, encoding="utf-8")
+    accepted(tmp_path, DEFAULT_CONFIG, *SMALL_BATCH, "--set", f"data.dataset={path}")
+    # the BOM is not part of a column name, in a refusal either
+    line = refused(
+        tmp_path, DEFAULT_CONFIG, "--set", f"data.dataset={path}", "--set", "data.text_column=body"
+    )
+    assert line.endswith("its columns are label, text"), line
+
+
+def test_a_json_lines_file_with_a_blank_first_line_passes(tmp_path):
+    path = tmp_path / "blankfirst.jsonl"
+    path.write_text("\n" + jsonl(reviews(40)) + "\n  \n")
+    accepted(tmp_path, DEFAULT_CONFIG, *SMALL_BATCH, "--set", f"data.dataset={path}")
+
+
+def test_an_empty_file_is_called_empty(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    line = refused(tmp_path, DEFAULT_CONFIG, "--set", f"data.dataset={path}")
+    assert f"data.dataset: {path}: the file is empty" in line
+
+
+# 4. one global batch of training rows, after the eval cut the ranks make
+
+
+def test_fewer_rows_than_one_global_batch_are_refused(tmp_path):
+    path = tmp_path / "tiny.jsonl"
+    path.write_text(jsonl(reviews(5)))
+    line = refused(tmp_path, DEFAULT_CONFIG, *NO_EVAL, "--set", f"data.dataset={path}")
+    assert line.startswith("dplaunch: error: train.global_batch_size: the training set has 5 ")
+    assert "fewer than one global batch of 32" in line
+
+
+def test_the_row_count_is_the_one_after_the_ranks_eval_cut(tmp_path):
+    # 100 rows, eval_fraction 0.07: `datasets` holds out ceil(0.07 × 100) = ceil(7.000000000000001) = 8
+    path = tmp_path / "hundred.csv"
+    path.write_text("text,label\n" + "".join(f"{r['text']},{r['label']}\n" for r in reviews(100)))
+    common = ("--cpu", "--gpus", "1", "--micro-batch", "1", "--set", f"data.dataset={path}")
+    common += ("--set", "data.eval_fraction=0.07")
+    accepted(tmp_path, DEFAULT_CONFIG, *common, "--global-batch", "92")
+    line = refused(tmp_path, DEFAULT_CONFIG, *common, "--global-batch", "93")
+    assert (
+        "train.global_batch_size: the training set has 92 samples (100 rows less 8 held out" in line
+    )
+
+
+def test_packed_texts_that_cannot_fill_one_global_batch_are_refused(tmp_path):
+    # the tiny Llama packs byte-level tokens into blocks of 64: 5 short reviews make 3 at most
+    path = tmp_path / "tiny.jsonl"
+    path.write_text(jsonl(reviews(5, label=False)))
+    line = refused(tmp_path, TINY_LLAMA, "--set", f"data.dataset={path}")
+    assert "train.global_batch_size: the training texts make at most" in line
+    assert "fewer than one global batch of 8" in line
+
+
+def test_the_eval_cut_is_the_one_datasets_makes():
+    from datasets import Dataset
+
+    from dplaunch.planning.data_check import eval_fraction_split
+
+    for rows in (1, 2, 3, 7, 10, 29, 30, 31, 100, 200, 333):
+        table = Dataset.from_dict({"text": ["x"] * rows})
+        for fraction in (0.01, 0.05, 0.07, 0.1, 0.2, 0.3, 0.5, 0.7, 0.99):
+            expected = eval_fraction_split(rows, fraction)
+            if expected[0] == 0:
+                with pytest.raises(ValueError):  # `datasets` refuses an empty training split
+                    table.train_test_split(test_size=fraction, seed=1)
+                continue
+            parts = table.train_test_split(test_size=fraction, seed=1)
+            assert (len(parts["train"]), len(parts["test"])) == expected, (rows, fraction)
