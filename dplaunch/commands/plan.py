@@ -17,7 +17,7 @@ from dplaunch.errors import UserError
 from dplaunch.planning.auto import Workload, plan_candidates, run_workload
 from dplaunch.planning.candidates import Candidate, format_table, to_json_rows
 from dplaunch.planning.estimate import count_parameters
-from dplaunch.planning.model_facts import ModelFacts, load_config_json
+from dplaunch.planning.model_facts import ModelFacts, load_config_json, looks_like_path
 from dplaunch.planning.plan import _nodes
 
 # what a bare `--model` plans for, when no run file says otherwise
@@ -86,12 +86,17 @@ def _model_config(model: str) -> dict[str, Any]:
     """config.json of a folder, a cached hub model, or (online) fetched alone from the hub."""
     import os
 
+    if model.startswith("pkg:"):  # how run files name a model shipped in a Python package
+        from dplaunch.config.load import resolve_package_path
+
+        model = resolve_package_path(model)
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    if offline or Path(model).expanduser().exists() or looks_like_path(model):
+        # a local path is reported for what it is (a broken folder is no reason to ask the hub)
+        return load_config_json(model, field="--model")
     try:
         return load_config_json(model, field="--model")
     except UserError:
-        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-        if offline or model.startswith((".", "/", "~")) or model.count("/") > 1:
-            raise
         try:
             from huggingface_hub import hf_hub_download
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -10,10 +11,63 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from dplaunch.config.schema import RunConfig, ScriptRunConfig
+from dplaunch.config.schema import FieldProblem, RunConfig, ScriptRunConfig
 from dplaunch.errors import UserError
 
 DEFAULT_CONFIG_NAME = "default.yaml"
+# keys of a Hugging Face config.json: a file with them and no model: section is a model, not a run
+_HF_CONFIG_KEYS = ("model_type", "architectures")
+# fixes for keys whose generic "fix the value" says too little
+_FIXES = {
+    "data.dataset": "give a hub dataset id or local file(s) (.json/.jsonl/.csv/.txt/.parquet), "
+    "or a list of them",
+    "data.eval_dataset": "give local file(s) (.json/.jsonl/.csv/.txt/.parquet), or a list of them",
+}
+# the branch pydantic appends to the location of an error in a union (str | list[str]): not a key
+_UNION_BRANCH = re.compile(r"(str|int|float|bool|dict|list|none)(\[.*\])?")
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping that names the same key twice (YAML keeps the last one silently)."""
+
+    def __init__(self, path: str, first_line: int, line: int):
+        super().__init__(f"{path} appears twice (lines {first_line} and {line})")
+        self.path, self.first_line, self.line = path, first_line, line
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key repeated in one mapping instead of keeping the last one."""
+
+    def get_single_data(self) -> Any:
+        node = self.get_single_node()
+        if node is None:
+            return None
+        _check_unique_keys(node, [])
+        return self.construct_document(node)
+
+
+def _check_unique_keys(node: yaml.Node, path: list[str]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden
+                _check_unique_keys(value_node, path)
+                continue
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else id(key_node)
+            line = key_node.start_mark.line + 1
+            where = [*path, str(key)]
+            if key in seen:
+                raise DuplicateKeyError(".".join(where), seen[key], line)
+            seen[key] = line
+            _check_unique_keys(value_node, where)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _check_unique_keys(item, [*path, str(index)])
+
+
+def load_yaml(text: str) -> Any:
+    """yaml.safe_load, but a key repeated in one mapping is an error (DuplicateKeyError)."""
+    return yaml.load(text, Loader=UniqueKeyLoader)  # a SafeLoader: builds plain data only
 
 
 def default_config_text() -> str:
@@ -40,7 +94,14 @@ def read_yaml_file(path: str | Path) -> dict[str, Any]:
 def parse_yaml_text(text: str, source: str) -> dict[str, Any]:
     """Parse YAML text, reporting the line of a syntax error."""
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
+    except DuplicateKeyError as exc:
+        raise UserError(
+            exc.path,
+            f"appears twice in {source} (lines {exc.first_line} and {exc.line}); YAML would "
+            "silently keep only the last one",
+            "merge the two into one",
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -72,7 +133,11 @@ def parse_override(assignment: str) -> tuple[list[str], Any]:
             "--set", f"{assignment!r} has an empty key", "write e.g. --set train.lr=1e-4"
         )
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = load_yaml(raw) if raw.strip() else None
+    except DuplicateKeyError as exc:
+        raise UserError(
+            "--set", f"{key.strip()}: {exc.path} appears twice in the value", "give it once"
+        ) from None
     except yaml.YAMLError:
         value = raw
     return keys, value
@@ -133,6 +198,15 @@ def load_run_config(
     else:
         data = read_yaml_file(path)
         base_dir = Path(path).resolve().parent
+        if schema is RunConfig and "model" not in data and any(k in data for k in _HF_CONFIG_KEYS):
+            raise UserError(
+                "CONFIG",
+                f"{path} looks like a Hugging Face model config (it has "
+                f"{' and '.join(k for k in _HF_CONFIG_KEYS if k in data)}), not a dplaunch run file",
+                "name the model's folder in a run file (model.name_or_path), e.g. "
+                f"dplaunch train --set model.name_or_path={Path(path).parent}; "
+                f"dplaunch plan takes it as --model {path}",
+            )
     return build_run_config(
         data, overrides=overrides, assignments=assignments, base_dir=base_dir, schema=schema
     )
@@ -186,11 +260,14 @@ def _resolve_relative_paths(config: RunConfig, base_dir: Path | None) -> None:
 
 def _validation_error(exc: ValidationError) -> UserError:
     error = exc.errors()[0]
-    location = ".".join(str(part) for part in error["loc"])
     kind = error["type"]
+    parts = [str(part) for part in error["loc"]]
+    if kind != "extra_forbidden":  # an unknown key is named as written, even "str"
+        parts = [part for part in parts if not _UNION_BRANCH.fullmatch(part)]
+    location = ".".join(parts)
     value = error.get("input")
     if kind == "extra_forbidden":
-        section = ".".join(str(part) for part in error["loc"][:-1])
+        section = ".".join(parts[:-1])
         known = _known_keys(section)
         hint = f"known keys here: {', '.join(known)}" if known else "remove it"
         return UserError(location, "unknown key", hint)
@@ -198,23 +275,43 @@ def _validation_error(exc: ValidationError) -> UserError:
         return UserError(
             location, "is required", f"add {location} to the run file or pass it with --set"
         )
+    problem = (error.get("ctx") or {}).get("error")
+    if isinstance(problem, FieldProblem):
+        field = ".".join(part for part in (location, problem.key) if part)
+        return UserError(field or "config", problem.problem, problem.fix)
     message = error["msg"].removeprefix("Value error, ")
     if kind in ("value_error", "assertion_error"):
         return UserError(location or "config", message, "")
+    if value is None:
+        field = _field(location)
+        default = field is not None and not field.is_required()
+        fix = "give a value, or remove the key for its default" if default else "give a value"
+        return UserError(location, "is empty", _FIXES.get(location, fix))
     shown = repr(value) if not isinstance(value, dict) else "a mapping"
-    return UserError(location, f"{shown} is invalid: {message}", "fix the value")
+    return UserError(
+        location, f"{shown} is invalid: {message}", _FIXES.get(location, "fix the value")
+    )
+
+
+def _field(location: str) -> Any:
+    """The pydantic FieldInfo of a dotted run-file key (None when it names no field)."""
+    model: Any = RunConfig
+    field = None
+    for part in [p for p in location.split(".") if p]:
+        fields = getattr(model, "model_fields", None)
+        field = fields.get(part) if fields else None
+        if field is None:
+            return None
+        annotation = field.annotation
+        model = annotation if isinstance(annotation, type) else None
+    return field
 
 
 def _known_keys(section: str) -> list[str]:
-    model: Any = RunConfig
-    for part in [p for p in section.split(".") if p]:
-        field = model.model_fields.get(part)
-        if field is None:
-            return []
-        annotation = field.annotation
-        model = annotation if isinstance(annotation, type) else None
-        if model is None or not hasattr(model, "model_fields"):
-            return []
+    field = _field(section) if section else None
+    model = RunConfig if not section else (field.annotation if field is not None else None)
+    if not isinstance(model, type) or not hasattr(model, "model_fields"):
+        return []
     return sorted(model.model_fields)
 
 

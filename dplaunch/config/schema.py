@@ -17,6 +17,18 @@ Scheduler = Literal[
 ]
 
 
+class FieldProblem(ValueError):
+    """A validator's verdict on one key, with its fix; config.load turns it into a UserError.
+
+    ``key`` is relative to where pydantic reports the error (the section a model validator
+    belongs to), e.g. "micro_batch_size" inside "train"; "" for the section itself.
+    """
+
+    def __init__(self, key: str, problem: str, fix: str):
+        super().__init__(problem)
+        self.key, self.problem, self.fix = key, problem, fix
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -110,9 +122,12 @@ class TrainConfig(Section):
     @model_validator(mode="after")
     def _micro_fits(self) -> TrainConfig:
         if self.micro_batch_size is not None and self.micro_batch_size > self.global_batch_size:
-            raise ValueError(
+            raise FieldProblem(
+                "micro_batch_size",
                 f"train.micro_batch_size {self.micro_batch_size} is larger than "
-                f"train.global_batch_size {self.global_batch_size}"
+                f"train.global_batch_size {self.global_batch_size} (samples per step over all ranks)",
+                f"use a micro batch of at most {self.global_batch_size} (a divisor of it), "
+                "or raise train.global_batch_size",
             )
         return self
 
@@ -173,7 +188,16 @@ class RunConfig(Section):
     @field_validator("parallel", mode="before")
     @classmethod
     def _parallel_auto(cls, value: Any) -> Any:
-        return {"auto": True} if value == "auto" else value
+        if value == "auto":
+            return {"auto": True}
+        if isinstance(value, str):
+            raise FieldProblem(
+                "",
+                f"{value!r} is not a layout: the only word allowed here is auto",
+                "write parallel: auto (or --parallel auto), or a mapping such as "
+                "parallel: {zero_stage: 2, tp: 1, pp: 1}",
+            )
+        return value
 
 
 class ScriptRunConfig(Section):

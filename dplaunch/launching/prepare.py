@@ -9,6 +9,7 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,7 +29,13 @@ from dplaunch.errors import UserError
 from dplaunch.launching.ports import claim_free_port, claim_port
 from dplaunch.planning.data_check import check_data
 from dplaunch.planning.devices import visible_gpu_count
-from dplaunch.planning.model_facts import ModelFacts, load_config_json
+from dplaunch.planning.model_facts import (
+    ModelFacts,
+    check_model_type,
+    check_sequence_length,
+    check_tokenizer,
+    load_config_json,
+)
 from dplaunch.planning.plan import Machine, Plan, make_plan
 from dplaunch.rendering.accelerate_config import (
     DEEPSPEED_CONFIG_NAME,
@@ -42,6 +49,10 @@ from dplaunch.rendering.launch_command import (
     launch_script_name,
     render_launch_script,
 )
+from dplaunch.train.tokenizer import BYTE_LEVEL
+
+# seconds a host name may take to resolve before the check gives up (and lets the launch try)
+MASTER_ADDR_RESOLVE_SECONDS = 5.0
 
 # flag name → dotted key in the run file
 FLAG_KEYS = {
@@ -126,10 +137,55 @@ class PreparedRun:
 def model_facts(model: ModelConfig) -> ModelFacts:
     """Shape facts of the configured model, from model.config or the model's config.json."""
     if model.config is not None:
+        check_model_type(str(model.config["model_type"]), "model.config.model_type")
         return ModelFacts.from_config_dict(model.config)
     config_json = load_config_json(model.name_or_path or "")
     _refuse_code_not_trusted(model, config_json)
+    # a model with code of its own may name its own type; without model_type transformers guesses
+    # the type from the folder's name
+    if config_json.get("model_type") and not config_json.get("auto_map"):
+        check_model_type(str(config_json["model_type"]), "model.name_or_path")
     return ModelFacts.from_config_dict(config_json)
+
+
+def check_tokenizer_source(model: ModelConfig) -> None:
+    """The tokenizer the ranks will load exists here: built in, a folder, or a cached hub id."""
+    name = model.tokenizer
+    if name is None and model.name_or_path is None:
+        raise UserError(
+            "model.tokenizer",
+            "model.config builds a model from scratch, and no tokenizer is named",
+            f"set model.tokenizer: {BYTE_LEVEL} (built in), a tokenizer folder or a hub id",
+        )
+    if name is None or name == BYTE_LEVEL or name == model.name_or_path:
+        return  # the model's own tokenizer: its folder was checked with model.name_or_path
+    check_tokenizer(name)
+
+
+def check_master_addr(launch: LaunchConfig) -> None:
+    """A rendezvous host name that does not resolve would leave every node waiting: refuse it."""
+    address = launch.master_addr
+    if address in ("127.0.0.1", "localhost", "::1"):
+        return
+    failure: list[str] = []
+
+    def resolve() -> None:
+        try:
+            socket.getaddrinfo(address, None)
+        except (OSError, UnicodeError) as error:
+            failure.append(str(error))
+
+    # getaddrinfo has no timeout of its own: a slow resolver must not stall the launch
+    resolver = threading.Thread(target=resolve, daemon=True)
+    resolver.start()
+    resolver.join(MASTER_ADDR_RESOLVE_SECONDS)
+    if failure:
+        raise UserError(
+            "launch.master_addr",
+            f"cannot resolve {address!r} ({failure[0]}): no node could reach the rendezvous",
+            "give the head node's host name or IP address as the other nodes see it "
+            "(--master-addr, the same on every node)",
+        )
 
 
 def _refuse_code_not_trusted(model: ModelConfig, config_json: dict[str, Any]) -> None:
@@ -170,10 +226,18 @@ def prepare_training_run(
         flags.config, overrides=flags.overrides(), assignments=flags.assignments
     )
     allocation = current_allocation() if use_allocation else None
-    config.launch, cluster_notes = launch_for_cluster(
+    config.launch, plan_notes = launch_for_cluster(
         config.launch, allocation=allocation, render_only=render_only
     )
+    if allocation is None and not config.launch.hostfile and not render_only:
+        check_master_addr(config.launch)
     facts = model_facts(config.model)
+    length_note = check_sequence_length(
+        facts, config.data.max_length, from_run_file=config.model.config is not None
+    )
+    if length_note is not None:
+        plan_notes.append(length_note)
+    check_tokenizer_source(config.model)
     check_data(config.data, config.model.task, config.train.global_batch_size)
     machine = Machine(visible_gpus=visible_gpu_count(), render_only=render_only)
     auto = None
@@ -183,10 +247,12 @@ def prepare_training_run(
 
         auto = resolve_auto_parallel(config, facts, machine, smallest_gpu_memory_gb)
         config.parallel = auto.parallel
-    plan = make_plan(config.launch, config.parallel, config.train, machine, facts)
+    plan = make_plan(
+        config.launch, config.parallel, config.train, machine, facts, task=config.model.task
+    )
     if auto is not None:
         plan = replace(plan, notes=(*plan.notes, auto.note))
-    plan = replace(plan, notes=(*plan.notes, *cluster_notes))
+    plan = replace(plan, notes=(*plan.notes, *plan_notes))
     plan = _settle_port(
         plan, explicit=config.launch.master_port is not None, render_only=render_only
     )
@@ -217,6 +283,8 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
     )
     if not Path(script[0]).is_file():
         raise UserError("SCRIPT", f"{script[0]} does not exist", "give the path of a Python script")
+    if allocation is None and not config.launch.hostfile:
+        check_master_addr(config.launch)
     machine = Machine(visible_gpus=visible_gpu_count())
     plan = make_plan(config.launch, config.parallel, config.train, machine)
     plan = replace(plan, notes=(*plan.notes, *cluster_notes))

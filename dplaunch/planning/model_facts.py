@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
+import functools
+import importlib.util
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,27 +82,65 @@ class ModelFacts:
         )
 
 
-def load_config_json(name_or_path: str, field: str = "model.name_or_path") -> dict[str, Any]:
-    """The config.json of a local model dir or a cached hub model, without importing transformers."""
+# files that make a folder (or a hub snapshot) a tokenizer AutoTokenizer can load
+TOKENIZER_FILES = (
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "vocab.json",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+_RUN_FILE_SUFFIXES = (".yaml", ".yml")
+
+
+def looks_like_path(name: str) -> bool:
+    """A name that can only be a local path (a hub id is `owner/name` at most)."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
+def find_model_file(
+    name_or_path: str,
+    wanted: tuple[str, ...],
+    field: str,
+    what: str = "model",
+    file_ok: bool = False,
+) -> Path:
+    """The first of ``wanted`` in a local folder or a cached hub snapshot; UserError when absent.
+
+    A local path that exists is judged as it is (never looked up on the hub), so a broken folder is
+    reported for what it is. ``what`` names the thing in messages ("model", "tokenizer");
+    ``file_ok``: a file given directly is the one wanted (a model's config.json under any name).
+    """
     path = Path(name_or_path).expanduser()
     if path.exists():
-        config_file = path / "config.json" if path.is_dir() else path
-        if not config_file.is_file():
+        if path.is_file() and path.suffix in _RUN_FILE_SUFFIXES:
             raise UserError(
-                field, f"{path} has no config.json", "point it at a Hugging Face model folder"
+                field,
+                f"{path} is a dplaunch run file, not a Hugging Face {what}",
+                "a run file goes first on the command line (dplaunch plan RUN.yaml); here give a "
+                f"Hugging Face {what} folder or a hub id",
             )
-        try:
-            return json.loads(config_file.read_text())
-        except (OSError, ValueError) as exc:
+        if path.is_file():
+            if file_ok:
+                return path
             raise UserError(
-                field, f"cannot read {config_file}: {exc}", "fix or replace the file"
-            ) from None
-    cached = _hub_cache_config(name_or_path)
+                field, f"{path} is a file", f"give the Hugging Face {what} folder that holds it"
+            )
+        for name in wanted:
+            if (path / name).is_file():
+                return path / name
+        raise UserError(
+            field,
+            f"{path} has no {' or '.join(wanted[:2])}",
+            f"point it at a Hugging Face {what} folder",
+        )
+    cached = _hub_cache_file(name_or_path, wanted)
     if cached is not None:
-        return json.loads(cached.read_text())
-    looks_like_path = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
-    if looks_like_path:
-        raise UserError(field, f"model directory {name_or_path} does not exist", "check the path")
+        return cached
+    if looks_like_path(name_or_path):
+        raise UserError(field, f"{what} directory {name_or_path} does not exist", "check the path")
     raise UserError(
         field,
         f"{name_or_path!r} is neither a local folder nor in the Hugging Face cache",
@@ -106,7 +148,107 @@ def load_config_json(name_or_path: str, field: str = "model.name_or_path") -> di
     )
 
 
-def _hub_cache_config(repo_id: str) -> Path | None:
+def load_config_json(name_or_path: str, field: str = "model.name_or_path") -> dict[str, Any]:
+    """The config.json of a local model dir or a cached hub model, without importing transformers."""
+    config_file = find_model_file(name_or_path, ("config.json",), field, file_ok=True)
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(
+            field, f"cannot read {config_file}: {exc}", "fix or replace the file"
+        ) from None
+    if not isinstance(config, dict):
+        raise UserError(
+            field, f"{config_file} holds no JSON object", "point it at a Hugging Face model folder"
+        )
+    return config
+
+
+def check_tokenizer(name_or_path: str, field: str = "model.tokenizer") -> None:
+    """A tokenizer folder or cached hub tokenizer exists (found as model.name_or_path is)."""
+    find_model_file(name_or_path, TOKENIZER_FILES, field, what="tokenizer")
+
+
+def check_sequence_length(model: ModelFacts, max_length: int, *, from_run_file: bool) -> str | None:
+    """data.max_length must fit the model's position table: beyond a learned table every rank
+    fails on an index. Rotary positions run at any length, so there it is a note (returned).
+
+    ``from_run_file``: the config is the run file's model.config, where the table can be enlarged.
+    """
+    if model.max_positions is None or max_length <= int(model.max_positions):
+        return None
+    key = next(key for key in _POSITION_KEYS if model.raw.get(key) is not None)
+    beyond = (
+        f"{max_length} tokens per sample, but the {model.model_type} model has only "
+        f"{model.max_positions} positions ({key})"
+    )
+    if any(model.raw.get(name) is not None for name in _ROTARY_KEYS):
+        return (
+            f"data.max_length: {beyond}; its rotary positions run at any length, but it was "
+            "not trained beyond them (set rope_scaling to extend the context)"
+        )
+    raise UserError(
+        "data.max_length",
+        beyond,
+        f"use data.max_length ≤ {model.max_positions}"
+        + (f", or raise {key} in model.config" if from_run_file else ""),
+    )
+
+
+# config keys of rotary position embeddings (Llama, Mistral, Qwen, GPT-NeoX, GPT-J, Phi, …)
+_ROTARY_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "rotary_dim", "rotary_pct")
+
+
+@functools.lru_cache(maxsize=1)
+def known_model_types() -> frozenset[str]:
+    """The model types the installed transformers can build, read from its source (no import).
+
+    Importing transformers' CONFIG_MAPPING_NAMES costs about 2 s and imports torch (measured); the
+    mapping is written out as ("type", "TypeConfig") pairs in two files, read here in about 5 ms.
+    Empty when transformers is missing or its layout is unknown (then nothing is checked).
+    """
+    spec = importlib.util.find_spec("transformers")  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return frozenset()
+    auto = Path(list(spec.submodule_search_locations)[0]) / "models" / "auto"
+    names: set[str] = set()
+    for source in ("auto_mappings.py", "configuration_auto.py"):
+        try:
+            text = (auto / source).read_text()
+        except OSError:
+            continue
+        names |= {m[0] for m in _CONFIG_PAIR.findall(text) if m[1] != "AutoConfig"}
+    return frozenset(names)
+
+
+_CONFIG_PAIR = re.compile(r"""["']([\w.-]+)["']\s*[,:]\s*["'](\w+Config)["']""")
+
+
+def check_model_type(model_type: str, field: str) -> None:
+    """Refuse a model_type the installed transformers does not know, naming the closest one."""
+    known = known_model_types()
+    if not known or model_type in known or _known_to_transformers(model_type):
+        return
+    close = difflib.get_close_matches(model_type, sorted(known), n=1, cutoff=0.6)
+    fix = (
+        f"did you mean {close[0]!r}?"
+        if close
+        else "use a model type transformers knows (e.g. llama, gpt2, bert), or upgrade transformers"
+    )
+    raise UserError(field, f"transformers does not know model type {model_type!r}", fix)
+
+
+def _known_to_transformers(model_type: str) -> bool:
+    # the source reading above is fast but could miss a type a later transformers writes another
+    # way: before refusing, ask transformers itself (the ~2 s import only on this error path)
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    except ImportError:
+        return True  # nothing to ask: do not refuse
+    return model_type in CONFIG_MAPPING_NAMES
+
+
+def _hub_cache_file(repo_id: str, wanted: tuple[str, ...]) -> Path | None:
     import os
 
     home = os.environ.get("HF_HUB_CACHE") or os.path.join(
@@ -116,6 +258,7 @@ def _hub_cache_config(repo_id: str) -> Path | None:
     if not snapshots.is_dir():
         return None
     for snapshot in sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True):
-        if (snapshot / "config.json").is_file():
-            return snapshot / "config.json"
+        for name in wanted:
+            if (snapshot / name).is_file():
+                return snapshot / name
     return None

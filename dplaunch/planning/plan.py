@@ -148,8 +148,12 @@ def make_plan(
     train: TrainConfig,
     machine: Machine,
     model: ModelFacts | None = None,
+    task: str = "causal-lm",
 ) -> Plan:
-    """Decide the whole layout of a run; raise UserError for anything that cannot work."""
+    """Decide the whole layout of a run; raise UserError for anything that cannot work.
+
+    ``task`` is the run file's model.task (the pipeline engine trains causal LMs only).
+    """
     notes: list[str] = []
     target, total = _devices(launch, machine, notes)
     nodes, per_node = _nodes(launch, total)
@@ -181,7 +185,7 @@ def make_plan(
             "several nodes rendezvous at 127.0.0.1: pass --master-addr <head node> unless all run here"
         )
     mesh = Mesh.for_world(total, parallel.tp, parallel.pp)
-    _check_parallel(parallel, mesh, per_node, model)
+    _check_parallel(parallel, mesh, per_node, model, task)
     if train.compile and (mesh.tensor_parallel_size > 1 or mesh.pipeline_parallel_size > 1):
         raise UserError(
             "train.compile",
@@ -258,7 +262,7 @@ def _nodes(launch: LaunchConfig, total: int) -> tuple[int, int]:
 
 
 def _check_parallel(
-    parallel: ParallelConfig, mesh: Mesh, per_node: int, model: ModelFacts | None
+    parallel: ParallelConfig, mesh: Mesh, per_node: int, model: ModelFacts | None, task: str
 ) -> None:
     stage, offload = parallel.zero_stage, parallel.offload
     if offload == "optimizer" and stage == 0:
@@ -323,6 +327,12 @@ def _check_parallel(
                 "parallel.pp",
                 f"pp {pp} is more stages than the model's {model.num_layers} layers",
                 f"use pp ≤ {model.num_layers}",
+            )
+        if task != "causal-lm":
+            raise UserError(
+                "parallel.pp",
+                f"pipeline parallelism (pp {pp}) trains causal LMs only, and model.task is {task!r}",
+                "use --pp 1 (data parallelism, ZeRO or --tp for a large model), or model.task causal-lm",
             )
 
 

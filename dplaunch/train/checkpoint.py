@@ -24,6 +24,7 @@ before anything starts (`dplaunch train --resume`, `dplaunch export`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -203,7 +204,8 @@ def plan_resume(run_dir: Path, resume: str, config: Any, plan: Any) -> ResumePoi
     """The checkpoint a launch continues from (None: a fresh start), checked against the new run.
 
     Raises UserError, before anything starts, when the checkpoint cannot continue in this run:
-    another model, data or data order, or a layout that cannot be re-sharded.
+    another model, data or data order, no step left to train (max_steps or epochs at or
+    below the checkpoint's step), or a layout that cannot be re-sharded.
     """
     if resume == "auto":
         info = newest_checkpoint(run_dir / CHECKPOINTS_DIR)
@@ -214,8 +216,38 @@ def plan_resume(run_dir: Path, resume: str, config: Any, plan: Any) -> ResumePoi
     saved_config = _read_yaml(info.path / "run.yaml")
     saved_plan = json.loads((info.path / "plan.json").read_text())
     notes = _check_same_training(saved_config, config, info)
+    _check_steps_left(config, info)
     reshard, layout_notes = _check_layout(saved_plan, plan, info)
     return ResumePoint(info, run_dir, reshard, tuple(notes + layout_notes))
+
+
+def _check_steps_left(config: Any, info: CheckpointInfo) -> None:
+    # a run whose last step is not past the checkpoint would train nothing, exit 0 and re-export:
+    # almost always a --max-steps meant as "this many more steps"
+    train, step = config.train, info.step
+    if train.max_steps is not None:
+        if train.max_steps > step:
+            return
+        raise UserError(
+            "train.max_steps",
+            f"{train.max_steps} is not past the checkpoint's step {step} ({info.path}): the "
+            "resumed run would train no step",
+            f"--max-steps counts all steps, not more steps: give one above {step} (e.g. "
+            f"{step + train.max_steps} for {train.max_steps} more), or start a new run without --resume",
+        )
+    steps_per_epoch = info.meta.get("steps_per_epoch")
+    if not steps_per_epoch:
+        return
+    # the loop's rule; the data, hence the steps per epoch, are the checkpoint's (checked above)
+    total = math.ceil((train.epochs or 1) * int(steps_per_epoch))
+    if total > step:
+        return
+    raise UserError(
+        "train.epochs",
+        f"{train.epochs or 1} epoch(s) of {steps_per_epoch} steps end at step {total}, not past "
+        f"the checkpoint's step {step} ({info.path}): the resumed run would train no step",
+        f"raise train.epochs or give --max-steps above {step}, or start a new run without --resume",
+    )
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -406,6 +438,31 @@ def convert_to_universal(point: ResumePoint, say: Any = print) -> None:
         if not (target / "done").is_file():
             raise
     say(f"universal checkpoint ready in {time.perf_counter() - started:.1f} s: {target}")
+
+
+def wait_for_universal(
+    point: ResumePoint, limit_s: float, say: Any = print, poll_s: float = 2.0
+) -> None:
+    """On the nodes other than 0: wait for node 0's launcher to finish convert_to_universal.
+
+    Their launchers would otherwise start at once and wait in torchrun's rendezvous, which gives
+    up after 10 minutes; converting a large ZeRO checkpoint can take longer.
+    """
+    done = point.load_dir / "done"
+    if done.is_file():
+        return
+    say(f"waiting for node 0 to re-shard {point.checkpoint.name} into {point.load_dir}…")
+    started = time.monotonic()
+    while not done.is_file():
+        if time.monotonic() - started > limit_s:
+            raise UserError(
+                "--resume",
+                f"node 0 has not re-sharded {point.checkpoint.path} into {point.load_dir} "
+                f"after {limit_s / 60:g} min (launch.timeout_minutes)",
+                "look at node 0's output; if the conversion just takes longer, raise "
+                "launch.timeout_minutes",
+            )
+        time.sleep(poll_s)
 
 
 # ---------------------------------------------------------------------------------------------
