@@ -382,3 +382,30 @@ def test_export_of_a_tp2_checkpoint_gives_the_trained_model_in_one_process(tmp_p
         result.stderr.startswith("dplaunch: error: CHECKPOINT: ") and "mp_rank_01" in result.stderr
     )
     assert not (tmp_path / "never").exists()
+
+
+def test_the_other_nodes_wait_for_node_0s_universal_conversion_and_give_up_in_time(tmp_path):
+    import threading
+
+    from dplaunch.errors import UserError
+    from dplaunch.train.checkpoint import CheckpointInfo, ResumePoint, wait_for_universal
+
+    source = CheckpointInfo(tmp_path / "other-run" / "checkpoints" / "step-4", {"step": 4})
+    point = ResumePoint(source, tmp_path / "run", reshard="universal")
+    said: list[str] = []
+    # node 0 finishes its conversion (an atomic rename of a folder holding "done") a bit later
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    (converted / "done").write_text("1\n")
+    point.load_dir.parent.mkdir(parents=True)
+    finisher = threading.Timer(0.5, os.rename, (converted, point.load_dir))
+    finisher.start()
+    started = time.monotonic()
+    wait_for_universal(point, limit_s=30, say=said.append, poll_s=0.05)
+    assert time.monotonic() - started >= 0.4  # it did wait, for the rename
+    assert said == [f"waiting for node 0 to re-shard step-4 into {point.load_dir}…"]
+
+    # a node 0 that never finishes: an error naming the setting, not a hang
+    stuck = ResumePoint(source, tmp_path / "run-2", reshard="universal")
+    with pytest.raises(UserError, match=r"node 0 has not re-sharded .* after 0\.005 min"):
+        wait_for_universal(stuck, limit_s=0.3, say=said.append, poll_s=0.05)

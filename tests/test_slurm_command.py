@@ -217,7 +217,8 @@ def test_submit_without_sbatch_here_says_where_to_run_it(tmp_path):
 def test_writing_a_script_imports_no_heavy_library(tmp_path):
     probe = (
         "import sys\n"
-        f"sys.argv = ['dplaunch', 'slurm', {str(TINY_LLAMA)!r}, '--gpus', '8', '--out', '-']\n"
+        f"sys.argv = ['dplaunch', 'slurm', {str(TINY_LLAMA)!r}, '--gpus', '8', '--out', '-', "
+        f"'-o', {str(tmp_path / 'run')!r}]\n"
         "from dplaunch.cli import main\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "heavy = ('torch', 'accelerate', 'deepspeed', 'transformers', 'datasets')\n"

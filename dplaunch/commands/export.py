@@ -26,6 +26,7 @@ import typer
 import yaml
 
 from dplaunch.errors import UserError
+from dplaunch.launching.rundir import check_output_dir
 
 if TYPE_CHECKING:
     from dplaunch.config.schema import RunConfig
@@ -43,6 +44,7 @@ def run_export(checkpoint: Path, out: Path) -> int:
     plan = Plan.from_dict(json.loads((info.path / "plan.json").read_text()))
     if (out / "config.json").exists():
         raise UserError("--out", f"{out} already holds a model", "choose an empty or new directory")
+    check_output_dir(out, "--out")
     # checked and planned before anything is written: one line, exit 2
     job = None
     if plan.tensor_parallel_size > 1:

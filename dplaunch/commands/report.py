@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from dplaunch.launching.rundir import check_output_dir
+
 REPORT_DIR = "report"
 
 
@@ -15,6 +17,9 @@ def run_report(run_dir: Path, compare: list[Path], out: Path | None) -> int:
 
     runs = [run_dir, *compare]
     out_dir = out or (run_dir if run_dir.is_dir() else run_dir.parent) / REPORT_DIR
+    if out is not None or run_dir.exists():
+        # a missing run is make_report's to report, not the default folder inside it
+        check_output_dir(out_dir, "--out")
     result = make_report(runs, out_dir)
     typer.echo(result.summary_path.read_text().rstrip())
     typer.echo("")

@@ -18,7 +18,15 @@ from dplaunch.launching.prepare import (
     prepare_training_run,
 )
 from dplaunch.launching.process import RankWatch, run_supervised
-from dplaunch.launching.rundir import ERRORS_DIR, check_run_dir, write_run_files
+from dplaunch.launching.rundir import (
+    ERRORS_DIR,
+    check_output_dir,
+    check_run_dir,
+    write_run_files,
+)
+
+# `dplaunch launch` runs Python scripts; a run file given to it is meant for `dplaunch train`
+RUN_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
 if TYPE_CHECKING:
     from dplaunch.train.checkpoint import ResumePoint
@@ -54,8 +62,12 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
     print_prepared(prepared, show_files=False)
     typer.echo(f"run directory: {prepared.run_dir} ({disk_line})")
     _print_resume(point, resume)
-    if point is not None and point.reshard == "universal" and prepared.plan.node_rank == 0:
-        checkpoint.convert_to_universal(point, say=typer.echo)
+    if point is not None and point.reshard == "universal":
+        if prepared.plan.node_rank == 0:
+            checkpoint.convert_to_universal(point, say=typer.echo)
+        else:
+            limit_s = max(prepared.plan.timeout_minutes, 1) * 60
+            checkpoint.wait_for_universal(point, limit_s, say=typer.echo)
     checkpoint.clear_stop_record(prepared.run_dir)
     code = start(prepared, after_failure=lambda _status: _failure_hints(prepared.run_dir))
     stop = checkpoint.read_stop_record(prepared.run_dir)
@@ -127,12 +139,20 @@ def run_config(flags: RunFlags, out: Path | None) -> int:
     named = Path(flags.output_dir) if flags.output_dir else None
     if out is None and named is None:
         raise UserError("--out", "no directory to write the files into", "give --out DIR or -o DIR")
+    if out is not None and str(out) == "-":
+        raise UserError(
+            "--out",
+            "dplaunch config writes several files, not one to stdout",
+            "give a directory (--dry-run of dplaunch train prints them all)",
+        )
     if out is not None and named is not None and out.resolve() != named.resolve():
         raise UserError(
             "--out", f"{out} and --output-dir {named} name two directories", "give one of them"
         )
+    field = "--out" if out is not None else "output_dir"
     out = out or named
     prepared = prepare_training_run(flags, render_only=True, out_dir=out)
+    check_output_dir(out, field)
     write_run_files(out, prepared.files)
     print_prepared(prepared, show_files=False)
     typer.echo(f"wrote {', '.join(sorted(prepared.files))} to {out}")
@@ -141,6 +161,7 @@ def run_config(flags: RunFlags, out: Path | None) -> int:
 
 def run_launch(flags: RunFlags, script: list[str], *, dry_run: bool) -> int:
     """Launch a user script with the same plan."""
+    _check_script(Path(script[0]))
     prepared = prepare_script_launch(flags, script)
     # a script's run directory holds only dplaunch's files: launching into it again is fine
     disk_line = check_run_dir(prepared.run_dir, resuming=True)
@@ -154,6 +175,20 @@ def run_launch(flags: RunFlags, script: list[str], *, dry_run: bool) -> int:
         return 0
     typer.echo(f"run directory: {prepared.run_dir} ({disk_line})")
     return start(prepared)
+
+
+def _check_script(script: Path) -> None:
+    # a missing script is reported by prepare_script_launch, after the run file's checks
+    if script.is_dir():
+        raise UserError(
+            "SCRIPT", f"{script} is a directory", "give the path of a Python script (a .py file)"
+        )
+    if script.suffix.lower() in RUN_FILE_SUFFIXES and script.is_file():
+        raise UserError(
+            "SCRIPT",
+            f"{script} is a run file, not a Python script",
+            f"train with a run file: dplaunch train {shlex.quote(str(script))} [flags]",
+        )
 
 
 def _srun_relaunch(prepared: PreparedRun) -> list[str] | None:

@@ -270,6 +270,12 @@ def run_verify(flags: Any, options: VerifyOptions) -> int:
 
     if options.steps < 1:
         raise UserError("--steps", f"{options.steps}", "run at least 1 step")
+    if options.tolerance is not None and not 0 < options.tolerance < math.inf:
+        raise UserError(
+            "--tolerance",
+            f"{options.tolerance} is not a positive relative loss gap",
+            "give e.g. --tolerance 1e-3 (or leave it out for the precision's default)",
+        )
     if flags.max_steps is not None:
         raise UserError("--max-steps", "verify runs --steps steps of each run", "use --steps")
     if options.inject_fault is not None and options.inject_fault not in FAULTS:
@@ -327,7 +333,11 @@ def run_verify(flags: Any, options: VerifyOptions) -> int:
         reference_dir, reference_ranks = reference_run.run_dir, reference_run.plan.world_size
     for _, prepared in runs:
         check_run_dir(prepared.run_dir, resuming=False)
-    tolerance = options.tolerance or TOLERANCES[plan_run.plan.mixed_precision]
+    tolerance = (
+        options.tolerance
+        if options.tolerance is not None
+        else TOLERANCES[plan_run.plan.mixed_precision]
+    )
 
     if shrink_line:
         typer.echo(shrink_line)

@@ -24,17 +24,38 @@ def check_run_dir(run_dir: Path, *, resuming: bool) -> str:
             f"{run_dir} already holds a run ({', '.join(existing)})",
             "pass --resume auto to continue it, or choose another --output-dir",
         )
-    probe = run_dir
+    return check_output_dir(run_dir, "output_dir")
+
+
+def check_output_dir(directory: Path, field: str) -> str:
+    """Raise UserError unless ``directory`` is, or can be created as, a writable directory.
+
+    Returns a free-space line. ``field`` names the flag in the error (output_dir: --output-dir).
+    """
+    probe = directory
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir():
-        raise UserError("output_dir", f"{probe} is not a directory", "choose another --output-dir")
-    _check_writable(probe)
+        raise UserError(field, f"{probe} is not a directory", f"choose another {_option(field)}")
+    _check_writable(probe, field)
     free_gb = shutil.disk_usage(probe).free / 1e9
     return f"{free_gb:.1f} GB free on the output directory's disk"
 
 
-def _check_writable(directory: Path) -> None:
+def check_output_file(path: Path, field: str, example_name: str) -> None:
+    """Raise UserError unless a file can be written at ``path`` (its folder may still be missing)."""
+    if path.is_dir():
+        raise UserError(
+            field, f"{path} is a directory", f"give a file path, e.g. {path / example_name}"
+        )
+    check_output_dir(path.parent, field)
+
+
+def _option(field: str) -> str:
+    return "--output-dir" if field == "output_dir" else field
+
+
+def _check_writable(directory: Path, field: str) -> None:
     # os.access says yes to root everywhere, and nothing about read-only mounts or quotas:
     # create and remove a real file instead
     try:
@@ -44,9 +65,9 @@ def _check_writable(directory: Path) -> None:
     except OSError as error:
         reason = error.strerror or str(error)
         raise UserError(
-            "output_dir",
+            field,
             f"cannot create files in {directory} ({reason})",
-            "choose a writable --output-dir",
+            f"choose a writable {_option(field)}",
         ) from None
 
 
