@@ -275,3 +275,30 @@ def test_the_eval_cut_is_the_one_datasets_makes():
                 continue
             parts = table.train_test_split(test_size=fraction, seed=1)
             assert (len(parts["train"]), len(parts["test"])) == expected, (rows, fraction)
+
+
+def test_a_large_corpus_is_checked_on_a_budget_and_every_files_first_record(tmp_path, monkeypatch):
+    # a corpus of many GB is not read whole at every launch: past FULL_CHECK_BYTES each file
+    # gives its first record only (its columns are still checked) and no batch check is made
+    from dplaunch.config.schema import DataConfig
+    from dplaunch.errors import UserError
+    from dplaunch.planning import data_check
+
+    monkeypatch.setattr(data_check, "FULL_CHECK_BYTES", 2000)
+    big = tmp_path / "big.jsonl"
+    big.write_text(jsonl(reviews(200)) + "{broken\n")  # ~10 kB; the broken line is not reached
+    unlabelled = tmp_path / "unlabelled.jsonl"
+    unlabelled.write_text(jsonl(reviews(3, label=False)))
+
+    data = DataConfig(dataset=[str(big)], eval_fraction=None)
+    data_check.check_data(data, "sequence-classification", global_batch_size=10**6)
+    data = DataConfig(dataset=[str(big), str(unlabelled)], eval_fraction=None)
+    with pytest.raises(UserError, match=r"column 'label' is not in .*unlabelled\.jsonl"):
+        data_check.check_data(data, "sequence-classification", global_batch_size=4)
+
+    # within the budget the same file is read to its end
+    monkeypatch.setattr(data_check, "FULL_CHECK_BYTES", 10**6)
+    with pytest.raises(UserError, match=r"line 201 of .*big\.jsonl is not valid JSON"):
+        data_check.check_data(
+            DataConfig(dataset=[str(big)], eval_fraction=None), "sequence-classification", 4
+        )

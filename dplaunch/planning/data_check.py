@@ -9,6 +9,7 @@ global batch. Hub ids: the dataset must be in the `datasets` cache, or (online) 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import glob
 import json
 import math
@@ -36,6 +37,10 @@ CSV_MISSING = frozenset(
 )
 # how long the Hub may take to say whether a dataset that is not cached exists
 HUB_TIMEOUT_S = 10.0
+# bytes of a dataset's files read line by line before launch (about a second of checking): a
+# corpus of many GB is checked on its first records of each file and its first 256 MB, not read
+# whole at every launch (and on every node); its rows and bytes are then lower bounds
+FULL_CHECK_BYTES = 256 * 2**20
 
 
 def is_local(dataset: str | list[str]) -> bool:
@@ -227,6 +232,17 @@ class _Summary:
     rows_known: bool = True
     # whether text_bytes is needed (packed training data): Parquet columns are read only then
     count_bytes: bool = False
+    # what may still be read (FULL_CHECK_BYTES); once spent, each further file gives its first
+    # record only, and rows and text_bytes are lower bounds (partial)
+    bytes_left: int = dataclasses.field(default_factory=lambda: FULL_CHECK_BYTES)
+    partial: bool = False
+
+    def spend(self, size: int) -> bool:
+        """Count ``size`` bytes read; True when the budget is spent (stop reading this file)."""
+        self.bytes_left -= size
+        if self.bytes_left <= 0:
+            self.partial = True
+        return self.partial
 
 
 def _needed_columns(data: DataConfig, task: str) -> list[tuple[str, str]]:
@@ -279,6 +295,8 @@ def _read_text(path: Path, needed: list[tuple[str, str]], summary: _Summary) -> 
         for line in handle:
             summary.rows += 1
             summary.text_bytes += len(line.rstrip("\n").encode())
+            if summary.spend(len(line)):
+                break
 
 
 def _read_csv(path: Path, needed: list[tuple[str, str]], summary: _Summary) -> None:
@@ -312,6 +330,8 @@ def _read_csv(path: Path, needed: list[tuple[str, str]], summary: _Summary) -> N
                     )
                 if field != "data.label_column":
                     summary.text_bytes += len(value.encode())
+            if summary.spend(sum(map(len, row)) + len(row)):
+                break
         if header is None:
             return  # no header at all: the file holds no rows
 
@@ -340,6 +360,8 @@ def _read_json(path: Path, field: str, needed: list[tuple[str, str]], summary: _
                 seen.update(record)
                 records.rows += 1
                 _check_record(record, f"line {number}", path, needed, records, problems)
+            if summary.spend(len(line)):
+                break
     _finish_records(path, needed, seen, records, problems, summary)
 
 
@@ -434,10 +456,16 @@ def _read_parquet(path: Path, needed: list[tuple[str, str]], summary: _Summary) 
                 raise _missing_column(field, column, path, names)
         summary.rows += parquet.metadata.num_rows
         texts = [column for field, column in needed if field != "data.label_column"]
-        if summary.count_bytes and parquet.metadata.num_rows:
-            table = parquet.read(columns=texts)
-            for column in texts:
-                summary.text_bytes += pc.sum(pc.binary_length(table.column(column))).as_py() or 0
+        if summary.count_bytes:
+            for group in range(parquet.metadata.num_row_groups):
+                if summary.partial:
+                    break
+                table = parquet.read_row_group(group, columns=texts)
+                size = sum(
+                    pc.sum(pc.binary_length(table.column(column))).as_py() or 0 for column in texts
+                )
+                summary.text_bytes += size
+                summary.spend(size)
     except UserError:
         raise
     except Exception as exc:  # pyarrow's ArrowInvalid is a ValueError, but not all its errors are
@@ -447,6 +475,8 @@ def _read_parquet(path: Path, needed: list[tuple[str, str]], summary: _Summary) 
 def _check_one_global_batch(
     training: _Summary, data: DataConfig, packing: bool, global_batch_size: int
 ) -> None:
+    if training.partial:
+        return  # 256 MB read and more to come: plenty for any global batch
     rows, held_out = training.rows, 0
     if data.eval_fraction is not None:
         rows, held_out = eval_fraction_split(training.rows, data.eval_fraction)
