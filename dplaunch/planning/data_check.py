@@ -37,7 +37,7 @@ CSV_MISSING = frozenset(
 )
 # how long the Hub may take to say whether a dataset that is not cached exists
 HUB_TIMEOUT_S = 10.0
-# bytes of a dataset's files read line by line before launch (about a second of checking): a
+# bytes of a dataset's files read line by line before launch (about 3 s of checking here): a
 # corpus of many GB is checked on its first records of each file and its first 256 MB, not read
 # whole at every launch (and on every node); its rows and bytes are then lower bounds
 FULL_CHECK_BYTES = 256 * 2**20
