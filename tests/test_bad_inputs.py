@@ -140,7 +140,7 @@ CASES = [
         lambda t: ["config", TINY_LLAMA, "--out", t / "a", "-o", t / "b"],
         "name two directories",
     ),
-    ("zero-gpus", lambda t: ["train", TINY_LLAMA, "--gpus", "0"], "launch.gpus"),
+    ("zero-gpus", lambda t: ["train", TINY_LLAMA, "--gpus", "0"], "launch.gpus: 0 ranks requested"),
     ("negative-gpus", lambda t: ["train", TINY_LLAMA, "--set", "launch.gpus=-2"], "launch.gpus"),
     (
         "more-gpus-than-visible",

@@ -169,7 +169,11 @@ class LaunchConfig(Section):
     @classmethod
     def _positive(cls, value: int | None) -> int | None:
         if value is not None and value < 1:
-            raise ValueError("must be at least 1 (use --cpu for CPU ranks)")
+            raise FieldProblem(
+                "",
+                f"{value} ranks requested: it counts GPUs, or CPU ranks with launch.cpu",
+                "give 1 or more (without a GPU, --gpus N runs N CPU ranks)",
+            )
         return value
 
 
