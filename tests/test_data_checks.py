@@ -302,3 +302,41 @@ def test_a_large_corpus_is_checked_on_a_budget_and_every_files_first_record(tmp_
         data_check.check_data(
             DataConfig(dataset=[str(big)], eval_fraction=None), "sequence-classification", 4
         )
+
+
+@pytest.mark.parametrize("encoding", ["dictionary", "string_view"])
+def test_packed_parquet_texts_in_any_arrow_string_type_pass(tmp_path, encoding):
+    # a pandas category column is stored dictionary-encoded; datasets loads both kinds
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = pa.array([row["text"] for row in reviews(60)])
+    column = texts.dictionary_encode() if encoding == "dictionary" else texts.cast(pa.string_view())
+    path = tmp_path / "texts.parquet"
+    pq.write_table(pa.table({"text": column}), path)
+    result = run_dplaunch(
+        "train",
+        TINY_LLAMA,
+        *SMALL_BATCH,
+        *NO_EVAL,
+        "--set",
+        f"data.dataset={path}",
+        "--dry-run",
+        "-o",
+        tmp_path / "run",
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_json_objects_pretty_printed_one_after_another_pass_and_are_counted(tmp_path):
+    # `jq . reviews.jsonl > pretty.jsonl`: each object over several lines; datasets reads the rows
+    path = tmp_path / "pretty.jsonl"
+    path.write_text("".join(json.dumps(row, indent=2) + "\n" for row in reviews(5)))
+    common = (*SMALL_BATCH, *NO_EVAL, "--set", f"data.dataset={path}", "--dry-run")
+    result = run_dplaunch("train", DEFAULT_CONFIG, *common, "-o", tmp_path / "a")
+    assert result.returncode == 0, result.stderr
+    # its 5 rows are counted: a global batch of 6 is more than they make
+    result = run_dplaunch(
+        "train", DEFAULT_CONFIG, *common, "--global-batch", "6", "-o", tmp_path / "b"
+    )
+    assert result.returncode == 2 and "the training set has 5 samples" in result.stderr

@@ -20,6 +20,7 @@ from tests.helpers import (
     TINY_GPT2_CONFIG,
     TINY_LLAMA,
     child_environment,
+    read_metrics,
     run_dplaunch,
     train,
     write_config,
@@ -88,15 +89,14 @@ def test_a_max_length_that_fits_the_position_table_is_planned(tmp_path):
 
 
 def test_a_rotary_model_past_its_trained_positions_plans_with_a_note(tmp_path):
-    # Llama's rotary positions run at any length (context extension is a real use): a note
+    # Llama's rotary positions run at any length (context extension is a real use): a note, also
+    # when model.config leaves rope_theta to its default
     result = run_dplaunch(
         "train",
         TINY_LLAMA,
         "--cpu",
         "--set",
         "model.config.max_position_embeddings=64",
-        "--set",
-        "model.config.rope_theta=10000",
         "--set",
         "data.max_length=128",
         "--dry-run",
@@ -170,6 +170,19 @@ def test_a_tokenizer_that_cannot_be_loaded_is_refused_like_a_missing_model(
     )
     assert line.startswith("dplaunch: error: model.tokenizer: "), line
     assert expected in line and " — " in line, line
+
+
+def test_a_hub_tokenizer_not_cached_here_is_left_to_the_ranks_while_the_hub_is_on(tmp_path):
+    # a model trained from scratch with a hub tokenizer: online, the ranks download it
+    online = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"}
+    args = ["--set", "model.tokenizer=some-org/some-tokenizer", "--dry-run"]
+    result = run_dplaunch(
+        "train", TINY_LLAMA, "--cpu", *args, "-o", tmp_path / "a", env=child_environment(**online)
+    )
+    assert result.returncode == 0, result.stderr
+    # offline it must be here
+    result = run_dplaunch("train", TINY_LLAMA, "--cpu", *args, "-o", tmp_path / "b")
+    assert result.returncode == 2 and "model.tokenizer: 'some-org/some-tokenizer'" in result.stderr
 
 
 @pytest.mark.parametrize("tokenizer", ["byte-level", MINILM])
@@ -305,14 +318,13 @@ def checkpointed_run(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--max-steps", "1"], "train.max_steps: 1 is not past the checkpoint's step 2"),
-        (["--max-steps", "2"], "train.max_steps: 2 is not past the checkpoint's step 2"),
+        (["--max-steps", "1"], "train.max_steps: 1 is before the checkpoint's step 2"),
         (
             ["--set", "train.max_steps=null", "--set", "train.epochs=0.001"],
             "train.epochs: 0.001 epoch(s)",
         ),
     ],
-    ids=["below", "equal", "epochs"],
+    ids=["below", "epochs"],
 )
 def test_resuming_with_no_step_left_to_train_is_refused(checkpointed_run, args, expected):
     line = refused(
@@ -330,6 +342,34 @@ def test_resuming_with_no_step_left_to_train_is_refused(checkpointed_run, args, 
     )
     assert line.startswith(f"dplaunch: error: {expected}"), line
     assert "step 2" in line and " — " in line, line
+
+
+def test_resuming_at_the_last_step_exports_the_model_without_training(checkpointed_run):
+    # what a job requeued (or resubmitted) after its final save does with --resume auto: it must
+    # finish, not fail
+    model = checkpointed_run / "model"
+    shutil.rmtree(model, ignore_errors=True)  # as if the first launch died while exporting
+    train_lines = [r for r in read_metrics(checkpointed_run) if r["type"] == "train"]
+    result = run_dplaunch(
+        "train",
+        TINY_LLAMA,
+        "--cpu",
+        "--gpus",
+        "1",
+        "--max-steps",
+        "2",
+        "--resume",
+        "auto",
+        "-o",
+        checkpointed_run,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resume note: the checkpoint is the run's last step (2): nothing left to train" in (
+        result.stdout
+    )
+    assert (model / "config.json").is_file()
+    assert [r for r in read_metrics(checkpointed_run) if r["type"] == "train"] == train_lines
 
 
 def test_resuming_with_steps_left_plans_the_continuation(checkpointed_run):

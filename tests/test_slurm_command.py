@@ -440,3 +440,16 @@ def test_outside_a_step_a_multi_node_job_shows_the_srun_it_would_start(tmp_path)
     assert again[:4] == [sys.executable, "-m", "dplaunch", "train"]
     assert again[-2:] == ["--output-dir", str(tmp_path / "run")]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_script_for_the_clusters_paths_renders_where_they_cannot_be_created(tmp_path):
+    # rendered on a laptop for /gpfswork/…: the log directory is the cluster's to create
+    result = run_dplaunch(
+        "slurm", TINY_LLAMA, "--gpus", "8", "--out", "-", "-o", "/proc/no-such-place/run"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("#!/bin/bash\n")
+    assert "note: cannot create the log directory /proc/no-such-place/run/logs here" in (
+        result.stderr
+    )
+    assert "mkdir -p /proc/no-such-place/run/logs" in result.stderr

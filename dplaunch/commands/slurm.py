@@ -161,10 +161,12 @@ def run_slurm(flags: RunFlags, options: SlurmOptions) -> int:
         flag = SPEC_FLAGS.get(name.split("[")[0].split(".")[0], name)
         raise UserError(flag, problem or str(error), "change that value") from None
     path = None if options.out == "-" else Path(options.out or run_dir / SCRIPT_NAME)
-    # checked before anything is written (the log directory is created first)
-    check_output_dir(Path(spec.log_dir), "output_dir")
+    # checked before anything is written; the log directory must exist only to submit from here
+    # (a script rendered on a laptop for the cluster names the cluster's paths)
     if path is not None:
         check_output_file(path, "--out" if options.out else "output_dir", SCRIPT_NAME)
+    if options.submit:
+        check_output_dir(Path(spec.log_dir), "output_dir")
 
     say = _say(to_stderr=options.out == "-")
     for line in job_summary_lines(prepared.plan):
@@ -179,7 +181,14 @@ def run_slurm(flags: RunFlags, options: SlurmOptions) -> int:
         )
     # sbatch does not create the directory of --output/--error: a job whose log directory is
     # missing fails at once and writes nothing, so it exists before the script can be submitted
-    Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        say(
+            f"note: cannot create the log directory {spec.log_dir} here ({error.strerror}): "
+            f"create it where the job is submitted (mkdir -p {shlex.quote(spec.log_dir)}); "
+            "sbatch does not, and a job without it fails writing nothing"
+        )
     if path is None:
         sys.stdout.write(script)
         return 0

@@ -373,11 +373,16 @@ def _read_json_document(
     line: int,
     error: ValueError | None,
 ) -> None:
-    with path.open(encoding="utf-8-sig") as handle:
-        try:
-            document = json.load(handle)
-        except ValueError:
-            document = None
+    if path.stat().st_size > summary.bytes_left:
+        summary.partial = True  # not one record per line, and too big to read whole here
+        return
+    text = path.read_text(encoding="utf-8-sig")
+    try:
+        document = json.loads(text)
+    except ValueError:
+        # objects one after another over several lines each (`jq . in.jsonl`): datasets reads
+        # them as rows too
+        document = _concatenated_objects(text)
     if isinstance(document, dict):
         # one object: `datasets` makes it one row; its shape is for `datasets` to judge
         summary.rows_known = False
@@ -397,6 +402,21 @@ def _read_json_document(
         records.rows += 1
         _check_record(record, f"record {number}", path, needed, records, problems)
     _finish_records(path, needed, seen, records, problems, summary)
+
+
+def _concatenated_objects(text: str) -> list[dict] | None:
+    """The JSON objects of ``text`` written one after another, or None when it is not that."""
+    decoder, objects, position = json.JSONDecoder(), [], _WHITESPACE.match(text).end()
+    while position < len(text):
+        try:
+            value, position = decoder.raw_decode(text, position)
+        except ValueError:
+            return None
+        if not isinstance(value, dict):
+            return None
+        objects.append(value)
+        position = _WHITESPACE.match(text, position).end()
+    return objects
 
 
 def _check_record(
@@ -461,15 +481,26 @@ def _read_parquet(path: Path, needed: list[tuple[str, str]], summary: _Summary) 
                 if summary.partial:
                     break
                 table = parquet.read_row_group(group, columns=texts)
-                size = sum(
-                    pc.sum(pc.binary_length(table.column(column))).as_py() or 0 for column in texts
-                )
+                size = sum(_text_bytes(table.column(column), pc) for column in texts)
                 summary.text_bytes += size
                 summary.spend(size)
     except UserError:
         raise
     except Exception as exc:  # pyarrow's ArrowInvalid is a ValueError, but not all its errors are
         raise ValueError(f"not a readable Parquet file ({exc})") from None
+
+
+def _text_bytes(column, pc) -> int:
+    # binary_length has kernels for (large_)string only: a dictionary column (a pandas category)
+    # or a string_view column is cast first; a column that is no text counts nothing here
+    import pyarrow as pa
+
+    try:
+        if not pa.types.is_string(column.type) and not pa.types.is_large_string(column.type):
+            column = pc.cast(column, pa.large_string())
+        return pc.sum(pc.binary_length(column)).as_py() or 0
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return 0
 
 
 def _check_one_global_batch(

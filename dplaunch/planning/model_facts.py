@@ -165,7 +165,14 @@ def load_config_json(name_or_path: str, field: str = "model.name_or_path") -> di
 
 
 def check_tokenizer(name_or_path: str, field: str = "model.tokenizer") -> None:
-    """A tokenizer folder or cached hub tokenizer exists (found as model.name_or_path is)."""
+    """A tokenizer folder or cached hub tokenizer exists (found as model.name_or_path is); a hub
+    id that is not cached passes while the Hub is on: the ranks download it (a model trained from
+    scratch with the tokenizer of gpt2, say). Offline it must be cached."""
+    from dplaunch.planning.data_check import hub_offline
+
+    is_hub_id = not Path(name_or_path).expanduser().exists() and not looks_like_path(name_or_path)
+    if is_hub_id and not hub_offline():
+        return
     find_model_file(name_or_path, TOKENIZER_FILES, field, what="tokenizer")
 
 
@@ -182,7 +189,7 @@ def check_sequence_length(model: ModelFacts, max_length: int, *, from_run_file: 
         f"{max_length} tokens per sample, but the {model.model_type} model has only "
         f"{model.max_positions} positions ({key})"
     )
-    if any(model.raw.get(name) is not None for name in _ROTARY_KEYS):
+    if _rotary(model):
         return (
             f"data.max_length: {beyond}; its rotary positions run at any length, but it was "
             "not trained beyond them (set rope_scaling to extend the context)"
@@ -197,6 +204,21 @@ def check_sequence_length(model: ModelFacts, max_length: int, *, from_run_file: 
 
 # config keys of rotary position embeddings (Llama, Mistral, Qwen, GPT-NeoX, GPT-J, Phi, …)
 _ROTARY_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "rotary_dim", "rotary_pct")
+
+
+def _rotary(model: ModelFacts) -> bool:
+    # a model.config rarely spells out rope_theta (a default of its config class): the class's
+    # defaults count too. Only on this rare path (a length past the table) is transformers
+    # imported (a few seconds)
+    if any(model.raw.get(name) is not None for name in _ROTARY_KEYS):
+        return True
+    try:
+        from transformers import AutoConfig
+
+        defaults = AutoConfig.for_model(model.model_type).to_dict()
+    except Exception:  # noqa: BLE001 — an unknown or broken type: judge by what was written
+        return False
+    return any(defaults.get(name) is not None for name in _ROTARY_KEYS)
 
 
 @functools.lru_cache(maxsize=1)

@@ -216,37 +216,42 @@ def plan_resume(run_dir: Path, resume: str, config: Any, plan: Any) -> ResumePoi
     saved_config = _read_yaml(info.path / "run.yaml")
     saved_plan = json.loads((info.path / "plan.json").read_text())
     notes = _check_same_training(saved_config, config, info)
-    _check_steps_left(config, info)
+    notes += _check_steps_left(config, info)
     reshard, layout_notes = _check_layout(saved_plan, plan, info)
     return ResumePoint(info, run_dir, reshard, tuple(notes + layout_notes))
 
 
-def _check_steps_left(config: Any, info: CheckpointInfo) -> None:
-    # a run whose last step is not past the checkpoint would train nothing, exit 0 and re-export:
-    # almost always a --max-steps meant as "this many more steps"
+def _check_steps_left(config: Any, info: CheckpointInfo) -> list[str]:
+    # a last step before the checkpoint's is almost always a --max-steps meant as "this many more
+    # steps". At the checkpoint's step there is nothing left to train, and the run exports the
+    # model: what a job requeued or resubmitted after its final save needs (--resume auto always)
     train, step = config.train, info.step
     if train.max_steps is not None:
-        if train.max_steps > step:
-            return
-        raise UserError(
-            "train.max_steps",
-            f"{train.max_steps} is not past the checkpoint's step {step} ({info.path}): the "
-            "resumed run would train no step",
+        last, field = train.max_steps, "train.max_steps"
+        told = f"{train.max_steps} is before"
+        fix = (
             f"--max-steps counts all steps, not more steps: give one above {step} (e.g. "
-            f"{step + train.max_steps} for {train.max_steps} more), or start a new run without --resume",
+            f"{step + train.max_steps} for {train.max_steps} more), or start a new run without --resume"
         )
-    steps_per_epoch = info.meta.get("steps_per_epoch")
-    if not steps_per_epoch:
-        return
-    # the loop's rule; the data, hence the steps per epoch, are the checkpoint's (checked above)
-    total = math.ceil((train.epochs or 1) * int(steps_per_epoch))
-    if total > step:
-        return
+    else:
+        steps_per_epoch = info.meta.get("steps_per_epoch")
+        if not steps_per_epoch:
+            return []
+        # the loop's rule; the data, hence the steps per epoch, are the checkpoint's (checked above)
+        last, field = math.ceil((train.epochs or 1) * int(steps_per_epoch)), "train.epochs"
+        told = f"{train.epochs or 1} epoch(s) of {steps_per_epoch} steps end at step {last}, before"
+        fix = f"raise train.epochs or give --max-steps above {step}, or start a new run without --resume"
+    if last > step:
+        return []
+    if last == step:
+        return [
+            f"the checkpoint is the run's last step ({step}): nothing left to train, the run "
+            "exports its model"
+        ]
     raise UserError(
-        "train.epochs",
-        f"{train.epochs or 1} epoch(s) of {steps_per_epoch} steps end at step {total}, not past "
-        f"the checkpoint's step {step} ({info.path}): the resumed run would train no step",
-        f"raise train.epochs or give --max-steps above {step}, or start a new run without --resume",
+        field,
+        f"{told} the checkpoint's step {step} ({info.path}): the resumed run would train no step",
+        fix,
     )
 
 
