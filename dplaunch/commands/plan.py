@@ -16,6 +16,7 @@ from dplaunch.config.schema import LaunchConfig
 from dplaunch.errors import UserError
 from dplaunch.planning.auto import Workload, plan_candidates, run_workload
 from dplaunch.planning.candidates import Candidate, format_table, to_json_rows
+from dplaunch.planning.data_check import hub_offline
 from dplaunch.planning.estimate import count_parameters
 from dplaunch.planning.model_facts import ModelFacts, load_config_json, looks_like_path
 from dplaunch.planning.plan import _nodes
@@ -84,14 +85,16 @@ def _from_run_file(options: PlanOptions) -> tuple[ModelFacts, str, Workload, Any
 
 def _model_config(model: str) -> dict[str, Any]:
     """config.json of a folder, a cached hub model, or (online) fetched alone from the hub."""
-    import os
 
     if model.startswith("pkg:"):  # how run files name a model shipped in a Python package
         from dplaunch.config.load import resolve_package_path
 
         model = resolve_package_path(model)
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-    if offline or Path(model).expanduser().exists() or looks_like_path(model):
+    if (
+        hub_offline(for_datasets=False)
+        or Path(model).expanduser().exists()
+        or looks_like_path(model)
+    ):
         # a local path is reported for what it is (a broken folder is no reason to ask the hub)
         return load_config_json(model, field="--model")
     try:

@@ -194,10 +194,11 @@ def datasets_cache_dir() -> Path:
     return Path(os.environ.get("HF_DATASETS_CACHE") or os.path.join(home, "datasets")).expanduser()
 
 
-def hub_offline() -> bool:
-    """Offline as `datasets` decides it: HF_DATASETS_OFFLINE when set, else HF_HUB_OFFLINE."""
+def hub_offline(for_datasets: bool = True) -> bool:
+    """Offline as `datasets` decides it (HF_DATASETS_OFFLINE when set, else HF_HUB_OFFLINE), or
+    for models and tokenizers (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE)."""
     true = {"1", "ON", "YES", "TRUE"}
-    datasets_offline = os.environ.get("HF_DATASETS_OFFLINE")
+    datasets_offline = os.environ.get("HF_DATASETS_OFFLINE") if for_datasets else None
     if datasets_offline is not None:
         return datasets_offline.upper() in true
     value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""

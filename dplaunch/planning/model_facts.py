@@ -171,7 +171,7 @@ def check_tokenizer(name_or_path: str, field: str = "model.tokenizer") -> None:
     from dplaunch.planning.data_check import hub_offline
 
     is_hub_id = not Path(name_or_path).expanduser().exists() and not looks_like_path(name_or_path)
-    if is_hub_id and not hub_offline():
+    if is_hub_id and not hub_offline(for_datasets=False):
         return
     find_model_file(name_or_path, TOKENIZER_FILES, field, what="tokenizer")
 
