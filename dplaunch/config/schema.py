@@ -17,6 +17,10 @@ Scheduler = Literal[
 ]
 
 
+# model.tokenizer naming dplaunch's built-in 259-token tokenizer (no files)
+BYTE_LEVEL = "byte-level"
+
+
 class FieldProblem(ValueError):
     """A validator's verdict on one key, with its fix; config.load turns it into a UserError.
 

@@ -49,7 +49,6 @@ from dplaunch.rendering.launch_command import (
     launch_script_name,
     render_launch_script,
 )
-from dplaunch.train.tokenizer import BYTE_LEVEL
 
 # seconds a host name may take to resolve before the check gives up (and lets the launch try)
 MASTER_ADDR_RESOLVE_SECONDS = 5.0
@@ -148,20 +147,6 @@ def model_facts(model: ModelConfig) -> ModelFacts:
     return ModelFacts.from_config_dict(config_json)
 
 
-def check_tokenizer_source(model: ModelConfig) -> None:
-    """The tokenizer the ranks will load exists here: built in, a folder, or a cached hub id."""
-    name = model.tokenizer
-    if name is None and model.name_or_path is None:
-        raise UserError(
-            "model.tokenizer",
-            "model.config builds a model from scratch, and no tokenizer is named",
-            f"set model.tokenizer: {BYTE_LEVEL} (built in), a tokenizer folder or a hub id",
-        )
-    if name is None or name == BYTE_LEVEL or name == model.name_or_path:
-        return  # the model's own tokenizer: its folder was checked with model.name_or_path
-    check_tokenizer(name)
-
-
 def check_master_addr(launch: LaunchConfig) -> None:
     """A rendezvous host name that does not resolve would leave every node waiting: refuse it."""
     address = launch.master_addr
@@ -229,15 +214,13 @@ def prepare_training_run(
     config.launch, plan_notes = launch_for_cluster(
         config.launch, allocation=allocation, render_only=render_only
     )
-    if allocation is None and not config.launch.hostfile and not render_only:
-        check_master_addr(config.launch)
     facts = model_facts(config.model)
     length_note = check_sequence_length(
         facts, config.data.max_length, from_run_file=config.model.config is not None
     )
     if length_note is not None:
         plan_notes.append(length_note)
-    check_tokenizer_source(config.model)
+    check_tokenizer(config.model)
     check_data(config.data, config.model.task, config.train.global_batch_size)
     machine = Machine(visible_gpus=visible_gpu_count(), render_only=render_only)
     auto = None
@@ -283,8 +266,6 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
     )
     if not Path(script[0]).is_file():
         raise UserError("SCRIPT", f"{script[0]} does not exist", "give the path of a Python script")
-    if allocation is None and not config.launch.hostfile:
-        check_master_addr(config.launch)
     machine = Machine(visible_gpus=visible_gpu_count())
     plan = make_plan(config.launch, config.parallel, config.train, machine)
     plan = replace(plan, notes=(*plan.notes, *cluster_notes))
@@ -422,6 +403,8 @@ def launch_for_cluster(
     if allocation is not None:
         return launch_for_allocation(launch, allocation)
     if not launch.hostfile:
+        if not render_only:  # files rendered for a cluster name its hosts, not this machine's
+            check_master_addr(launch)
         return launch, []
     hosts = read_hostfile(launch.hostfile)
     resolved, notes = launch_for_hostfile(launch, hosts, own_host_names())

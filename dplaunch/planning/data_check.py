@@ -137,8 +137,9 @@ def check_hub_dataset(name: str | list[str], field: str = "data.dataset") -> Non
     `load_dataset` reads nothing else (a hub-cache snapshot alone fails with ConnectionError)."""
     if isinstance(name, list):
         raise UserError(field, f"{name} names no local file", "a list must name local data files")
-    looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1
-    if looks_like_path:
+    from dplaunch.planning.model_facts import looks_like_path
+
+    if looks_like_path(name):
         raise UserError(
             field,
             f"{name} does not exist",

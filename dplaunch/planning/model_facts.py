@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dplaunch.config.schema import BYTE_LEVEL, ModelConfig
 from dplaunch.errors import UserError
 
 # families whose decoder DeepSpeed AutoTP knows how to split (DESIGN.md), by HF model_type
@@ -164,12 +165,22 @@ def load_config_json(name_or_path: str, field: str = "model.name_or_path") -> di
     return config
 
 
-def check_tokenizer(name_or_path: str, field: str = "model.tokenizer") -> None:
-    """A tokenizer folder or cached hub tokenizer exists (found as model.name_or_path is); a hub
-    id that is not cached passes while the Hub is on: the ranks download it (a model trained from
-    scratch with the tokenizer of gpt2, say). Offline it must be cached."""
+def check_tokenizer(model: ModelConfig, field: str = "model.tokenizer") -> None:
+    """The tokenizer the ranks will load is there: built in, the model's own (its folder is
+    checked with model.name_or_path), a folder, or a cached hub id (found as model.name_or_path
+    is). A hub id that is not cached passes while the Hub is on: the ranks download it (a model
+    trained from scratch with the tokenizer of gpt2, say). Offline it must be cached."""
     from dplaunch.planning.data_check import hub_offline
 
+    name_or_path = model.tokenizer
+    if name_or_path is None and model.name_or_path is None:
+        raise UserError(
+            field,
+            "model.config builds a model from scratch, and no tokenizer is named",
+            f"set model.tokenizer: {BYTE_LEVEL} (built in), a tokenizer folder or a hub id",
+        )
+    if name_or_path is None or name_or_path in (BYTE_LEVEL, model.name_or_path):
+        return
     is_hub_id = not Path(name_or_path).expanduser().exists() and not looks_like_path(name_or_path)
     if is_hub_id and not hub_offline(for_datasets=False):
         return

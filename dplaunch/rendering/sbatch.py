@@ -26,6 +26,8 @@ _MODULE_RE = re.compile(r"^[\w./+@:=,-]+$")
 
 # EX_TEMPFAIL: what dplaunch train returns after checkpointing on SIGUSR1/SIGTERM
 REQUEUE_EXIT_STATUS = 75
+# what SLURM's --signal=SIG@SECONDS accepts
+MAX_SIGNAL_SECONDS = 65535
 # the marker file a node's launcher touches instead of exiting 75 (set by the script for srun)
 REQUEUE_MARK_ENV = "DPLAUNCH_REQUEUE_MARK"
 # run on every node by srun when requeue is on: turns 75 into a marker file and exit 0, because
@@ -235,12 +237,14 @@ def _validate(spec: SbatchSpec) -> None:
         value = getattr(spec, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}: {value!r} is not a positive integer")
-    if not _TIME_RE.match(spec.time.strip()):
-        raise ValueError(f"time: {spec.time!r} is not a SLURM time (e.g. 20:00:00, 1-00:00:00, 30)")
+    time_limit_seconds(spec.time)  # ValueError naming time
     if spec.signal_seconds is not None and (
-        not isinstance(spec.signal_seconds, int) or not 0 < spec.signal_seconds <= 65535
+        not isinstance(spec.signal_seconds, int)
+        or not 0 < spec.signal_seconds <= MAX_SIGNAL_SECONDS
     ):
-        raise ValueError(f"signal_seconds: {spec.signal_seconds!r} is not in 1..65535")
+        raise ValueError(
+            f"signal_seconds: {spec.signal_seconds!r} is not in 1..{MAX_SIGNAL_SECONDS}"
+        )
     if not spec.command:
         raise ValueError("command: empty")
     for index, arg in enumerate(spec.command):

@@ -175,7 +175,14 @@ def newest_checkpoint(checkpoints_dir: Path) -> CheckpointInfo | None:
 def find_checkpoint(path: Path, field: str = "--resume") -> CheckpointInfo:
     """A checkpoint directory, or the newest complete one in a checkpoints or run directory."""
     if not path.exists():
-        raise UserError(field, f"{path} does not exist", "give a checkpoint or run directory")
+        raise UserError(
+            field,
+            f"{path} does not exist",
+            "give --resume auto (this run's newest complete checkpoint) or the path of a "
+            "checkpoint or run directory"
+            if field == "--resume"
+            else "give a checkpoint or run directory",
+        )
     info = read_checkpoint(path)
     if info is not None:
         return info

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dplaunch.config.schema import ModelConfig
-from dplaunch.train.tokenizer import BYTE_LEVEL, byte_level_tokenizer
+from dplaunch.config.schema import BYTE_LEVEL, ModelConfig
+from dplaunch.train.tokenizer import byte_level_tokenizer
 
 
 def load_tokenizer(model: ModelConfig) -> Any:

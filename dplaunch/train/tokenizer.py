@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-BYTE_LEVEL = "byte-level"
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 
 
