@@ -301,6 +301,26 @@ def test_a_large_corpus_is_checked_on_a_budget_and_every_files_first_record(tmp_
             DataConfig(dataset=[str(big)], eval_fraction=None), "sequence-classification", 4
         )
 
+    # DPLAUNCH_DATA_CHECK_MB sets the budget: 0 checks each file's first record only
+    monkeypatch.setenv("DPLAUNCH_DATA_CHECK_MB", "0")
+    data_check.check_data(
+        DataConfig(dataset=[str(big)], eval_fraction=None), "sequence-classification", 4
+    )
+    monkeypatch.setenv("DPLAUNCH_DATA_CHECK_MB", "0.5")
+    with pytest.raises(UserError, match=r"line 201 of .*big\.jsonl is not valid JSON"):
+        data_check.check_data(
+            DataConfig(dataset=[str(big)], eval_fraction=None), "sequence-classification", 4
+        )
+
+
+def test_a_data_check_budget_that_is_no_number_is_refused(tmp_path):
+    env = child_environment(DPLAUNCH_DATA_CHECK_MB="lots")
+    line = refused(tmp_path, DEFAULT_CONFIG, env=env)
+    assert line == (
+        "dplaunch: error: DPLAUNCH_DATA_CHECK_MB: 'lots' is not a number of megabytes — set it "
+        "to 0 or more (0: each file's first record only), or unset it for 256"
+    )
+
 
 @pytest.mark.parametrize("encoding", ["dictionary", "string_view"])
 def test_packed_parquet_texts_in_any_arrow_string_type_pass(tmp_path, encoding):
@@ -338,3 +358,162 @@ def test_json_objects_pretty_printed_one_after_another_pass_and_are_counted(tmp_
         "train", DEFAULT_CONFIG, *common, "--global-batch", "6", "-o", tmp_path / "b"
     )
     assert result.returncode == 2 and "the training set has 5 samples" in result.stderr
+
+
+# 5. labels: class numbers below model.num_labels, as the ranks' int() reads them
+
+
+def _label_files(tmp_path: Path) -> dict[str, tuple[Path, str | None]]:
+    """name → (a file of 40 reviews with one label or value changed in row 31, the refusal's
+    text or None when it passes)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def json_file(name: str, value) -> Path:
+        rows = reviews(40)
+        rows[30]["label"] = value
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text(jsonl(rows))
+        return path
+
+    def csv_file(name: str, cell: str) -> Path:
+        rows = [f"{row['text']},{row['label']}" for row in reviews(40)]
+        rows[30] = f"odd one,{cell}"
+        path = tmp_path / f"{name}.csv"
+        path.write_text("text,label\n" + "\n".join(rows) + "\n")
+        return path
+
+    def parquet_file(name: str, labels, texts=None) -> Path:
+        path = tmp_path / f"{name}.parquet"
+        texts = texts or [row["text"] for row in reviews(40)]
+        pq.write_table(pa.table({"text": texts, "label": labels}), path, row_group_size=16)
+        return path
+
+    ints = [i % 2 for i in range(40)]
+    outside = "not one of the classes 0 to 1 of model.num_labels 2"
+    return {
+        "json ints": (json_file("ints", 1), None),
+        "json whole float": (json_file("whole", 1.0), None),
+        "json bool": (json_file("bool", True), None),
+        "json out of range": (json_file("seven", 7), f"has 'label' 7, {outside}"),
+        "json negative": (json_file("negative", -1), "class numbers start at 0"),
+        "json word": (json_file("word", "positive"), "\"positive\" as 'label', not a class"),
+        "json fraction": (json_file("fraction", 1.5), "1.5 as 'label', not a class number"),
+        "csv whole float": (csv_file("whole", "1.0"), None),
+        "csv out of range": (csv_file("two", "2"), f"has 'label' 2, {outside}"),
+        "csv word": (csv_file("word", "pos"), "'pos' as 'label', not a class number"),
+        "parquet ints": (parquet_file("ints", ints), None),
+        "parquet out of range": (
+            parquet_file("five", ints[:30] + [5] + ints[31:]),
+            f"row 31 of {tmp_path / 'five.parquet'} has 'label' 5",
+        ),
+        "parquet fraction": (
+            parquet_file("fraction", [float(i) for i in ints[:30]] + [0.5] + ints[31:]),
+            "0.5 as 'label', not a class number",
+        ),
+        "parquet null label": (
+            parquet_file("nolabel", ints[:30] + [None] + ints[31:]),
+            "row 31 of",
+        ),
+        "parquet null text": (
+            parquet_file("notext", ints, [r["text"] for r in reviews(30)] + [None] * 10),
+            f"data.text_column: row 31 of {tmp_path / 'notext.parquet'} has no 'text' (null)",
+        ),
+    }
+
+
+def test_labels_are_refused_exactly_when_the_ranks_would_train_on_wrong_ones(tmp_path):
+    # each case: the pre-launch check against what the ranks really make of the file (datasets
+    # loads it, the loop's tokenize() turns labels into class numbers): a refusal exactly when
+    # the ranks fail, or train on a label outside 0..num_labels-1 or unlike the one written
+    from dplaunch.config.schema import DataConfig
+    from dplaunch.errors import UserError
+    from dplaunch.planning import data_check
+    from dplaunch.train.data import load_splits, tokenize
+    from dplaunch.train.tokenizer import byte_level_tokenizer
+
+    task, num_labels = "sequence-classification", 2
+    for name, (path, refusal) in _label_files(tmp_path).items():
+        data = DataConfig(dataset=str(path), eval_fraction=None, max_length=32)
+        try:
+            data_check.check_data(data, task, global_batch_size=4, num_labels=num_labels)
+            said = None
+        except UserError as error:
+            said = str(error)
+        try:
+            train, _ = load_splits(data, seed=0)
+            written = train[data.label_column]
+            labels = tokenize(train, byte_level_tokenizer(), data, task)["labels"]
+            wrong = any(
+                not 0 <= label < num_labels or label != value
+                for label, value in zip(labels, written, strict=True)
+            )
+        except Exception:  # the ranks' traceback
+            wrong = True
+        assert wrong == (refusal is not None), name
+        if refusal is None:
+            assert said is None, f"{name}: {said}"
+        else:
+            assert said is not None and refusal in said, f"{name}: {said}"
+
+
+def test_a_label_outside_num_labels_is_refused_before_launch_in_one_line(tmp_path):
+    rows = reviews(40)
+    rows[17]["label"] = 3
+    path = tmp_path / "reviews.jsonl"
+    path.write_text(jsonl(rows))
+    line = refused(tmp_path, DEFAULT_CONFIG, "--set", f"data.dataset={path}")
+    assert line == (
+        f"dplaunch: error: data.label_column: line 18 of {path} has 'label' 3, not one of the "
+        "classes 0 to 1 of model.num_labels 2 — set model.num_labels to 4 or more, or fix that "
+        "record"
+    )
+    accepted(
+        tmp_path, DEFAULT_CONFIG, "--set", f"data.dataset={path}", "--set", "model.num_labels=4"
+    )
+    # one class trains nothing (the cross-entropy of one class is 0): refused in the run file
+    line = refused(tmp_path, DEFAULT_CONFIG, "--set", "model.num_labels=1")
+    assert "model.num_labels: 1 is invalid" in line and "regression is not supported" in line
+
+
+# 6. the Hugging Face caches are where huggingface_hub and datasets look
+
+
+@pytest.mark.parametrize(
+    "variables",
+    [
+        {},
+        {"HF_HOME": "~/hf-home"},
+        {"XDG_CACHE_HOME": "/scratch/cache"},
+        {"XDG_CACHE_HOME": "/scratch/cache", "HF_HOME": "/work/hf"},
+        {"HF_HUB_CACHE": "/work/hub", "HF_DATASETS_CACHE": "/work/ds"},
+        {"HUGGINGFACE_HUB_CACHE": "/old/hub"},
+    ],
+    ids=["defaults", "hf-home", "xdg", "hf-home-wins", "own-caches", "legacy-hub-cache"],
+)
+def test_the_cache_folders_are_the_libraries_own(variables):
+    # in a fresh interpreter: both libraries read their variables once, when imported
+    import subprocess
+    import sys
+
+    env = child_environment(**variables)
+    for name in ("HF_HOME", "XDG_CACHE_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if name not in variables:
+            env.pop(name, None)
+    if "HF_DATASETS_CACHE" not in variables:
+        env.pop("HF_DATASETS_CACHE", None)
+    code = (
+        "import json, os\n"
+        "from huggingface_hub import constants\n"
+        "import datasets.config\n"
+        "from dplaunch.planning.data_check import datasets_cache_dir\n"
+        "from dplaunch.planning.model_facts import hub_cache_dir\n"
+        "print(json.dumps([[str(hub_cache_dir()), os.path.abspath(constants.HF_HUB_CACHE)],"
+        " [str(datasets_cache_dir()), str(datasets.config.HF_DATASETS_CACHE)]]))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    for ours, theirs in json.loads(result.stdout.splitlines()[-1]):
+        assert ours == theirs

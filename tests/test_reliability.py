@@ -262,7 +262,10 @@ def test_a_rank_killed_with_sigkill_in_training_ends_the_job_within_30_s(tmp_pat
 
 
 def test_a_data_mistake_that_breaks_one_rank_is_reported_by_that_rank(tmp_path):
-    """Labels outside num_labels in exactly the samples rank 1 gets at step 1: only rank 1 raises."""
+    """Labels outside num_labels in exactly the samples rank 1 gets at step 1: only rank 1 raises.
+
+    The launch check would refuse such labels; it is told to read each file's first record only
+    (DPLAUNCH_DATA_CHECK_MB=0, as past its budget in a large corpus), so they reach the ranks."""
     from dplaunch.train.data import Batcher, Sharding
 
     rows, seed = 16, 3
@@ -270,6 +273,7 @@ def test_a_data_mistake_that_breaks_one_rank_is_reported_by_that_rank(tmp_path):
         list(range(rows)), Sharding(1, 2, 4, 1), pad_id=0, task="x", seed=seed
     ).epoch_order(0)
     rank1_samples = set(order[4:8])  # global batch 8 = micro 4 × dp 2: rank 1 takes the second half
+    assert 0 not in rank1_samples  # the first record, which the check reads, is a good one
     with (tmp_path / "reviews.jsonl").open("w") as out:
         for i in range(rows):
             label = 7 if i in rank1_samples else i % 2
@@ -306,7 +310,16 @@ def test_a_data_mistake_that_breaks_one_rank_is_reported_by_that_rank(tmp_path):
     run_dir = tmp_path / "run"
     # umask 022: everything the launcher and the ranks create is readable, and writable only by us
     dplaunch = start_dplaunch(
-        tmp_path, "train", config, "--cpu", "--gpus", "2", "-o", run_dir, umask=0o022
+        tmp_path,
+        "train",
+        config,
+        "--cpu",
+        "--gpus",
+        "2",
+        "-o",
+        run_dir,
+        umask=0o022,
+        env=child_environment(DPLAUNCH_DATA_CHECK_MB="0"),
     )
     code = dplaunch.wait(timeout=600)
     stdout, stderr = output(tmp_path)

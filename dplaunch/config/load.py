@@ -22,6 +22,7 @@ _FIXES = {
     "data.dataset": "give a hub dataset id or local file(s) (.json/.jsonl/.csv/.txt/.parquet), "
     "or a list of them",
     "data.eval_dataset": "give local file(s) (.json/.jsonl/.csv/.txt/.parquet), or a list of them",
+    "model.num_labels": "give the number of classes, 2 or more (regression is not supported)",
 }
 # the branch pydantic appends to the location of an error in a union (str | list[str]): not a key
 _UNION_BRANCH = re.compile(r"(str|int|float|bool|dict|list|none)(\[.*\])?")

@@ -45,8 +45,9 @@ class ModelConfig(Section):
     # tokenizer id/dir; defaults to name_or_path; "byte-level" is a built-in 259-token tokenizer
     tokenizer: str | None = None
     task: Task = "causal-lm"
-    # number of classes for sequence-classification
-    num_labels: int = Field(2, ge=1)
+    # number of classes for sequence-classification: labels are class numbers 0…num_labels-1
+    # (1, HF's regression, would train nothing under the loop's cross-entropy)
+    num_labels: int = Field(2, ge=2)
     # executes code shipped with a hub model: off unless the user says so
     trust_remote_code: bool = False
     # activation (gradient) checkpointing in the model's blocks

@@ -221,7 +221,12 @@ def prepare_training_run(
     if length_note is not None:
         plan_notes.append(length_note)
     check_tokenizer(config.model)
-    check_data(config.data, config.model.task, config.train.global_batch_size)
+    check_data(
+        config.data,
+        config.model.task,
+        config.train.global_batch_size,
+        num_labels=config.model.num_labels,
+    )
     machine = Machine(visible_gpus=visible_gpu_count(), render_only=render_only)
     auto = None
     if config.parallel.auto:

@@ -1,8 +1,9 @@
 """Check a run's data before launch, as `datasets` will read it in the ranks.
 
 Local files: each file is read once, record by record (JSON lines parsed, CSV rows split,
-Parquet from its footer), so a broken line, a missing column or a missing value is named here
-rather than in a rank's traceback; the training rows left after the eval split must fill one
+Parquet from its footer and columns), so a broken line, a missing column, a missing value or a
+label that is no class of model.num_labels is named here rather than in a rank's traceback (on a
+GPU, a CUDA device-side assert); the training rows left after the eval split must fill one
 global batch. Hub ids: the dataset must be in the `datasets` cache, or (online) on the Hub.
 """
 
@@ -39,8 +40,10 @@ CSV_MISSING = frozenset(
 HUB_TIMEOUT_S = 10.0
 # bytes of a dataset's files read line by line before launch (about 3 s of checking here): a
 # corpus of many GB is checked on its first records of each file and its first 256 MB, not read
-# whole at every launch (and on every node); its rows and bytes are then lower bounds
+# whole at every launch (and on every node); its rows and bytes are then lower bounds.
+# DPLAUNCH_DATA_CHECK_MB sets another budget (0: the first record of each file only)
 FULL_CHECK_BYTES = 256 * 2**20
+BUDGET_ENV = "DPLAUNCH_DATA_CHECK_MB"
 
 
 def is_local(dataset: str | list[str]) -> bool:
@@ -72,9 +75,16 @@ def eval_fraction_split(rows: int, eval_fraction: float) -> tuple[int, int]:
     return rows - held_out, held_out
 
 
-def check_data(data: DataConfig, task: str, global_batch_size: int | None = None) -> None:
-    """Raise UserError when files, records, columns or rows the run needs are missing."""
-    columns = _needed_columns(data, task)
+def check_data(
+    data: DataConfig,
+    task: str,
+    global_batch_size: int | None = None,
+    num_labels: int | None = None,
+) -> None:
+    """Raise UserError when files, records, columns or rows the run needs are missing, or (with
+    NUM_LABELS, for sequence classification) a label is not one of its class numbers."""
+    needs = _Needs.of(data, task, num_labels)
+    budget = _check_budget()
     packing = task == "causal-lm" and (data.packing if data.packing is not None else True)
     training: _Summary | None = None
     for field, dataset in (
@@ -108,9 +118,9 @@ def check_data(data: DataConfig, task: str, global_batch_size: int | None = None
                     "check the path (relative paths are relative to the run file)",
                 )
         fmt = local_format(files, field)
-        summary = _Summary(count_bytes=packing and field == "data.dataset")
+        summary = _Summary(count_bytes=packing and field == "data.dataset", bytes_left=budget)
         for item in files:
-            _read_file(Path(item).expanduser(), fmt, field, columns, summary)
+            _read_file(Path(item).expanduser(), fmt, field, needs, summary)
         if summary.rows == 0 and summary.rows_known:
             only = Path(files[0]).expanduser()
             problem = (
@@ -189,10 +199,10 @@ def check_hub_dataset(name: str | list[str], field: str = "data.dataset") -> Non
 
 def datasets_cache_dir() -> Path:
     """Where `datasets` keeps prepared datasets (HF_DATASETS_CACHE, else HF_HOME/datasets)."""
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface"
-    )
-    return Path(os.environ.get("HF_DATASETS_CACHE") or os.path.join(home, "datasets")).expanduser()
+    from dplaunch.planning.model_facts import hf_home
+
+    cache = os.environ.get("HF_DATASETS_CACHE")
+    return Path(cache).expanduser() if cache else hf_home() / "datasets"
 
 
 def hub_offline(for_datasets: bool = True) -> bool:
@@ -247,28 +257,111 @@ class _Summary:
         return self.partial
 
 
-def _needed_columns(data: DataConfig, task: str) -> list[tuple[str, str]]:
-    """(field, column) pairs every record must carry."""
-    needed = [("data.text_column", data.text_column)]
-    if data.text_pair_column:
-        needed.append(("data.text_pair_column", data.text_pair_column))
-    if task == "sequence-classification":
-        needed.append(("data.label_column", data.label_column))
-    return needed
+def _check_budget() -> int:
+    """Bytes the check may read: DPLAUNCH_DATA_CHECK_MB megabytes, else FULL_CHECK_BYTES."""
+    raw = os.environ.get(BUDGET_ENV, "").strip()
+    if not raw:
+        return FULL_CHECK_BYTES
+    try:
+        megabytes = float(raw)
+    except ValueError:
+        megabytes = -1.0
+    if not megabytes >= 0 or math.isinf(megabytes):
+        raise UserError(
+            BUDGET_ENV,
+            f"{raw!r} is not a number of megabytes",
+            f"set it to 0 or more (0: each file's first record only), or unset it for "
+            f"{FULL_CHECK_BYTES // 2**20}",
+        )
+    return int(megabytes * 2**20)
 
 
-def _read_file(
-    path: Path, fmt: str, field: str, needed: list[tuple[str, str]], summary: _Summary
-) -> None:
+LABEL_FIELD = "data.label_column"
+# the fix for a record with a missing or wrong value
+DROP_RECORD = "fix that record or drop it"
+
+
+@dataclass(frozen=True)
+class _Needs:
+    """What every record must carry: its text column(s), and for sequence classification a
+    label that is a class number below num_labels (when that is known)."""
+
+    texts: tuple[tuple[str, str], ...]  # (field, column)
+    label: str | None = None
+    num_labels: int | None = None
+
+    @classmethod
+    def of(cls, data: DataConfig, task: str, num_labels: int | None) -> _Needs:
+        texts = [("data.text_column", data.text_column)]
+        if data.text_pair_column:
+            texts.append(("data.text_pair_column", data.text_pair_column))
+        if task != "sequence-classification":
+            return cls(tuple(texts))
+        return cls(tuple(texts), data.label_column, num_labels)
+
+    @property
+    def columns(self) -> list[tuple[str, str]]:
+        """(field, column) of every column a record must have."""
+        return [*self.texts, *([(LABEL_FIELD, self.label)] if self.label else [])]
+
+    def label_problem(
+        self, value: object, where: str, csv_cell: bool = False
+    ) -> tuple[str, str] | None:
+        """(problem, fix) when VALUE (not None) is no label the ranks can train on, else None."""
+        number = _class_number(value, csv_cell)
+        if number is None:
+            classes = f"0 to {self.num_labels - 1}" if self.num_labels else "0, 1, …"
+            shown = repr(value) if csv_cell else json.dumps(value)[:40]
+            return (
+                f"{where} has {shown} as {self.label!r}, not a class number",
+                f"write each label as its class number ({classes})",
+            )
+        if self.num_labels is None or 0 <= number < self.num_labels:
+            return None
+        return (
+            f"{where} has {self.label!r} {number}, not one of the classes 0 to "
+            f"{self.num_labels - 1} of model.num_labels {self.num_labels}",
+            "fix that record: class numbers start at 0"
+            if number < 0
+            else f"set model.num_labels to {number + 1} or more, or fix that record",
+        )
+
+
+def _class_number(value: object, csv_cell: bool) -> int | None:
+    """The class number the ranks make of a label (int(value)), None when they cannot make one.
+
+    JSON values arrive as they are: ints, bools, whole floats and strings int() reads pass. A
+    CSV cell is read by pandas first, so a number such as 1.0 is a float, not the text "1.0"."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            if not csv_cell:
+                return None
+        try:
+            number = float(value)
+        except ValueError:
+            return None
+        return int(number) if number.is_integer() else None
+    return None
+
+
+def _read_file(path: Path, fmt: str, field: str, needs: _Needs, summary: _Summary) -> None:
     try:
         if fmt == "text":
-            _read_text(path, needed, summary)
+            _read_text(path, needs, summary)
         elif fmt == "csv":
-            _read_csv(path, needed, summary)
+            _read_csv(path, needs, summary)
         elif fmt == "json":
-            _read_json(path, field, needed, summary)
+            _read_json(path, field, needs, summary)
         else:
-            _read_parquet(path, needed, summary)
+            _read_parquet(path, needs, summary)
     except UserError:
         raise
     except UnicodeDecodeError as exc:
@@ -288,9 +381,9 @@ def _missing_column(
     return UserError(field, f"column {column!r} is not in {path}", f"its columns are {listed}")
 
 
-def _read_text(path: Path, needed: list[tuple[str, str]], summary: _Summary) -> None:
+def _read_text(path: Path, needs: _Needs, summary: _Summary) -> None:
     # the text builder: one row per line (universal newlines), blank lines included
-    for field, column in needed:
+    for field, column in needs.columns:
         if column != "text":
             raise _missing_column(field, column, path, ["text"])
     with path.open(encoding="utf-8") as handle:
@@ -301,7 +394,7 @@ def _read_text(path: Path, needed: list[tuple[str, str]], summary: _Summary) -> 
                 break
 
 
-def _read_csv(path: Path, needed: list[tuple[str, str]], summary: _Summary) -> None:
+def _read_csv(path: Path, needs: _Needs, summary: _Summary) -> None:
     # pandas as `datasets` calls it: a UTF-8 BOM is no part of the first column's name, blank
     # lines are skipped (before the header too), and the cells in CSV_MISSING are missing
     # pandas takes cells of any length; the csv module's default limit is 128 KiB
@@ -315,7 +408,7 @@ def _read_csv(path: Path, needed: list[tuple[str, str]], summary: _Summary) -> N
                 continue
             if header is None:
                 header = row
-                for field, column in needed:
+                for field, column in needs.columns:
                     if column not in header:
                         raise _missing_column(field, column, path, header)
                     positions.append((field, column, header.index(column)))
@@ -323,15 +416,17 @@ def _read_csv(path: Path, needed: list[tuple[str, str]], summary: _Summary) -> N
             summary.rows += 1
             for field, column, index in positions:
                 value = row[index] if index < len(row) else ""
+                where = f"line {reader.line_num} of {path}"
                 if value in CSV_MISSING:
                     raise UserError(
                         field,
-                        f"line {reader.line_num} of {path} has no {column!r} "
-                        f"({value!r} reads as missing)",
+                        f"{where} has no {column!r} ({value!r} reads as missing)",
                         "fill it in or drop that row",
                     )
-                if field != "data.label_column":
+                if field != LABEL_FIELD:
                     summary.text_bytes += len(value.encode())
+                elif problem := needs.label_problem(value, where, csv_cell=True):
+                    raise UserError(field, *problem)
             if summary.spend(sum(map(len, row)) + len(row)):
                 break
         if header is None:
@@ -341,7 +436,7 @@ def _read_csv(path: Path, needed: list[tuple[str, str]], summary: _Summary) -> N
 _WHITESPACE = re.compile(r"\s*")
 
 
-def _read_json(path: Path, field: str, needed: list[tuple[str, str]], summary: _Summary) -> None:
+def _read_json(path: Path, field: str, needs: _Needs, summary: _Summary) -> None:
     """JSON lines, one record at a time; a file that is one JSON document (an array of records,
     or one object spread over lines) is read whole, as `datasets` falls back to."""
     decoder = json.JSONDecoder()
@@ -355,22 +450,22 @@ def _read_json(path: Path, field: str, needed: list[tuple[str, str]], summary: _
                 try:
                     record, position = decoder.raw_decode(line, position)
                 except ValueError as exc:
-                    return _read_json_document(path, field, needed, summary, number, exc)
+                    return _read_json_document(path, field, needs, summary, number, exc)
                 position = _WHITESPACE.match(line, position).end()
                 if not isinstance(record, dict):
-                    return _read_json_document(path, field, needed, summary, number, None)
+                    return _read_json_document(path, field, needs, summary, number, None)
                 seen.update(record)
                 records.rows += 1
-                _check_record(record, f"line {number}", path, needed, records, problems)
+                _check_record(record, f"line {number}", path, needs, records, problems)
             if summary.spend(len(line)):
                 break
-    _finish_records(path, needed, seen, records, problems, summary)
+    _finish_records(path, needs, seen, records, problems, summary)
 
 
 def _read_json_document(
     path: Path,
     field: str,
-    needed: list[tuple[str, str]],
+    needs: _Needs,
     summary: _Summary,
     line: int,
     error: ValueError | None,
@@ -402,8 +497,8 @@ def _read_json_document(
     for number, record in enumerate(document, 1):
         seen.update(record)
         records.rows += 1
-        _check_record(record, f"record {number}", path, needed, records, problems)
-    _finish_records(path, needed, seen, records, problems, summary)
+        _check_record(record, f"record {number}", path, needs, records, problems)
+    _finish_records(path, needs, seen, records, problems, summary)
 
 
 def _concatenated_objects(text: str) -> list[dict] | None:
@@ -425,30 +520,29 @@ def _check_record(
     record: dict,
     where: str,
     path: Path,
-    needed: list[tuple[str, str]],
+    needs: _Needs,
     records: _Summary,
     problems: list[tuple[str, str, str]],
 ) -> None:
-    for field, column in needed:
+    for field, column in needs.columns:
         value = record.get(column)
-        if field != "data.label_column":
-            if isinstance(value, str):
-                records.text_bytes += len(value.encode())
-                continue
-        elif value is not None:
+        if field != LABEL_FIELD and isinstance(value, str):
+            records.text_bytes += len(value.encode())
             continue
-        if not problems:
-            problem = (
-                f"{where} of {path} has no {column!r}"
-                if value is None
-                else f"{where} of {path} has {json.dumps(value)[:40]} as {column!r}, not a text"
-            )
-            problems.append((field, problem, "fix that record or drop it"))
+        if problems:
+            continue
+        if value is None:
+            problems.append((field, f"{where} of {path} has no {column!r}", DROP_RECORD))
+        elif field != LABEL_FIELD:
+            problem = f"{where} of {path} has {json.dumps(value)[:40]} as {column!r}, not a text"
+            problems.append((field, problem, DROP_RECORD))
+        elif label := needs.label_problem(value, f"{where} of {path}"):
+            problems.append((field, *label))
 
 
 def _finish_records(
     path: Path,
-    needed: list[tuple[str, str]],
+    needs: _Needs,
     seen: set[str],
     records: _Summary,
     problems: list[tuple[str, str, str]],
@@ -456,7 +550,7 @@ def _finish_records(
 ) -> None:
     # a column no record has is the likelier mistake (a wrong name): say that first
     if records.rows:
-        for field, column in needed:
+        for field, column in needs.columns:
             if column not in seen:
                 raise _missing_column(field, column, path, seen)
     if problems:
@@ -465,37 +559,93 @@ def _finish_records(
     summary.text_bytes += records.text_bytes
 
 
-def _read_parquet(path: Path, needed: list[tuple[str, str]], summary: _Summary) -> None:
-    # the footer names the columns and counts the rows; the texts are read only for packing
-    import pyarrow.compute as pc
+def _read_parquet(path: Path, needs: _Needs, summary: _Summary) -> None:
+    # the footer names the columns, counts the rows and (as most writers fill it in) each column's
+    # nulls per row group; the labels are read to check them, the texts only for packing
     import pyarrow.parquet as pq
 
     try:
         parquet = pq.ParquetFile(path)
         names = parquet.schema_arrow.names
-        for field, column in needed:
+        for field, column in needs.columns:
             if column not in names:
                 raise _missing_column(field, column, path, names)
         summary.rows += parquet.metadata.num_rows
-        texts = [column for field, column in needed if field != "data.label_column"]
-        if summary.count_bytes:
-            for group in range(parquet.metadata.num_row_groups):
-                if summary.partial:
-                    break
-                table = parquet.read_row_group(group, columns=texts)
-                size = sum(_text_bytes(table.column(column), pc) for column in texts)
-                summary.text_bytes += size
-                summary.spend(size)
+        texts = [column for _, column in needs.texts]
+        first_row = 1
+        for group in range(parquet.metadata.num_row_groups):
+            metadata = parquet.metadata.row_group(group)
+            wanted, unknown = _columns_with_nulls(metadata, needs)
+            counted = not summary.partial
+            if counted:
+                wanted |= unknown
+                wanted |= {needs.label} if needs.label else set()
+                wanted |= set(texts) if summary.count_bytes else set()
+            if wanted:
+                table = parquet.read_row_group(group, columns=sorted(wanted))
+                _check_parquet_rows(table, first_row, path, needs)
+                if counted:
+                    size = sum(_text_bytes(table.column(c)) for c in texts if c in wanted)
+                    summary.text_bytes += size
+                    summary.spend(table.nbytes)
+            first_row += metadata.num_rows
     except UserError:
         raise
     except Exception as exc:  # pyarrow's ArrowInvalid is a ValueError, but not all its errors are
         raise ValueError(f"not a readable Parquet file ({exc})") from None
 
 
-def _text_bytes(column, pc) -> int:
+def _columns_with_nulls(metadata, needs: _Needs) -> tuple[set[str], set[str]]:
+    """The needed columns a row group's statistics say hold a null, and those it has no null
+    count for (they are read to know, within the budget)."""
+    flagged, unknown = set(), {column for _, column in needs.columns}
+    for index in range(metadata.num_columns):
+        chunk = metadata.column(index)
+        stats = chunk.statistics
+        if chunk.path_in_schema in unknown and stats is not None and stats.has_null_count:
+            unknown.discard(chunk.path_in_schema)
+            if stats.null_count:
+                flagged.add(chunk.path_in_schema)
+    return flagged, unknown
+
+
+def _check_parquet_rows(table, first_row: int, path: Path, needs: _Needs) -> None:
+    """Nulls in the needed columns of TABLE (rows first_row… of PATH) and its labels."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    for field, column in needs.columns:
+        if column in table.column_names and table.column(column).null_count:
+            index = pc.index(pc.is_null(table.column(column)), True).as_py()
+            raise UserError(
+                field,
+                f"row {first_row + index} of {path} has no {column!r} (null)",
+                "fill it in or drop that row",
+            )
+    if needs.label is None or needs.label not in table.column_names:
+        return
+    labels = table.column(needs.label)
+    if pa.types.is_integer(labels.type) or pa.types.is_boolean(labels.type):
+        if needs.num_labels is None:
+            return
+        numbers = labels.cast(pa.int64())
+        outside = pc.or_(pc.less(numbers, 0), pc.greater_equal(numbers, needs.num_labels))
+        if not pc.any(outside).as_py():
+            return
+        index = pc.index(outside, True).as_py()
+        values = [(index, numbers[index].as_py())]
+    else:  # floats, texts, categories: one by one, as the ranks' int() takes them
+        values = enumerate(labels.to_pylist())
+    for index, value in values:
+        if problem := needs.label_problem(value, f"row {first_row + index} of {path}"):
+            raise UserError(LABEL_FIELD, *problem)
+
+
+def _text_bytes(column) -> int:
     # binary_length has kernels for (large_)string only: a dictionary column (a pandas category)
     # or a string_view column is cast first; a column that is no text counts nothing here
     import pyarrow as pa
+    import pyarrow.compute as pc
 
     try:
         if not pa.types.is_string(column.type) and not pa.types.is_large_string(column.type):

@@ -6,6 +6,7 @@ import difflib
 import functools
 import importlib.util
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -281,13 +282,24 @@ def _known_to_transformers(model_type: str) -> bool:
     return model_type in CONFIG_MAPPING_NAMES
 
 
-def _hub_cache_file(repo_id: str, wanted: tuple[str, ...]) -> Path | None:
-    import os
-
-    home = os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub"
+def hf_home() -> Path:
+    """Hugging Face's home folder, as huggingface_hub and datasets find it: HF_HOME, else
+    $XDG_CACHE_HOME/huggingface, else ~/.cache/huggingface."""
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface"
     )
-    snapshots = Path(home) / f"models--{repo_id.replace('/', '--')}" / "snapshots"
+    return Path(os.path.expandvars(os.path.expanduser(home)))
+
+
+def hub_cache_dir() -> Path:
+    """Where huggingface_hub keeps downloaded models (HF_HUB_CACHE, the older
+    HUGGINGFACE_HUB_CACHE, else HF_HOME/hub)."""
+    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    return Path(os.path.expandvars(os.path.expanduser(cache))) if cache else hf_home() / "hub"
+
+
+def _hub_cache_file(repo_id: str, wanted: tuple[str, ...]) -> Path | None:
+    snapshots = hub_cache_dir() / f"models--{repo_id.replace('/', '--')}" / "snapshots"
     if not snapshots.is_dir():
         return None
     for snapshot in sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True):
