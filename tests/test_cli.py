@@ -158,6 +158,8 @@ def test_the_embedded_default_fine_tunes_the_pretrained_model_on_two_ranks(tmp_p
 
     model = AutoModelForSequenceClassification.from_pretrained(run / "model")
     assert model.config.num_labels == 2
+    # the run file's data.label_names name the exported model's classes
+    assert model.config.id2label == {0: "negative", 1: "positive"}
     assert DEFAULT_CONFIG.resolve().name == "default.yaml"
 
 

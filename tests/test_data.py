@@ -150,6 +150,9 @@ def test_classification_rows_are_cached_with_their_labels(tmp_path):
         assert dataset["labels"] == in_memory["labels"]
         assert dataset["input_ids"] == in_memory["input_ids"]
     assert max(len(ids) for ids in in_memory["input_ids"]) == 8  # truncated to max_length
+    # the labels depend on data.label_names (a text label that names a class is its number)
+    named = data_config(path, max_length=8, label_names=["0", "1"])
+    assert tokenized_cache_file(train, tokenizer, named, task) != cache_file
 
 
 def test_an_empty_split_is_cached_without_touching_its_source(tmp_path):

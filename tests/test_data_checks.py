@@ -363,21 +363,28 @@ def test_json_objects_pretty_printed_one_after_another_pass_and_are_counted(tmp_
 # 5. labels: class numbers below model.num_labels, as the ranks' int() reads them
 
 
-def _label_files(tmp_path: Path) -> dict[str, tuple[Path, str | None]]:
+NAMES = ["negative", "positive"]
+
+
+def _label_files(tmp_path: Path) -> dict[str, tuple[Path, str | None, list[str] | None]]:
     """name → (a file of 40 reviews with one label or value changed in row 31, the refusal's
-    text or None when it passes)."""
+    text or None when it passes, the data.label_names it is checked with)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    def json_file(name: str, value) -> Path:
+    def json_file(name: str, value, names: bool = False) -> Path:
         rows = reviews(40)
+        for row in rows if names else []:
+            row["label"] = NAMES[row["label"]]
         rows[30]["label"] = value
         path = tmp_path / f"{name}.jsonl"
         path.write_text(jsonl(rows))
         return path
 
-    def csv_file(name: str, cell: str) -> Path:
-        rows = [f"{row['text']},{row['label']}" for row in reviews(40)]
+    def csv_file(name: str, cell: str, names: bool = False) -> Path:
+        rows = [
+            f"{row['text']},{NAMES[row['label']] if names else row['label']}" for row in reviews(40)
+        ]
         rows[30] = f"odd one,{cell}"
         path = tmp_path / f"{name}.csv"
         path.write_text("text,label\n" + "\n".join(rows) + "\n")
@@ -391,41 +398,65 @@ def _label_files(tmp_path: Path) -> dict[str, tuple[Path, str | None]]:
 
     ints = [i % 2 for i in range(40)]
     outside = "not one of the classes 0 to 1 of model.num_labels 2"
+    unnamed = "neither a class number nor one of data.label_names (negative, positive)"
     return {
-        "json ints": (json_file("ints", 1), None),
-        "json whole float": (json_file("whole", 1.0), None),
-        "json bool": (json_file("bool", True), None),
-        "json out of range": (json_file("seven", 7), f"has 'label' 7, {outside}"),
-        "json negative": (json_file("negative", -1), "class numbers start at 0"),
-        "json word": (json_file("word", "positive"), "\"positive\" as 'label', not a class"),
-        "json fraction": (json_file("fraction", 1.5), "1.5 as 'label', not a class number"),
-        "csv whole float": (csv_file("whole", "1.0"), None),
-        "csv out of range": (csv_file("two", "2"), f"has 'label' 2, {outside}"),
-        "csv word": (csv_file("word", "pos"), "'pos' as 'label', not a class number"),
-        "parquet ints": (parquet_file("ints", ints), None),
+        "json ints": (json_file("ints", 1), None, None),
+        "json whole float": (json_file("whole", 1.0), None, None),
+        "json bool": (json_file("bool", True), None, None),
+        "json out of range": (json_file("seven", 7), f"has 'label' 7, {outside}", None),
+        "json negative": (json_file("negative", -1), "class numbers start at 0", None),
+        "json word": (
+            json_file("word", "positive"),
+            "\"positive\" as 'label', not a class",
+            None,
+        ),
+        "json fraction": (json_file("fraction", 1.5), "1.5 as 'label', not a class number", None),
+        "json names": (json_file("names", "positive", names=True), None, NAMES),
+        "json names and a number": (json_file("mixed", 1, names=True), None, NAMES),
+        "json unknown name": (
+            json_file("unknown", "neutral", names=True),
+            f"\"neutral\" as 'label', {unnamed}",
+            NAMES,
+        ),
+        "csv whole float": (csv_file("whole", "1.0"), None, None),
+        "csv out of range": (csv_file("two", "2"), f"has 'label' 2, {outside}", None),
+        "csv word": (csv_file("word", "pos"), "'pos' as 'label', not a class number", None),
+        "csv names": (csv_file("names", "negative", names=True), None, NAMES),
+        "csv unknown name": (
+            csv_file("unknown", "Positive", names=True),
+            f"'Positive' as 'label', {unnamed}",
+            NAMES,
+        ),
+        "parquet ints": (parquet_file("ints", ints), None, None),
         "parquet out of range": (
             parquet_file("five", ints[:30] + [5] + ints[31:]),
             f"row 31 of {tmp_path / 'five.parquet'} has 'label' 5",
+            None,
         ),
         "parquet fraction": (
             parquet_file("fraction", [float(i) for i in ints[:30]] + [0.5] + ints[31:]),
             "0.5 as 'label', not a class number",
+            None,
         ),
+        "parquet names": (parquet_file("names", [NAMES[i] for i in ints]), None, NAMES),
         "parquet null label": (
             parquet_file("nolabel", ints[:30] + [None] + ints[31:]),
             "row 31 of",
+            None,
         ),
         "parquet null text": (
             parquet_file("notext", ints, [r["text"] for r in reviews(30)] + [None] * 10),
             f"data.text_column: row 31 of {tmp_path / 'notext.parquet'} has no 'text' (null)",
+            None,
         ),
     }
 
 
 def test_labels_are_refused_exactly_when_the_ranks_would_train_on_wrong_ones(tmp_path):
-    # each case: the pre-launch check against what the ranks really make of the file (datasets
-    # loads it, the loop's tokenize() turns labels into class numbers): a refusal exactly when
-    # the ranks fail, or train on a label outside 0..num_labels-1 or unlike the one written
+    # each case: the pre-launch check, which reads the raw file, against what the ranks make of
+    # it (datasets loads and types it, the loop's tokenize() turns labels into class numbers): a
+    # refusal exactly when the ranks fail, or train on a label outside 0..num_labels-1 or unlike
+    # the one written (a class name counts as its position in data.label_names)
     from dplaunch.config.schema import DataConfig
     from dplaunch.errors import UserError
     from dplaunch.planning import data_check
@@ -433,8 +464,8 @@ def test_labels_are_refused_exactly_when_the_ranks_would_train_on_wrong_ones(tmp
     from dplaunch.train.tokenizer import byte_level_tokenizer
 
     task, num_labels = "sequence-classification", 2
-    for name, (path, refusal) in _label_files(tmp_path).items():
-        data = DataConfig(dataset=str(path), eval_fraction=None, max_length=32)
+    for name, (path, refusal, names) in _label_files(tmp_path).items():
+        data = DataConfig(dataset=str(path), eval_fraction=None, max_length=32, label_names=names)
         try:
             data_check.check_data(data, task, global_batch_size=4, num_labels=num_labels)
             said = None
@@ -442,7 +473,10 @@ def test_labels_are_refused_exactly_when_the_ranks_would_train_on_wrong_ones(tmp
             said = str(error)
         try:
             train, _ = load_splits(data, seed=0)
-            written = train[data.label_column]
+            written = [
+                (names or []).index(value) if value in (names or []) else value
+                for value in train[data.label_column]
+            ]
             labels = tokenize(train, byte_level_tokenizer(), data, task)["labels"]
             wrong = any(
                 not 0 <= label < num_labels or label != value
@@ -462,58 +496,50 @@ def test_a_label_outside_num_labels_is_refused_before_launch_in_one_line(tmp_pat
     rows[17]["label"] = 3
     path = tmp_path / "reviews.jsonl"
     path.write_text(jsonl(rows))
-    line = refused(tmp_path, DEFAULT_CONFIG, "--set", f"data.dataset={path}")
+    unnamed = ("--set", f"data.dataset={path}", "--set", "data.label_names=null")
+    line = refused(tmp_path, DEFAULT_CONFIG, *unnamed)
     assert line == (
         f"dplaunch: error: data.label_column: line 18 of {path} has 'label' 3, not one of the "
         "classes 0 to 1 of model.num_labels 2 — set model.num_labels to 4 or more, or fix that "
         "record"
     )
+    accepted(tmp_path, DEFAULT_CONFIG, *unnamed, "--set", "model.num_labels=4")
+    # the default run file names its two classes: more classes are more names
+    line = refused(tmp_path, DEFAULT_CONFIG, "--set", f"data.dataset={path}")
+    assert line.endswith("— name 4 or more classes in data.label_names, or fix that record")
     accepted(
-        tmp_path, DEFAULT_CONFIG, "--set", f"data.dataset={path}", "--set", "model.num_labels=4"
+        tmp_path,
+        DEFAULT_CONFIG,
+        "--set",
+        f"data.dataset={path}",
+        "--set",
+        "data.label_names=[a,b,c,d]",
     )
     # one class trains nothing (the cross-entropy of one class is 0): refused in the run file
-    line = refused(tmp_path, DEFAULT_CONFIG, "--set", "model.num_labels=1")
+    line = refused(tmp_path, DEFAULT_CONFIG, *unnamed, "--set", "model.num_labels=1")
     assert "model.num_labels: 1 is invalid" in line and "regression is not supported" in line
 
 
-# 6. the Hugging Face caches are where huggingface_hub and datasets look
-
-
-@pytest.mark.parametrize(
-    "variables",
-    [
-        {},
-        {"HF_HOME": "~/hf-home"},
-        {"XDG_CACHE_HOME": "/scratch/cache"},
-        {"XDG_CACHE_HOME": "/scratch/cache", "HF_HOME": "/work/hf"},
-        {"HF_HUB_CACHE": "/work/hub", "HF_DATASETS_CACHE": "/work/ds"},
-        {"HUGGINGFACE_HUB_CACHE": "/old/hub"},
-    ],
-    ids=["defaults", "hf-home", "xdg", "hf-home-wins", "own-caches", "legacy-hub-cache"],
-)
-def test_the_cache_folders_are_the_libraries_own(variables):
-    # in a fresh interpreter: both libraries read their variables once, when imported
-    import subprocess
-    import sys
-
-    env = child_environment(**variables)
-    for name in ("HF_HOME", "XDG_CACHE_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if name not in variables:
-            env.pop(name, None)
-    if "HF_DATASETS_CACHE" not in variables:
-        env.pop("HF_DATASETS_CACHE", None)
-    code = (
-        "import json, os\n"
-        "from huggingface_hub import constants\n"
-        "import datasets.config\n"
-        "from dplaunch.planning.data_check import datasets_cache_dir\n"
-        "from dplaunch.planning.model_facts import hub_cache_dir\n"
-        "print(json.dumps([[str(hub_cache_dir()), os.path.abspath(constants.HF_HUB_CACHE)],"
-        " [str(datasets_cache_dir()), str(datasets.config.HF_DATASETS_CACHE)]]))\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
-    for ours, theirs in json.loads(result.stdout.splitlines()[-1]):
-        assert ours == theirs
+def test_label_names_that_cannot_name_the_classes_are_refused(tmp_path):
+    # the default run file names its classes [negative, positive]; num_labels follows them
+    cases = [
+        (("--set", "data.label_names=[negative]"), "data.label_names: names fewer than 2 classes"),
+        (
+            ("--set", "data.label_names=[neg,pos,neg]"),
+            "data.label_names: 'neg' is listed twice (classes 0 and 2)",
+        ),
+        (
+            ("--set", "model.num_labels=3"),
+            "model.num_labels: is 3, but data.label_names lists 2 classes",
+        ),
+        (
+            (TINY_LLAMA, "--set", "data.label_names=[a,b]"),
+            "data.label_names: names classes, but model.task is causal-lm",
+        ),
+    ]
+    for args, expected in cases:
+        config, rest = (args[0], args[1:]) if args[0] == TINY_LLAMA else (DEFAULT_CONFIG, args)
+        line = refused(tmp_path, config, *rest)
+        assert line.startswith(f"dplaunch: error: {expected}"), line
+    # three names and no model.num_labels: three classes
+    accepted(tmp_path, DEFAULT_CONFIG, "--set", "data.label_names=[negative,positive,mixed]")

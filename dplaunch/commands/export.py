@@ -88,7 +88,12 @@ def export_checkpoint(directory: Path, config: object, engine: str, out: Path) -
     from dplaunch.train.modeling import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(config.model)  # type: ignore[attr-defined]
-    model = load_model(config.model, tokenizer, config.train.seed)  # type: ignore[attr-defined]
+    model = load_model(
+        config.model,  # type: ignore[attr-defined]
+        tokenizer,
+        config.train.seed,  # type: ignore[attr-defined]
+        config.data.label_names,  # type: ignore[attr-defined]
+    )
     if engine == "pipeline":
         from dplaunch.train.checkpoint import load_pipeline_layers
 

@@ -80,11 +80,34 @@ class DataConfig(Section):
     # optional second text column for sentence-pair classification
     text_pair_column: str | None = None
     label_column: str = "label"
+    # sequence-classification: the classes' names in class-number order. Labels may then be
+    # names or numbers; model.num_labels follows, and the exported config gets id2label
+    label_names: list[str] | None = None
     max_length: int = Field(128, ge=8)
     # concatenate texts into full max_length blocks (causal-lm only); default on for causal-lm
     packing: bool | None = None
     # processes that tokenise the data when it is not cached yet (0: the rank itself)
     num_workers: int = Field(0, ge=0)
+
+    @field_validator("label_names")
+    @classmethod
+    def _distinct_names(cls, names: list[str] | None) -> list[str] | None:
+        if names is None:
+            return names
+        if len(names) < 2:
+            raise FieldProblem(
+                "", "names fewer than 2 classes", "list every class, 2 or more, in class order"
+            )
+        for number, name in enumerate(names):
+            if not name.strip():
+                raise FieldProblem("", f"class {number} has an empty name", "name every class")
+            if name in names[:number]:
+                raise FieldProblem(
+                    "",
+                    f"{name!r} is listed twice (classes {names.index(name)} and {number})",
+                    "list each class once",
+                )
+        return names
 
     @model_validator(mode="after")
     def _eval_choice(self) -> DataConfig:
@@ -193,6 +216,27 @@ class RunConfig(Section):
     launch: LaunchConfig = LaunchConfig()
     # the run directory: resolved config, rendered files, metrics, checkpoints, exported model
     output_dir: str | None = None
+
+    @model_validator(mode="after")
+    def _classes(self) -> RunConfig:
+        names = self.data.label_names
+        if names is None:
+            return self
+        if self.model.task != "sequence-classification":
+            raise FieldProblem(
+                "data.label_names",
+                f"names classes, but model.task is {self.model.task}",
+                "remove it, or set model.task: sequence-classification",
+            )
+        if "num_labels" not in self.model.model_fields_set:
+            self.model.num_labels = len(names)
+        elif self.model.num_labels != len(names):
+            raise FieldProblem(
+                "model.num_labels",
+                f"is {self.model.num_labels}, but data.label_names lists {len(names)} classes",
+                "make them agree, or leave model.num_labels out (it follows data.label_names)",
+            )
+        return self
 
     @field_validator("parallel", mode="before")
     @classmethod

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -284,11 +285,13 @@ DROP_RECORD = "fix that record or drop it"
 @dataclass(frozen=True)
 class _Needs:
     """What every record must carry: its text column(s), and for sequence classification a
-    label that is a class number below num_labels (when that is known)."""
+    label that is a class number below num_labels (when that is known) or a class name."""
 
     texts: tuple[tuple[str, str], ...]  # (field, column)
     label: str | None = None
     num_labels: int | None = None
+    label_names: tuple[str, ...] | None = None
+    ids: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, data: DataConfig, task: str, num_labels: int | None) -> _Needs:
@@ -297,7 +300,8 @@ class _Needs:
             texts.append(("data.text_pair_column", data.text_pair_column))
         if task != "sequence-classification":
             return cls(tuple(texts))
-        return cls(tuple(texts), data.label_column, num_labels)
+        names = tuple(data.label_names) if data.label_names else None
+        return cls(tuple(texts), data.label_column, num_labels, names, label_ids(names))
 
     @property
     def columns(self) -> list[tuple[str, str]]:
@@ -308,13 +312,23 @@ class _Needs:
         self, value: object, where: str, csv_cell: bool = False
     ) -> tuple[str, str] | None:
         """(problem, fix) when VALUE (not None) is no label the ranks can train on, else None."""
-        number = _class_number(value, csv_cell)
+        number = class_number(value, self.ids, csv_cell)
         if number is None:
-            classes = f"0 to {self.num_labels - 1}" if self.num_labels else "0, 1, …"
             shown = repr(value) if csv_cell else json.dumps(value)[:40]
+            if self.label_names:
+                listed = ", ".join(self.label_names[:8]) + (
+                    ", …" if len(self.label_names) > 8 else ""
+                )
+                return (
+                    f"{where} has {shown} as {self.label!r}, neither a class number nor one of "
+                    f"data.label_names ({listed})",
+                    "fix that record, or add its class to data.label_names",
+                )
+            classes = f"0 to {self.num_labels - 1}" if self.num_labels else "0, 1, …"
             return (
                 f"{where} has {shown} as {self.label!r}, not a class number",
-                f"write each label as its class number ({classes})",
+                f"write each label as its class number ({classes}), or name the classes in "
+                "data.label_names",
             )
         if self.num_labels is None or 0 <= number < self.num_labels:
             return None
@@ -323,15 +337,28 @@ class _Needs:
             f"{self.num_labels - 1} of model.num_labels {self.num_labels}",
             "fix that record: class numbers start at 0"
             if number < 0
+            else f"name {number + 1} or more classes in data.label_names, or fix that record"
+            if self.label_names
             else f"set model.num_labels to {number + 1} or more, or fix that record",
         )
 
 
-def _class_number(value: object, csv_cell: bool) -> int | None:
-    """The class number the ranks make of a label (int(value)), None when they cannot make one.
+def label_ids(label_names: Sequence[str] | None) -> dict[str, int]:
+    """data.label_names as {name: class number} (empty without names)."""
+    return {name: number for number, name in enumerate(label_names or ())}
 
-    JSON values arrive as they are: ints, bools, whole floats and strings int() reads pass. A
-    CSV cell is read by pandas first, so a number such as 1.0 is a float, not the text "1.0"."""
+
+def class_number(
+    value: object, ids: Mapping[str, int] | None = None, csv_cell: bool = False
+) -> int | None:
+    """The class number of a label, None when it has none: the ranks train on this number, and
+    the launch check refuses a None (or a number outside model.num_labels).
+
+    A text that names a class in IDS (see label_ids) is that class. Otherwise ints, bools, whole
+    floats and texts int() reads are numbers. A CSV cell (the launch check reads the raw text)
+    is typed by pandas before the ranks see it, so "1.0" there is the float 1.0."""
+    if ids and isinstance(value, str) and value in ids:
+        return ids[value]
     if isinstance(value, bool):
         return int(value)
     if isinstance(value, int):

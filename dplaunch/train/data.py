@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from dplaunch.config.schema import DataConfig
-from dplaunch.planning.data_check import is_local, local_format
+from dplaunch.planning.data_check import class_number, is_local, label_ids, local_format
 
 IGNORE_INDEX = -100
 
@@ -92,7 +92,14 @@ def tokenized_cache_file(dataset: Any, tokenizer: Any, data: DataConfig, task: s
         "eos": tokenizer.eos_token_id,
         "truncation_side": getattr(tokenizer, "truncation_side", None),
         "data": data.model_dump(
-            include={"text_column", "text_pair_column", "label_column", "max_length", "packing"}
+            include={
+                "text_column",
+                "text_pair_column",
+                "label_column",
+                "label_names",
+                "max_length",
+                "packing",
+            }
         ),
         "task": task,
         "code": _tokenize_source(),
@@ -102,9 +109,10 @@ def tokenized_cache_file(dataset: Any, tokenizer: Any, data: DataConfig, task: s
 
 
 def _tokenize_source() -> str:
-    # the code that makes the tokens; an install without sources falls back to the version
+    # the code that makes the tokens and labels; an install without sources falls back to the
+    # version
     try:
-        return inspect.getsource(tokenize)
+        return inspect.getsource(tokenize) + inspect.getsource(class_number)
     except OSError:
         from dplaunch import __version__
 
@@ -128,6 +136,16 @@ def tokenize(
     workers = data.num_workers if data.num_workers > 1 else None
     packing = task == "causal-lm" and (data.packing if data.packing is not None else True)
     eos = tokenizer.eos_token_id
+    ids = label_ids(data.label_names)
+
+    def label(value: Any) -> int:
+        number = class_number(value, ids)
+        if number is None:  # past the launch check's budget (DPLAUNCH_DATA_CHECK_MB)
+            named = " nor one of data.label_names" if ids else ""
+            raise ValueError(
+                f"{value!r} in column {data.label_column!r} is not a class number{named}"
+            )
+        return number
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
         if task == "sequence-classification":
@@ -137,7 +155,7 @@ def tokenize(
             )
             return {
                 "input_ids": out["input_ids"],
-                "labels": [int(x) for x in batch[data.label_column]],
+                "labels": [label(x) for x in batch[data.label_column]],
             }
         ids = tokenizer(batch[data.text_column], add_special_tokens=False)["input_ids"]
         ids = [row + [eos] if eos is not None else row for row in ids]

@@ -319,13 +319,13 @@ def build_model(config: RunConfig, tokenizer: Any, accelerator: Any) -> Any:
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None or config.model.config is None:
         # under ZeRO-3, transformers builds pretrained models directly partitioned (zero.Init)
-        return load_model(config.model, tokenizer, config.train.seed)
+        return load_model(config.model, tokenizer, config.train.seed, config.data.label_names)
     # a randomly initialised model is built whole, so it starts from the same weights as under DDP
     from transformers.integrations import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()
     try:
-        return load_model(config.model, tokenizer, config.train.seed)
+        return load_model(config.model, tokenizer, config.train.seed, config.data.label_names)
     finally:
         plugin.set_deepspeed_weakref()
 

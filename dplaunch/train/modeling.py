@@ -22,8 +22,11 @@ def load_tokenizer(model: ModelConfig) -> Any:
     return tokenizer
 
 
-def load_model(model: ModelConfig, tokenizer: Any, seed: int) -> Any:
-    """The HF model for the task; random initialisation is seeded so every rank builds the same weights."""
+def load_model(
+    model: ModelConfig, tokenizer: Any, seed: int, label_names: list[str] | None = None
+) -> Any:
+    """The HF model for the task; random initialisation is seeded so every rank builds the same
+    weights. LABEL_NAMES (data.label_names) become the config's id2label and label2id."""
     from transformers import (
         AutoConfig,
         AutoModelForCausalLM,
@@ -32,9 +35,12 @@ def load_model(model: ModelConfig, tokenizer: Any, seed: int) -> Any:
     )
 
     auto = AutoModelForCausalLM if model.task == "causal-lm" else AutoModelForSequenceClassification
-    extra: dict[str, Any] = (
-        {"num_labels": model.num_labels} if model.task == "sequence-classification" else {}
-    )
+    extra: dict[str, Any] = {}
+    if model.task == "sequence-classification":
+        extra["num_labels"] = model.num_labels
+        if label_names:
+            extra["id2label"] = dict(enumerate(label_names))
+            extra["label2id"] = {name: number for number, name in enumerate(label_names)}
     set_seed(seed)
     if model.config is not None:
         fields = dict(model.config)
