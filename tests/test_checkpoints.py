@@ -409,3 +409,79 @@ def test_the_other_nodes_wait_for_node_0s_universal_conversion_and_give_up_in_ti
     stuck = ResumePoint(source, tmp_path / "run-2", reshard="universal")
     with pytest.raises(UserError, match=r"node 0 has not re-sharded .* after 0\.005 min"):
         wait_for_universal(stuck, limit_s=0.3, say=said.append, poll_s=0.05)
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory, run_file) -> tuple[Path, Path]:
+    """A straight 1-rank DDP run, and one stopped by train.stop_after_steps=4 (kept pristine)."""
+    root = tmp_path_factory.mktemp("ddp")
+    straight, stopped = root / "straight", root / "stopped"
+    train(straight, "--cpu", "--gpus", "1", config=run_file)
+    train(stopped, "--cpu", "--gpus", "1", "--set", "train.stop_after_steps=4", config=run_file)
+    return straight, stopped
+
+
+@pytest.mark.parametrize("layout", ["ddp", "zero2", "pp2"])
+def test_a_learning_rate_changed_on_resume_takes_effect(
+    tmp_path, ddp_runs, zero2_runs, hybrid_runs, run_file, layout
+):
+    # a checkpoint restores the scheduler's base lr; the resumed run must use the run file's (the
+    # schedule's position is the checkpoint's): twice the lr, twice the straight run's each step
+    if layout == "ddp":
+        flags = ("--cpu", "--gpus", "1")
+        straight, stopped = ddp_runs
+    elif layout == "zero2":
+        flags = (*ZERO2, "--gpus", "2")
+        straight, stopped = zero2_runs
+    else:
+        flags = HYBRID[layout]
+        straight, stopped = hybrid_runs(layout)
+    run = tmp_path / "resumed"
+    lr = yaml.safe_load(run_file.read_text())["train"]["lr"]
+    result = train(
+        run,
+        *flags,
+        "--resume",
+        stopped / "checkpoints" / "step-4",
+        "--set",
+        f"train.lr={2 * lr}",
+        config=run_file,
+    )
+    assert (
+        f"train.lr changed since the checkpoint: {lr} → {2 * lr}" in result.stdout + result.stderr
+    )
+    resumed = {r["step"]: r["lr"] for r in read_metrics(run) if r["type"] == "train"}
+    before = {r["step"]: r["lr"] for r in read_metrics(straight) if r["type"] == "train"}
+    assert sorted(resumed) == [5, 6, 7, 8]
+    assert [resumed[step] for step in resumed] == [2 * before[step] for step in resumed]
+    assert any(resumed.values())  # the schedule is not over
+
+
+def test_a_change_that_keeps_the_training_passes_and_fp16_without_a_scaler_state_does_not(
+    tmp_path, ddp_runs, run_file
+):
+    _, stopped = ddp_runs
+    resume = ("--resume", stopped / "checkpoints" / "step-4", "--dry-run", "-o", tmp_path / "r")
+    # recomputing activations changes no number
+    result = run_dplaunch(
+        "train", run_file, "--cpu", "--gpus", "1", *resume,
+        "--set", "model.gradient_checkpointing=true",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    # fp16 loads a loss scaler's state, which a run without fp16 never saved. fp16 needs GPUs, so
+    # the check is called with this checkpoint's own plan turned fp16
+    from types import SimpleNamespace
+
+    from dplaunch.errors import UserError
+    from dplaunch.train.checkpoint import _check_layout, read_checkpoint
+
+    info = read_checkpoint(stopped / "checkpoints" / "step-4")
+    saved = json.loads((info.path / "plan.json").read_text())
+    assert (saved["zero_stage"], saved["mixed_precision"]) == (0, "no")
+    fields = {**saved["mesh"], "zero_stage": 0, "offload": saved["offload"]}
+    same = SimpleNamespace(**fields, uses_deepspeed=False, mixed_precision="no")
+    assert _check_layout(saved, same, info) == (None, [])
+    with pytest.raises(
+        UserError, match=r"^train.mixed_precision: the checkpoint .* with no, and fp16"
+    ):
+        _check_layout(saved, SimpleNamespace(**{**vars(same), "mixed_precision": "fp16"}), info)

@@ -50,3 +50,31 @@ def test_train_compile_really_compiles_and_keeps_the_losses(tmp_path, dp_referen
     assert "model compiled with torch.compile (inductor)" in result.stdout
     gap = max_relative_gap(train_losses(run), train_losses(dp_reference))
     assert gap < 1e-4, gap
+    # the exported model's weights carry the model's own names, not the compiled wrapper's
+    exported = load_file(str(run / "model" / "model.safetensors"))
+    reference = load_file(str(dp_reference / "model" / "model.safetensors"))
+    assert exported.keys() == reference.keys()
+    for name in reference:
+        torch.testing.assert_close(exported[name], reference[name], rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_rows_of_unequal_length_train_alike_on_any_rank_count_and_micro_batch(tmp_path):
+    # unpacked causal LM: review texts of different lengths, padded per micro-batch. A global
+    # batch of 24 is micro 8 × accumulation 3 on 1 rank and micro 6 × 2 on 2 (derived), so the
+    # micro-batches hold other rows; the step's loss is the mean over all its tokens either way
+    flags = ("--max-steps", "4", "--global-batch", "24", "--set", "data.packing=false")
+    runs = {gpus: tmp_path / f"dp{gpus}" for gpus in (1, 2)}
+    for gpus, run in runs.items():
+        train(run, "--cpu", "--gpus", str(gpus), *flags)
+    shapes = [
+        (h["micro_batch_size"], h["gradient_accumulation_steps"])
+        for h in (read_metrics(run)[0] for run in runs.values())
+    ]
+    assert shapes == [(8, 3), (6, 2)]
+    one, two = (train_losses(run) for run in runs.values())
+    assert len(one) == 4 and max_relative_gap(two, one) < 1e-5, (one, two)
+    weights_1, weights_2 = (
+        load_file(str(run / "model" / "model.safetensors")) for run in runs.values()
+    )
+    for name in weights_1:
+        torch.testing.assert_close(weights_2[name], weights_1[name], rtol=1e-4, atol=1e-5, msg=name)

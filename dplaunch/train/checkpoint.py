@@ -69,8 +69,12 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 # run-file sections that must be the same to continue a checkpoint: they decide the model and the data order
 _SAME_SECTIONS = ("model", "data")
 _SAME_TRAIN_KEYS = ("global_batch_size", "seed")
-# keys that only change how data is read, not which samples
-_DATA_KEYS_FREE = ("num_workers",)
+# keys that change neither the training samples nor the model's numbers: how data is read, what
+# is evaluated on, whether activations are recomputed
+_FREE_KEYS = {
+    "data": ("num_workers", "eval_dataset", "eval_split"),
+    "model": ("gradient_checkpointing",),
+}
 
 
 class CheckpointError(RuntimeError):
@@ -276,10 +280,9 @@ def _check_same_training(saved: dict[str, Any], config: Any, info: CheckpointInf
     fix = f"resume with the run file the checkpoint was written with (a copy: {info.path / 'run.yaml'})"
     for section in _SAME_SECTIONS:
         old, new = dict(saved.get(section) or {}), dict(current.get(section) or {})
-        if section == "data":
-            for key in _DATA_KEYS_FREE:
-                old.pop(key, None)
-                new.pop(key, None)
+        for key in _FREE_KEYS.get(section, ()):
+            old.pop(key, None)
+            new.pop(key, None)
         difference = _first_difference(old, new, section)
         if difference:
             raise UserError(
@@ -367,6 +370,14 @@ def _check_layout(
         raise UserError(
             "train.mixed_precision",
             f"{where} holds DeepSpeed {saved['mixed_precision']} optimizer state, this run asks for {plan.mixed_precision}",
+            f"resume with --mixed-precision {saved['mixed_precision']}",
+        )
+    if plan.mixed_precision == "fp16" and saved["mixed_precision"] != "fp16":
+        # Accelerate's load_state reads the fp16 loss scaler's state, which only fp16 saves
+        raise UserError(
+            "train.mixed_precision",
+            f"{where} was trained with {saved['mixed_precision']}, and fp16 needs the loss "
+            "scaler state only an fp16 run saves",
             f"resume with --mixed-precision {saved['mixed_precision']}",
         )
     notes = []

@@ -252,10 +252,45 @@ class Batcher:
             start + shard.data_parallel_rank * per_rank : start
             + (shard.data_parallel_rank + 1) * per_rank
         ]
-        return [
+        batches = [
             self.collate(mine[i : i + shard.micro_batch_size])
             for i in range(0, per_rank, shard.micro_batch_size)
         ]
+        if self.task != "sequence-classification" and self._packed_blocks is None:
+            step = order[start : start + shard.global_batch_size]
+            self._weight_by_tokens(batches, mine, step)
+        return batches
+
+    def _weight_by_tokens(
+        self, batches: list[dict[str, torch.Tensor]], mine: list[int], step: list[int]
+    ) -> None:
+        """Give each micro-batch of rows of unequal length its loss_scale: n·accum·dp / N, with n
+        its predicted tokens and N those of the whole step over every data-parallel rank.
+
+        An HF causal-LM loss is a mean over its micro-batch's tokens. Scaled so, the backward's
+        ÷accum (Accelerate, DeepSpeed) and the gradient average over dp ranks leave the mean over
+        every token of the global batch, as one big batch would give: the same gradient on any
+        rank count and micro-batch size (HF Trainer's num_items_in_batch). Equal-length rows
+        (packed blocks) need none: every micro-batch then holds the same number of tokens."""
+        tokens = self._predicted_tokens
+        shard = self.sharding
+        total = max(int(tokens[step].sum()), 1)
+        factor = shard.gradient_accumulation_steps * shard.data_parallel_size / total
+        for i, batch in enumerate(batches):
+            rows = mine[i * shard.micro_batch_size : (i + 1) * shard.micro_batch_size]
+            batch["loss_scale"] = torch.tensor(
+                float(tokens[rows].sum()) * factor, dtype=torch.float32
+            )
+
+    @cached_property
+    def _predicted_tokens(self) -> np.ndarray:
+        """Tokens each sample's loss averages over (its length less the first, which nothing
+        predicts), in dataset order."""
+        import pyarrow.compute as pc
+
+        column = self.dataset.with_format("arrow")["input_ids"]  # in select()/shuffle order too
+        lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+        return np.maximum(lengths - 1, 0)
 
     def collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """Right-pad a micro-batch; causal-LM labels are the inputs with padding ignored."""

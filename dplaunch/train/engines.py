@@ -44,7 +44,9 @@ def build_optimizer(model: Any, train: Any, plan: Plan) -> torch.optim.Optimizer
     for name, parameter in model.named_parameters():
         if not parameter.requires_grad:
             continue
-        (no_decay if parameter.ndim < 2 or "norm" in name.lower() else decay).append(parameter)
+        # ZeRO-3 builds a pretrained model already partitioned: its own shape is ds_shape
+        ndim = len(getattr(parameter, "ds_shape", parameter.shape))
+        (no_decay if ndim < 2 or "norm" in name.lower() else decay).append(parameter)
     groups = [
         {"params": decay, "weight_decay": train.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -103,8 +105,12 @@ class AccelerateEngine:
         total = torch.zeros((), device=accelerator.device)
         for batch in micro_batches:
             batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
+            # rows of unequal length: this micro-batch's share of the step's tokens (data.py)
+            scale = batch.pop("loss_scale", None)
             with accelerator.accumulate(model):
                 loss = model(**batch, **self.forward_options).loss
+                if scale is not None:
+                    loss = loss * scale
                 accelerator.backward(loss)
                 # DeepSpeed clips inside its step (gradient_clipping in the JSON)
                 if (
@@ -138,20 +144,15 @@ class AccelerateEngine:
         self.accelerator.save_state(directory, safe_serialization=True)
 
     def load(self, directory: str) -> None:
-        groups = _torch_optimizer(self.optimizer).param_groups
-        # the run file's hyperparameters (betas, eps, weight decay per group); lr is the scheduler's
-        settings = [
-            {k: v for k, v in group.items() if k not in ("params", "lr", "initial_lr")}
-            for group in groups
-        ]
+        run_file = RunFileHyperparameters(
+            _torch_optimizer(self.optimizer).param_groups, self.scheduler
+        )
         self.accelerator.load_state(directory)
         # accelerate restores its micro-step counter from the checkpoint; gradient accumulation
         # must restart at a step boundary with this run's accumulation (the GPU count may differ)
         self.accelerator.step = 0
-        # DeepSpeed's ZeRO-3 universal loader (0.19) copies group 0's settings into every group:
-        # the no-decay group (biases, norms) would get the weight decay
-        for group, own in zip(groups, settings, strict=True):
-            group.update(own)
+        # loading a torch optimizer's state replaces its group dicts: the new ones
+        run_file.restore(_torch_optimizer(self.optimizer).param_groups)
         if self.uses_deepspeed:
             _unshare_step_counters(self.optimizer)
 
@@ -167,7 +168,11 @@ class AccelerateEngine:
     def export(self, directory: str, tokenizer: Any) -> None:
         accelerator = self.accelerator
         state = accelerator.get_state_dict(self.model)  # gathers ZeRO-3 shards on rank 0
-        unwrapped = accelerator.unwrap_model(self.model)
+        if state is not None:
+            # a torch.compile'd model's keys carry its wrapper's prefix: from_pretrained would
+            # find none of its weights and initialise them at random
+            state = {key.removeprefix("_orig_mod."): value for key, value in state.items()}
+        unwrapped = accelerator.unwrap_model(self.model, keep_torch_compile=False)
         unwrapped.save_pretrained(
             directory,
             state_dict=state,
@@ -178,6 +183,43 @@ class AccelerateEngine:
         if accelerator.is_main_process:
             tokenizer.save_pretrained(directory)
         accelerator.wait_for_everyone()
+
+
+class RunFileHyperparameters:
+    """The run file's optimizer settings, taken before a checkpoint is loaded and put back after.
+
+    A checkpoint restores the optimizer's groups (weight decay, betas, eps) and the scheduler's
+    base learning rates as they were saved, but a resumed run trains with its run file's (the
+    resume check notes each change): the schedule's position is the checkpoint's, its base lr and
+    shape (warmup, total steps, kind: the lambdas, never saved) the run file's. It also undoes
+    DeepSpeed's ZeRO-3 universal loader (0.19), which copies group 0's settings into every group
+    (the no-decay group would get the weight decay)."""
+
+    def __init__(self, groups: list[dict[str, Any]], scheduler: Any):
+        self.settings = [
+            {k: v for k, v in group.items() if k not in ("params", "lr", "initial_lr")}
+            for group in groups
+        ]
+        self.scheduler = _torch_scheduler(scheduler)
+        self.base_lrs = list(self.scheduler.base_lrs)
+
+    def restore(self, groups: list[dict[str, Any]]) -> None:
+        scheduler = self.scheduler
+        scheduler.base_lrs = list(self.base_lrs)
+        lambdas = getattr(scheduler, "lr_lambdas", None)
+        for index, (group, own) in enumerate(zip(groups, self.settings, strict=True)):
+            group.update(own)
+            group["initial_lr"] = self.base_lrs[index]
+            if lambdas is not None:
+                group["lr"] = self.base_lrs[index] * lambdas[index](scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in groups]
+
+
+def _torch_scheduler(scheduler: Any) -> Any:
+    # Accelerate's wrapper → the torch scheduler
+    while hasattr(scheduler, "scheduler"):
+        scheduler = scheduler.scheduler
+    return scheduler
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:

@@ -399,6 +399,8 @@ def _run_steps(
     interval_steps = 0
     order_epoch, order = -1, []
     last_log = time.perf_counter()
+    # seconds of evaluation and checkpointing since the last log line: not training time
+    paused = 0.0
     last_eval_step = start_step if train.eval_every else -1
     # a resumed run that is already past stop_after_steps goes on
     stop_after = train.stop_after_steps if (train.stop_after_steps or 0) > start_step else None
@@ -415,6 +417,7 @@ def _run_steps(
         if epoch != order_epoch:
             order_epoch, order = epoch, batcher.epoch_order(epoch)
         micro_batches = batcher.step_micro_batches(order, in_epoch)
+        step_lr = engine.current_lr()  # the step's own (the scheduler then moves to the next)
         loss = engine.train_step(micro_batches)
         interval[0] += loss
         if place.counts_tokens:
@@ -428,8 +431,8 @@ def _run_steps(
                 "step": step,
                 "epoch": round(step / batcher.steps_per_epoch, 4),
                 "loss": float(totals[0]) / place.world_size / interval_steps,
-                "lr": engine.current_lr(),
-                "tokens_per_s": float(totals[1]) / (now - last_log),
+                "lr": step_lr,
+                "tokens_per_s": float(totals[1]) / max(now - last_log - paused, 1e-9),
                 "elapsed_s": round(time.time() - metrics.start, 3),
                 "memory_gb": _peak_memory_gb(device),
             }
@@ -440,16 +443,18 @@ def _run_steps(
             )
             interval.zero_()
             interval_steps = 0
-            last_log = now
+            last_log, paused = now, 0.0
         if eval_batcher is not None and train.eval_every and step % train.eval_every == 0:
+            began = time.perf_counter()
             _evaluate(engine, eval_batcher, accelerator, place, metrics, step, plan, say)
             last_eval_step = step
-            last_log = time.perf_counter()
+            paused += time.perf_counter() - began
         if train.checkpoint_every and step % train.checkpoint_every == 0:
+            began = time.perf_counter()
             checkpointer.save(
                 step, batcher.steps_per_epoch, f"every {train.checkpoint_every} steps"
             )
-            last_log = time.perf_counter()
+            paused += time.perf_counter() - began
     if stop_reason is not None:
         return step, stop_reason
     if eval_batcher is not None and last_eval_step != step:
@@ -502,7 +507,7 @@ def _peak_memory_gb(device: torch.device) -> float:
     import resource
 
     # CPU ranks: peak resident memory of this process (Linux reports KiB)
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 3)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 3)
 
 
 def _quiet_libraries(is_main: bool) -> None:

@@ -27,6 +27,7 @@ def load_model(
 ) -> Any:
     """The HF model for the task; random initialisation is seeded so every rank builds the same
     weights. LABEL_NAMES (data.label_names) become the config's id2label and label2id."""
+    import torch
     from transformers import (
         AutoConfig,
         AutoModelForCausalLM,
@@ -46,10 +47,20 @@ def load_model(
         fields = dict(model.config)
         config = AutoConfig.for_model(fields.pop("model_type"), **fields, **extra)
         config.pad_token_id = tokenizer.pad_token_id
+        # a config class's own token ids are its hub model's (GPT-2: 50256): the tokenizer's
+        # count, unless the run file sets them (generate() stops at eos_token_id)
+        for name in ("bos_token_id", "eos_token_id"):
+            if name not in fields and getattr(tokenizer, name, None) is not None:
+                setattr(config, name, getattr(tokenizer, name))
         built = auto.from_config(config, trust_remote_code=model.trust_remote_code)
     else:
+        # float32 weights whatever the checkpoint's dtype (transformers 5 would keep a bf16
+        # checkpoint in bf16): mixed precision computes in bf16/fp16 from fp32 master weights
         built = auto.from_pretrained(
-            model.name_or_path, trust_remote_code=model.trust_remote_code, **extra
+            model.name_or_path,
+            trust_remote_code=model.trust_remote_code,
+            dtype=torch.float32,
+            **extra,
         )
         if built.config.pad_token_id is None:
             built.config.pad_token_id = tokenizer.pad_token_id

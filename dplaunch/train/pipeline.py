@@ -155,7 +155,12 @@ class CausalLMLoss:
         self.loss_function = loss_function
         self.vocab_size = vocab_size
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, labels: Any) -> torch.Tensor:
+        if isinstance(labels, tuple):  # (labels, loss_scale): rows of unequal length (data.py)
+            labels, scale = labels
+            return (
+                self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size) * scale
+            )
         return self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size)
 
 
@@ -299,7 +304,10 @@ def _micro_batch_iterator(micro_batches: list[dict[str, torch.Tensor]]) -> Itera
         attention_mask = batch.get("attention_mask")
         if attention_mask is None:
             attention_mask = torch.ones_like(batch["input_ids"])
-        yield (batch["input_ids"], attention_mask.long()), batch["labels"]
+        labels = batch["labels"]
+        if "loss_scale" in batch:
+            labels = (labels, batch["loss_scale"])
+        yield (batch["input_ids"], attention_mask.long()), labels
 
 
 def _layer_name(layer: nn.Module | LayerSpec) -> str:
@@ -446,8 +454,14 @@ class PipelineTrainEngine:
         self.save_checkpoint(directory, CHECKPOINT_TAG, {})
 
     def load(self, directory: str) -> None:
-        """The loop's resume call: restore what save() wrote."""
+        """The loop's resume call: restore what save() wrote, with the run file's lr and
+        optimizer settings (see RunFileHyperparameters)."""
+        from dplaunch.train.engines import RunFileHyperparameters
+
+        groups = self.engine.optimizer.param_groups
+        run_file = RunFileHyperparameters(groups, self.engine.lr_scheduler)
         self.load_checkpoint(directory, CHECKPOINT_TAG)
+        run_file.restore(self.engine.optimizer.param_groups)
 
     def export(self, directory: str, tokenizer: Any) -> None:
         """The loop's export call: one HF model + tokenizer in `directory`; every rank calls it."""

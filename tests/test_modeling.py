@@ -1,0 +1,104 @@
+"""How the model is built for training: float32 weights, the tokenizer's token ids, and the
+weight-decay groups, also when ZeRO-3 builds a pretrained model already partitioned."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+from dplaunch.config.schema import ModelConfig
+from dplaunch.train.modeling import load_model, load_tokenizer
+from tests.helpers import REPO, child_environment
+
+TINY_LLAMA_FIELDS = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 259,
+    "max_position_embeddings": 64,
+}
+
+
+def test_a_bf16_checkpoint_is_trained_from_float32_weights(tmp_path):
+    # transformers 5 keeps a checkpoint's own dtype by default: mixed precision wants fp32 masters
+    spec = ModelConfig(config=TINY_LLAMA_FIELDS, tokenizer="byte-level")
+    tokenizer = load_tokenizer(spec)
+    saved = load_model(spec, tokenizer, seed=1).to(torch.bfloat16)
+    saved.save_pretrained(tmp_path / "bf16")
+    stored = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    assert {tensor.dtype for tensor in stored.values()} == {torch.bfloat16}
+    pretrained = ModelConfig(name_or_path=str(tmp_path / "bf16"), tokenizer="byte-level")
+    model = load_model(pretrained, tokenizer, seed=1)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    for (name, ours), theirs in zip(model.named_parameters(), saved.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs.float(), rtol=0, atol=0, msg=name)
+
+
+def test_a_model_built_from_a_config_dict_takes_its_tokenizers_token_ids():
+    # GPT2Config's own ids are 50256, outside a 259-token vocabulary: generate() would never stop
+    gpt2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2, "vocab_size": 259}
+    spec = ModelConfig(config=gpt2, tokenizer="byte-level")
+    tokenizer = load_tokenizer(spec)
+    model = load_model(spec, tokenizer, seed=1)
+    assert tokenizer.eos_token_id is not None
+    for config in (model.config, model.generation_config):
+        assert config.eos_token_id == tokenizer.eos_token_id
+        assert config.bos_token_id == tokenizer.bos_token_id
+        assert config.pad_token_id == tokenizer.pad_token_id
+    # ids the run file gives are kept
+    spec = ModelConfig(config={**gpt2, "eos_token_id": 7}, tokenizer="byte-level")
+    assert load_model(spec, tokenizer, seed=1).config.eos_token_id == 7
+
+
+ZERO3_GROUPS = """
+import json, os, sys, types
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[2])
+from accelerate import Accelerator
+from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+from transformers import AutoModelForCausalLM
+from dplaunch.train.engines import build_optimizer
+
+def groups(model):
+    optimizer = build_optimizer(
+        model, types.SimpleNamespace(lr=1e-3, weight_decay=0.1),
+        types.SimpleNamespace(offload="none", target="cpu"))
+    return [len(group["params"]) for group in optimizer.param_groups]
+
+whole = groups(AutoModelForCausalLM.from_pretrained(sys.argv[1]))
+ds = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2,
+      "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 3},
+      "zero_allow_untested_optimizer": True}
+Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")],
+            deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds))
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])  # built partitioned (zero.Init)
+assert all(p.numel() == 0 for p in model.parameters()), "not partitioned"
+print(json.dumps({"whole": whole, "zero3": groups(model)}))
+"""
+
+
+def test_zero3_keeps_weight_decay_on_a_pretrained_models_partitioned_weights(tmp_path):
+    # under ZeRO-3 every parameter of a pretrained model is an empty 1-D stand-in at first
+    import json
+
+    from dplaunch.launching.ports import free_port
+
+    spec = ModelConfig(config=TINY_LLAMA_FIELDS, tokenizer="byte-level")
+    load_model(spec, load_tokenizer(spec), seed=1).save_pretrained(tmp_path / "model")
+    result = subprocess.run(
+        [sys.executable, "-c", ZERO3_GROUPS, str(tmp_path / "model"), str(free_port())],
+        env=child_environment(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    groups = json.loads(result.stdout.strip().splitlines()[-1])
+    assert groups["whole"][0] > 0 and groups["zero3"] == groups["whole"], groups
