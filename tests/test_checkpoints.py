@@ -7,6 +7,7 @@ ZeRO-3, tensor parallel (AutoTP) and pipeline parallel.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -31,6 +32,7 @@ from tests.helpers import (
     read_metrics,
     run_dplaunch,
     train,
+    train_losses,
     write_config,
 )
 
@@ -388,7 +390,13 @@ def test_the_other_nodes_wait_for_node_0s_universal_conversion_and_give_up_in_ti
     import threading
 
     from dplaunch.errors import UserError
-    from dplaunch.train.checkpoint import CheckpointInfo, ResumePoint, wait_for_universal
+    from dplaunch.train.checkpoint import (
+        CheckpointInfo,
+        ResumePoint,
+        _universal_done,
+        _universal_source,
+        wait_for_universal,
+    )
 
     source = CheckpointInfo(tmp_path / "other-run" / "checkpoints" / "step-4", {"step": 4})
     point = ResumePoint(source, tmp_path / "run", reshard="universal")
@@ -396,7 +404,7 @@ def test_the_other_nodes_wait_for_node_0s_universal_conversion_and_give_up_in_ti
     # node 0 finishes its conversion (an atomic rename of a folder holding "done") a bit later
     converted = tmp_path / "converted"
     converted.mkdir()
-    (converted / "done").write_text("1\n")
+    (converted / "done").write_text(_universal_source(point))
     point.load_dir.parent.mkdir(parents=True)
     finisher = threading.Timer(0.5, os.rename, (converted, point.load_dir))
     finisher.start()
@@ -404,6 +412,9 @@ def test_the_other_nodes_wait_for_node_0s_universal_conversion_and_give_up_in_ti
     wait_for_universal(point, limit_s=30, say=said.append, poll_s=0.05)
     assert time.monotonic() - started >= 0.4  # it did wait, for the rename
     assert said == [f"waiting for node 0 to re-shard step-4 into {point.load_dir}…"]
+    # the same step of another checkpoint converted into the same place is not this conversion
+    another = CheckpointInfo(tmp_path / "third-run" / "checkpoints" / "step-4", {"step": 4})
+    assert not _universal_done(ResumePoint(another, tmp_path / "run", reshard="universal"))
 
     # a node 0 that never finishes: an error naming the setting, not a hang
     stuck = ResumePoint(source, tmp_path / "run-2", reshard="universal")
@@ -485,3 +496,100 @@ def test_a_change_that_keeps_the_training_passes_and_fp16_without_a_scaler_state
         UserError, match=r"^train.mixed_precision: the checkpoint .* with no, and fp16"
     ):
         _check_layout(saved, SimpleNamespace(**{**vars(same), "mixed_precision": "fp16"}), info)
+
+
+def test_a_stop_before_the_first_step_of_a_run_resumed_from_another_saves_in_this_run(
+    tmp_path, ddp_runs, run_file
+):
+    # resumed from another run's checkpoint, stopped by a signal before its first step: the
+    # checkpoint to continue from must be in this run, where --resume auto looks
+    _, stopped = ddp_runs
+    run = tmp_path / "new-run"
+    process = start(
+        run_file, run, "--cpu", "--gpus", "2", "--resume", str(stopped / "checkpoints" / "step-4")
+    )
+    wait_for(lambda: rank_pids(run), "the rank", process)
+    # the rank ignores SIGUSR1 until its handler is installed, and its first step comes later
+    while process.poll() is None:
+        for pid in rank_pids(run).values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(0.1)
+    code, log = finish(process, run)
+    assert code == 75, log[-3000:]
+    assert "stopped at step 4" in log, log[-3000:]
+    assert latest(run) == "step-4", log[-3000:]
+    assert not (run / "metrics.jsonl").exists() or not train_losses(run)  # no step trained
+    result = run_dplaunch(
+        "train", run_file, "-o", run, "--cpu", "--gpus", "2", "--resume", "auto", "--dry-run"
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"resume: {run / 'checkpoints' / 'step-4'} (step 4" in result.stdout, result.stdout
+
+
+def test_a_run_started_with_relative_paths_resumes_from_another_working_directory(tmp_path):
+    # the run directory's run.yaml names its files by absolute path: resume (and export) work
+    # from anywhere, and a relative path can never name another file there
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    rows = (REPO / "dplaunch/resources/data/reviews.jsonl").read_text().splitlines()[:44]
+    (project / "data" / "reviews.jsonl").write_text("\n".join(rows) + "\n")
+    write_config(project / "run.yaml", data={"dataset": "data/reviews.jsonl"})
+    flags = ("--cpu", "--gpus", "1", "--max-steps", "2", "--set", "train.checkpoint_every=2")
+    result = run_dplaunch("train", "run.yaml", "-o", "run", *flags, cwd=project)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = yaml.safe_load((project / "run" / "run.yaml").read_text())
+    assert saved["data"]["dataset"] == str(project / "data" / "reviews.jsonl")
+    result = run_dplaunch(
+        "train", "project/run.yaml", "-o", "project/run", *flags, "--max-steps", "4",
+        "--resume", "auto", "--dry-run", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "training continues with step 3" in result.stdout
+
+
+def test_launch_sh_of_a_resumed_launch_whose_checkpoint_was_rotated_away_says_what_to_do(
+    tmp_path, ddp_runs, run_file
+):
+    _, stopped = ddp_runs
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    keep_one = ("--set", "train.keep_last=1", "--set", "train.checkpoint_every=2")
+    train(run, "--cpu", "--gpus", "1", "--resume", "auto", *keep_one, config=run_file)
+    assert not (run / "checkpoints" / "step-4").exists() and latest(run) == "step-8"
+    # launch.sh repeats that launch: from step-4, now gone
+    result = subprocess.run(
+        ["bash", str(run / "launch.sh")],
+        env=child_environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode != 0
+    assert "which is gone (train.keep_last keeps only the newest): continue with" in (
+        result.stdout + result.stderr
+    ), result.stderr[-3000:]
+
+
+def test_a_universal_conversion_of_another_checkpoint_is_replaced_not_loaded(tmp_path, zero2_runs):
+    from dplaunch.train.checkpoint import (
+        ResumePoint,
+        _universal_done,
+        convert_to_universal,
+        read_checkpoint,
+    )
+
+    _, stopped = zero2_runs
+    point = ResumePoint(
+        read_checkpoint(stopped / "checkpoints" / "step-4"), tmp_path / "run", reshard="universal"
+    )
+    # left by a resume from another run's step 4 into this run, which crashed before saving
+    point.load_dir.mkdir(parents=True)
+    (point.load_dir / "done").write_text('{"checkpoint": "/elsewhere/step-4"}\n')
+    (point.load_dir / "stale-weights").write_text("not these")
+    said: list[str] = []
+    convert_to_universal(point, say=said.append)
+    assert not (point.load_dir / "stale-weights").exists()
+    assert _universal_done(point) and said[0].startswith("re-sharding step-4"), said
+    convert_to_universal(point, say=said.append)  # now done: reused
+    assert said[-1] == f"using the universal checkpoint in {point.load_dir}"

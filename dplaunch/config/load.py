@@ -233,11 +233,17 @@ def resolve_package_path(value: str) -> str:
 
 def _resolve_relative_paths(config: RunConfig, base_dir: Path | None) -> None:
     # relative dataset/model paths in a run file are relative to the file, like a Makefile's includes;
-    # a path that exists relative to the working directory wins (that is what users type on the CLI)
+    # a path that exists relative to the working directory wins (that is what users type on the CLI).
+    # Either is made absolute: the run directory's run.yaml (checkpoints, export, resume) must name
+    # the same files from any working directory
     def resolve(value: str) -> str:
         if value.startswith("pkg:"):
             return resolve_package_path(value)
-        if base_dir is None or value.startswith(("/", "~")) or Path(value).exists():
+        if value.startswith(("/", "~")):
+            return value
+        if Path(value).exists():
+            return str(Path(value).absolute())
+        if base_dir is None:
             return value
         candidate = base_dir / value
         return str(candidate) if candidate.exists() else value

@@ -414,9 +414,13 @@ def convert_to_universal(point: ResumePoint, say: Any = print) -> None:
     result goes into the launched run (the source checkpoint may belong to another, read-only run).
     """
     target = point.load_dir
-    if (target / "done").is_file():
+    if _universal_done(point):
         say(f"using the universal checkpoint in {target}")
         return
+    if target.exists():
+        # the conversion of another checkpoint of the same step (another run's, or one saved
+        # again since): never load it for this one
+        shutil.rmtree(target)
     source = point.checkpoint.path
     temp = target.with_name(f"{TEMP_PREFIX}{target.name}-{os.getpid()}")
     shutil.rmtree(temp, ignore_errors=True)
@@ -452,15 +456,32 @@ def convert_to_universal(point: ResumePoint, say: Any = print) -> None:
     for item in source.iterdir():
         if item.is_file() and item.suffix == ".pkl":
             shutil.copy2(item, temp / item.name)
-    (temp / "done").write_text(f"{time.time()}\n")
+    (temp / "done").write_text(_universal_source(point))
     try:
         os.rename(temp, target)
     except OSError:
         # another node's launcher converted it first: use theirs
         shutil.rmtree(temp, ignore_errors=True)
-        if not (target / "done").is_file():
+        if not _universal_done(point):
             raise
     say(f"universal checkpoint ready in {time.perf_counter() - started:.1f} s: {target}")
+
+
+def _universal_source(point: ResumePoint) -> str:
+    """What a universal conversion was made from: its `done` file's text."""
+    source = {
+        "checkpoint": str(point.checkpoint.path.resolve()),
+        "saved_at": point.checkpoint.meta.get("saved_at"),
+    }
+    return json.dumps(source, sort_keys=True) + "\n"
+
+
+def _universal_done(point: ResumePoint) -> bool:
+    """Whether point.load_dir holds a finished conversion of point's own checkpoint."""
+    try:
+        return (point.load_dir / "done").read_text() == _universal_source(point)
+    except OSError:
+        return False
 
 
 def wait_for_universal(
@@ -471,12 +492,11 @@ def wait_for_universal(
     Their launchers would otherwise start at once and wait in torchrun's rendezvous, which gives
     up after 10 minutes; converting a large ZeRO checkpoint can take longer.
     """
-    done = point.load_dir / "done"
-    if done.is_file():
+    if _universal_done(point):
         return
     say(f"waiting for node 0 to re-shard {point.checkpoint.name} into {point.load_dir}…")
     started = time.monotonic()
-    while not done.is_file():
+    while not _universal_done(point):
         if time.monotonic() - started > limit_s:
             raise UserError(
                 "--resume",
@@ -757,6 +777,11 @@ class Checkpointer:
         self.last_saved_step = int(meta["step"])
         self.last_saved_path = Path(resume["checkpoint"])
         return self.last_saved_step
+
+    def holds_last_saved(self) -> bool:
+        """Whether the last checkpoint saved or loaded is one of this run's (not another run's)."""
+        path = self.last_saved_path
+        return path is not None and self.directory.resolve() in Path(path).resolve().parents
 
     def write_stop_record(self, step: int, reason: str, checkpoint: Path, exit_status: int) -> None:
         """Rank 0 tells the launcher how this launch ended (read by `dplaunch train`)."""

@@ -70,7 +70,16 @@ def read_resume(run_dir: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     resume = json.loads(path.read_text())
-    return resume if resume.get("checkpoint") else None
+    if not resume.get("checkpoint"):
+        return None
+    if not all(Path(resume[key]).exists() for key in ("checkpoint", "load_dir")):
+        # launch.sh rerun after train.keep_last rotated the launch's checkpoint away
+        raise FileNotFoundError(
+            f"{path} resumes from {resume['checkpoint']}, which is gone (train.keep_last keeps "
+            "only the newest): continue with `dplaunch train RUN_FILE -o "
+            f"{run_dir} --resume auto`"
+        )
+    return resume
 
 
 def make_accelerator(
@@ -261,8 +270,9 @@ def train(run_dir: Path) -> int:
     )
     if stop_reason is not None:
         # stopped early (a signal or train.stop_after_steps): checkpoint, no export, the launcher requeues
-        if checkpointer.last_saved_step == step:
-            # the periodic save of this step, or the checkpoint this launch resumed from
+        if checkpointer.last_saved_step == step and checkpointer.holds_last_saved():
+            # the periodic save of this step, or the checkpoint this launch resumed from (when
+            # it is this run's: `--resume auto` looks only here)
             saved = checkpointer.last_saved_path
         else:
             saved = checkpointer.save(step, batcher.steps_per_epoch, stop_reason)
@@ -397,7 +407,7 @@ def _run_steps(
     # losses and token counts stay on the device between log steps: no host sync per micro-step
     interval = torch.zeros(2, device=device)
     interval_steps = 0
-    order_epoch, order = -1, []
+    order_epoch, order = -1, None
     last_log = time.perf_counter()
     # seconds of evaluation and checkpointing since the last log line: not training time
     paused = 0.0
