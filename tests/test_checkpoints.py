@@ -593,3 +593,33 @@ def test_a_universal_conversion_of_another_checkpoint_is_replaced_not_loaded(tmp
     assert _universal_done(point) and said[0].startswith("re-sharding step-4"), said
     convert_to_universal(point, say=said.append)  # now done: reused
     assert said[-1] == f"using the universal checkpoint in {point.load_dir}"
+
+
+def test_a_resume_from_an_earlier_checkpoint_of_the_run_leaves_the_later_ones_alone(
+    tmp_path, ddp_runs, run_file
+):
+    _, stopped = ddp_runs
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    one_rank = ("--cpu", "--gpus", "1", "--set", "train.checkpoint_every=2")
+    train(run, *one_rank, "--resume", "auto", "--set", "train.keep_last=3", config=run_file)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "latest", "step-4", "step-6", "step-8",
+    ]  # fmt: skip
+    # back to step 4 (another lr, say): while step 6 is saved again, a crash must come back to
+    # step 4, not to the step 8 of the line of training this launch abandons
+    process = start(
+        run_file, run, *one_rank, "--resume", str(run / "checkpoints" / "step-4"),
+        "--set", "train.keep_last=1", "--set", "train.stop_after_steps=6",
+        **{FAULT: "6:sleep=4"},
+    )  # fmt: skip
+    temp = run / "checkpoints" / ".tmp-step-6"
+    wait_for(lambda: (temp / "random_states_0.pkl").exists(), "the step-6 save", process)
+    assert latest(run) == "step-4"
+    code, log = finish(process, run)
+    assert code == 0, log[-3000:]
+    # keep_last 1 counts this line only: step 4 goes, the abandoned step 8 stays, unused
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "latest", "step-6", "step-8",
+    ]  # fmt: skip
+    assert latest(run) == "step-6"

@@ -763,7 +763,14 @@ class Checkpointer:
         # a re-sharded copy served only this launch's start: its own checkpoint now exists
         for converted in self.directory.glob(f"{UNIVERSAL_PREFIX}*"):
             shutil.rmtree(converted, ignore_errors=True)
-        complete = complete_checkpoints(self.directory)
+        # checkpoints of later steps were left behind by a resume from an earlier one: another
+        # line of training, neither counted nor deleted here
+        step = read_checkpoint(keep)
+        complete = [
+            info
+            for info in complete_checkpoints(self.directory)
+            if step is None or info.step <= step.step
+        ]
         for info in complete[: max(0, len(complete) - self.keep_last)]:
             if info.path != keep:
                 shutil.rmtree(info.path, ignore_errors=True)
@@ -776,6 +783,10 @@ class Checkpointer:
         meta = json.loads((Path(resume["checkpoint"]) / META_FILE).read_text())
         self.last_saved_step = int(meta["step"])
         self.last_saved_path = Path(resume["checkpoint"])
+        if self.rank == 0 and self.holds_last_saved():
+            # resumed from an earlier checkpoint of this run: a crash before the next save must
+            # come back here, not to the later steps this launch trains again
+            write_file_atomic(self.directory / LATEST_FILE, self.last_saved_path.name + "\n")
         return self.last_saved_step
 
     def holds_last_saved(self) -> bool:
