@@ -707,6 +707,18 @@ class Checkpointer:
                 f"could not write checkpoint step {step}, {intact}: {temp}: {error}"
             ) from error
         self.control.barrier()  # every rank has written its part
+        try:
+            # on disk before checkpoint.json says "complete": a node that crashes after the
+            # commit must not leave a complete checkpoint of truncated files
+            sync_to_disk(temp, *_local_place())
+        except OSError as error:
+            problem = error
+        else:
+            problem = None
+        if self.control.any(problem is not None):
+            raise CheckpointError(
+                f"could not write checkpoint step {step} to disk, {intact}: {temp}: {problem}"
+            )
         failed = False
         if self.rank == 0:
             try:
@@ -882,6 +894,29 @@ def _fsync_directory(path: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def _local_place() -> tuple[int, int]:
+    """(this rank's index on its node, ranks on the node), as torchrun sets them."""
+    return int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+def sync_to_disk(folder: Path, local_rank: int, local_size: int) -> list[Path]:
+    """fsync FOLDER's files and folders, shared among the ranks of a node; return this rank's.
+
+    Every node syncs every file: dirty pages live in the page cache of the node that wrote them
+    (Lustre and NFS clients too), and a node does not know which files its ranks wrote."""
+    entries = sorted(folder.rglob("*"))
+    mine = [entry for index, entry in enumerate(entries) if index % local_size == local_rank]
+    for entry in mine:
+        if entry.is_dir():
+            _fsync_directory(entry)
+        elif entry.is_file():
+            with open(entry, "rb") as handle:
+                os.fsync(handle.fileno())
+    if local_rank == 0:
+        _fsync_directory(folder)
+    return mine
 
 
 def _tree_size(path: Path) -> int:
