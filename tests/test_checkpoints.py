@@ -27,6 +27,7 @@ from dplaunch.config.schema import RunConfig
 from dplaunch.train.modeling import load_model, load_tokenizer
 from tests.helpers import (
     REPO,
+    TINY_LLAMA,
     child_environment,
     max_relative_gap,
     read_metrics,
@@ -640,3 +641,30 @@ def test_a_checkpoint_is_synced_to_disk_once_per_node_shared_by_its_ranks(tmp_pa
     assert sorted(entry for share in shares for entry in share) == everything  # each once
     assert all(shares)  # the work is shared
     assert len(synced) == len(everything) + 1  # and the folder itself, by local rank 0
+
+
+def test_a_checkpoint_of_a_pretrained_model_exports_without_the_pretrained_model(tmp_path):
+    # the checkpoint holds the model's HF config and tokenizer: export rebuilds the model from
+    # them, so the base model may be gone from the cache (or offline, or moved on the Hub)
+    spec = RunConfig.model_validate(yaml.safe_load(TINY_LLAMA.read_text())).model
+    base = tmp_path / "base-model"
+    tokenizer = load_tokenizer(spec)
+    load_model(spec, tokenizer, seed=3).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    run_file = write_config(
+        tmp_path / "pretrained.yaml",
+        model={"config": None, "name_or_path": str(base), "tokenizer": str(base)},
+    )
+    run = tmp_path / "run"
+    train(run, "--cpu", "--gpus", "1", "--max-steps", "2", "--set", "train.checkpoint_every=2",
+          config=run_file)  # fmt: skip
+    checkpoint = run / "checkpoints" / "step-2"
+    assert (checkpoint / "hf" / "config.json").is_file()
+    assert (checkpoint / "hf" / "tokenizer.json").is_file()
+    shutil.rmtree(base)
+    exported = tmp_path / "exported"
+    result = run_dplaunch("export", checkpoint, "--out", exported)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # the trained weights, as the run's own end-of-training export wrote them
+    assert_same_logits(exported, run / "model")
+    assert (exported / "tokenizer.json").is_file()

@@ -29,7 +29,7 @@ from dplaunch.errors import UserError
 from dplaunch.launching.rundir import check_output_dir
 
 if TYPE_CHECKING:
-    from dplaunch.config.schema import RunConfig
+    from dplaunch.config.schema import ModelConfig, RunConfig
     from dplaunch.planning.plan import Plan
 
 
@@ -41,6 +41,7 @@ def run_export(checkpoint: Path, out: Path) -> int:
 
     info = find_checkpoint(checkpoint.expanduser(), field="CHECKPOINT")
     config = RunConfig.model_validate(yaml.safe_load((info.path / "run.yaml").read_text()))
+    config.model = checkpoint_model(info.path, config.model)
     plan = Plan.from_dict(json.loads((info.path / "plan.json").read_text()))
     if (out / "config.json").exists():
         raise UserError("--out", f"{out} already holds a model", "choose an empty or new directory")
@@ -80,6 +81,24 @@ def run_export(checkpoint: Path, out: Path) -> int:
         "load it with from_pretrained"
     )
     return 0
+
+
+def checkpoint_model(directory: Path, model: ModelConfig) -> ModelConfig:
+    """The model section that rebuilds a checkpoint's model from its own files (its HF config
+    and tokenizer, saved with it): no pretrained weights to read first, no Hub, no revision that
+    moved since. Checkpoints without them (older ones) keep the run file's model."""
+    from dplaunch.config.schema import BYTE_LEVEL
+    from dplaunch.train.checkpoint import MODEL_FILES_DIR
+
+    files = directory / MODEL_FILES_DIR
+    if not (files / "config.json").is_file():
+        return model
+    fields = json.loads((files / "config.json").read_text())
+    # weights are loaded in float32, whatever dtype the model was trained or saved in
+    for key in ("dtype", "torch_dtype", "transformers_version"):
+        fields.pop(key, None)
+    tokenizer = model.tokenizer if model.tokenizer == BYTE_LEVEL else str(files)
+    return model.model_copy(update={"name_or_path": None, "config": fields, "tokenizer": tokenizer})
 
 
 def export_checkpoint(directory: Path, config: object, engine: str, out: Path) -> None:

@@ -42,6 +42,9 @@ from dplaunch.errors import UserError
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
+# the model's HF config (config.json, generation_config.json) and tokenizer, in every checkpoint:
+# `dplaunch export` builds the model from them, without the pretrained weights or the Hub
+MODEL_FILES_DIR = "hf"
 META_FILE = "checkpoint.json"
 TEMP_PREFIX = ".tmp-"
 # the launcher tells the ranks where to resume from (always written by `dplaunch train`)
@@ -656,7 +659,9 @@ class Checkpointer:
         keep_last: int,
         meta: dict[str, Any],
         say: Any,
+        write_model_files: Any = None,
     ):
+        self.write_model_files = write_model_files
         self.run_dir = run_dir
         self.directory = run_dir / CHECKPOINTS_DIR
         self.engine = engine
@@ -746,6 +751,10 @@ class Checkpointer:
     ) -> None:
         for name in ("run.yaml", "plan.json"):
             shutil.copy2(self.run_dir / name, temp / name)
+            _fsync_file(temp / name)
+        if self.write_model_files is not None:
+            self.write_model_files(temp / MODEL_FILES_DIR)
+            sync_to_disk(temp / MODEL_FILES_DIR, 0, 1)
         meta = {
             "step": step,
             "epoch": step // steps_per_epoch,
@@ -888,6 +897,11 @@ def write_file_atomic(path: Path, text: str) -> None:
         raise
 
 
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
 def _fsync_directory(path: Path) -> None:
     descriptor = os.open(path, os.O_RDONLY)
     try:
@@ -912,8 +926,7 @@ def sync_to_disk(folder: Path, local_rank: int, local_size: int) -> list[Path]:
         if entry.is_dir():
             _fsync_directory(entry)
         elif entry.is_file():
-            with open(entry, "rb") as handle:
-                os.fsync(handle.fileno())
+            _fsync_file(entry)
     if local_rank == 0:
         _fsync_directory(folder)
     return mine

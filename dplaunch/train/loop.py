@@ -222,6 +222,7 @@ def train(run_dir: Path) -> int:
         keep_last=config.train.keep_last,
         meta={**plan.header(), "engine": plan.engine, "total_steps": total_steps},
         say=say,
+        write_model_files=_model_files_writer(model, tokenizer),
     )
     start_step = 0
     if resume is not None:
@@ -509,6 +510,20 @@ def _evaluate(
             f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()
         )
     )
+
+
+def _model_files_writer(model: Any, tokenizer: Any) -> Any:
+    """What rank 0 writes into each checkpoint besides the weights: the HF config files and the
+    tokenizer, from which `dplaunch export` rebuilds the model (checkpoint.MODEL_FILES_DIR)."""
+
+    def write(folder: Path) -> None:
+        model.config.save_pretrained(folder)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None:
+            generation.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    return write
 
 
 def _peak_memory_gb(device: torch.device) -> float:

@@ -45,7 +45,7 @@ def load_model(
     set_seed(seed)
     if model.config is not None:
         fields = dict(model.config)
-        config = AutoConfig.for_model(fields.pop("model_type"), **fields, **extra)
+        config = AutoConfig.for_model(fields.pop("model_type"), **{**fields, **extra})
         config.pad_token_id = tokenizer.pad_token_id
         # a config class's own token ids are its hub model's (GPT-2: 50256): the tokenizer's
         # count, unless the run file sets them (generate() stops at eos_token_id)
