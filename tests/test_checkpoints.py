@@ -668,3 +668,10 @@ def test_a_checkpoint_of_a_pretrained_model_exports_without_the_pretrained_model
     # the trained weights, as the run's own end-of-training export wrote them
     assert_same_logits(exported, run / "model")
     assert (exported / "tokenizer.json").is_file()
+    # a checkpoint without hf/ (written before it was saved with them) needs the base model:
+    # gone, that is one line naming it, not a traceback
+    shutil.rmtree(checkpoint / "hf")
+    result = run_dplaunch("export", checkpoint, "--out", tmp_path / "never")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("dplaunch: error: model.name_or_path: "), result.stderr
+    assert not (tmp_path / "never").exists()

@@ -42,6 +42,14 @@ def run_export(checkpoint: Path, out: Path) -> int:
     info = find_checkpoint(checkpoint.expanduser(), field="CHECKPOINT")
     config = RunConfig.model_validate(yaml.safe_load((info.path / "run.yaml").read_text()))
     config.model = checkpoint_model(info.path, config.model)
+    name = config.model.name_or_path
+    if name is not None:
+        # a checkpoint without its own model files (written before they were saved with it)
+        # needs the run's model: a local one must still be there
+        from dplaunch.planning.model_facts import find_model_file, looks_like_path
+
+        if looks_like_path(name) or Path(name).expanduser().is_absolute():
+            find_model_file(name, ("config.json",), "model.name_or_path")
     plan = Plan.from_dict(json.loads((info.path / "plan.json").read_text()))
     if (out / "config.json").exists():
         raise UserError("--out", f"{out} already holds a model", "choose an empty or new directory")

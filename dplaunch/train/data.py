@@ -276,12 +276,12 @@ class Batcher:
         tokens = self._predicted_tokens
         shard = self.sharding
         total = max(int(tokens[step].sum()), 1)
-        factor = shard.gradient_accumulation_steps * shard.data_parallel_size / total
+        copies = shard.gradient_accumulation_steps * shard.data_parallel_size
         for i, batch in enumerate(batches):
             rows = mine[i * shard.micro_batch_size : (i + 1) * shard.micro_batch_size]
-            batch["loss_scale"] = torch.tensor(
-                float(tokens[rows].sum()) * factor, dtype=torch.float32
-            )
+            # integer numerator: exactly 1.0 when every micro-batch holds as many tokens
+            share = int(tokens[rows].sum()) * copies / total
+            batch["loss_scale"] = torch.tensor(share, dtype=torch.float32)
 
     @cached_property
     def _predicted_tokens(self) -> np.ndarray:
