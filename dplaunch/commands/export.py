@@ -48,7 +48,7 @@ def run_export(checkpoint: Path, out: Path) -> int:
         # needs the run's model: a local one must still be there
         from dplaunch.planning.model_facts import find_model_file, looks_like_path
 
-        if looks_like_path(name) or Path(name).expanduser().is_absolute():
+        if looks_like_path(name):
             find_model_file(name, ("config.json",), "model.name_or_path")
     plan = Plan.from_dict(json.loads((info.path / "plan.json").read_text()))
     if (out / "config.json").exists():

@@ -743,7 +743,7 @@ class Checkpointer:
                 f"[dplaunch] checkpoint {final} ({reason}): {meta['size_bytes'] / 1e6:.1f} MB in "
                 f"{meta['save_seconds']:.2f} s"
             )
-            self._rotate(keep=final)
+            self._rotate(keep=final, step=step)
         return final
 
     def _commit(
@@ -780,18 +780,13 @@ class Checkpointer:
         _fsync_directory(self.directory)
         write_file_atomic(self.directory / LATEST_FILE, final.name + "\n")
 
-    def _rotate(self, keep: Path) -> None:
+    def _rotate(self, keep: Path, step: int) -> None:
         # a re-sharded copy served only this launch's start: its own checkpoint now exists
         for converted in self.directory.glob(f"{UNIVERSAL_PREFIX}*"):
             shutil.rmtree(converted, ignore_errors=True)
         # checkpoints of later steps were left behind by a resume from an earlier one: another
         # line of training, neither counted nor deleted here
-        step = read_checkpoint(keep)
-        complete = [
-            info
-            for info in complete_checkpoints(self.directory)
-            if step is None or info.step <= step.step
-        ]
+        complete = [info for info in complete_checkpoints(self.directory) if info.step <= step]
         for info in complete[: max(0, len(complete) - self.keep_last)]:
             if info.path != keep:
                 shutil.rmtree(info.path, ignore_errors=True)
