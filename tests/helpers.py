@@ -129,3 +129,61 @@ def sbatch_options(script: str) -> dict[str, str | None]:
             name, _, value = line[len("#SBATCH --") :].partition("=")
             options[name] = value or None
     return options
+
+
+def cache_hub_dataset(
+    hf_home: Path,
+    name: str,
+    config: str,
+    splits: dict[str, dict[str, list]],
+    class_names: dict[str, list[str]] | None = None,
+    shards: int = 1,
+) -> Path:
+    """Put hub dataset NAME (configuration CONFIG) into HF_HOME's datasets cache as `datasets`
+    prepares a download: <namespace>___<snake_name>/<config>/0.0.0/<hash>/ with dataset_info.json
+    and each split in SHARDS Arrow stream files. Offline, `load_dataset(NAME, CONFIG)` reads it
+    (the hub-data tests train on it). CLASS_NAMES makes those columns ClassLabels; the others
+    are typed from their values. Returns the folder."""
+    import pyarrow as pa
+    from datasets import ClassLabel, Dataset, DatasetInfo, Features, SplitDict, SplitInfo
+    from datasets.naming import camelcase_to_snakecase
+
+    snake = camelcase_to_snakecase(name.split("/")[-1])
+    folder = hf_home / "datasets" / "___".join([*name.split("/")[:-1], snake]) / config
+    folder = folder / "0.0.0" / "5d1c0ffee"
+    folder.mkdir(parents=True)
+    features = None
+    split_dict = SplitDict(dataset_name=snake)
+    for split, columns in splits.items():
+        if features is None:
+            typed = Dataset.from_dict(columns).features
+            features = Features(
+                {
+                    column: ClassLabel(names=(class_names or {})[column])
+                    if column in (class_names or {})
+                    else feature
+                    for column, feature in typed.items()
+                }
+            )
+        dataset = Dataset.from_dict(columns, features=features)
+        table = dataset.data.table
+        bounds = [len(dataset) * shard // shards for shard in range(shards + 1)]
+        lengths = [bounds[i + 1] - bounds[i] for i in range(shards)]
+        for shard in range(shards):
+            suffix = f"-{shard:05d}-of-{shards:05d}" if shards > 1 else ""
+            with pa.OSFile(str(folder / f"{snake}-{split}{suffix}.arrow"), "wb") as sink:
+                with pa.ipc.new_stream(sink, table.schema) as writer:
+                    writer.write_table(table.slice(bounds[shard], lengths[shard]), max_chunksize=4)
+        split_dict.add(
+            SplitInfo(
+                name=split,
+                num_bytes=table.nbytes,
+                num_examples=len(dataset),
+                shard_lengths=lengths if shards > 1 else None,
+                dataset_name=snake,
+            )
+        )
+    DatasetInfo(
+        features=features, splits=split_dict, config_name=config, dataset_name=snake
+    ).write_to_directory(str(folder))
+    return folder

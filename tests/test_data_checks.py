@@ -16,6 +16,7 @@ import pytest
 from tests.helpers import (
     DEFAULT_CONFIG,
     TINY_LLAMA,
+    cache_hub_dataset,
     child_environment,
     files_under,
     refusal_line,
@@ -86,10 +87,10 @@ def test_a_hub_dataset_missing_from_the_cache_is_refused_when_offline(tmp_path):
 
 def test_a_hub_dataset_in_the_datasets_cache_passes_offline(tmp_path):
     # the folder `load_dataset` falls back to offline: <namespace>___<snake_case name>/config/version/hash
+    # (test_hub_data checks what is in it)
     env = hub_environment(tmp_path, HF_HUB_OFFLINE="1")
-    (
-        tmp_path / "hf-home" / "datasets" / "someorg___tiny_reviews" / "default" / "0.0.0" / "abc"
-    ).mkdir(parents=True)
+    texts = {"text": [row["text"] for row in reviews(40)]}
+    cache_hub_dataset(tmp_path / "hf-home", "someorg/TinyReviews", "default", {"train": texts})
     accepted(tmp_path, TINY_LLAMA, "--set", "data.dataset=someorg/TinyReviews", env=env)
     # HF_DATASETS_CACHE wins over HF_HOME, as in `datasets`
     elsewhere = tmp_path / "elsewhere"
@@ -141,6 +142,23 @@ def test_online_a_hub_dataset_not_cached_is_asked_for_at_the_hub(tmp_path, fake_
     assert "data.dataset: 'someorg/nonexistent-ds' is neither a local file nor a dataset" in line
     # one the Hub has is left for the ranks to download
     accepted(tmp_path, TINY_LLAMA, "--set", "data.dataset=someorg/exists", env=env)
+
+
+def test_online_the_hub_decides_between_several_cached_configurations(tmp_path, fake_hub):
+    # offline `datasets` refuses to pick one (test_hub_data); online the Hub's default decides
+    texts = {"text": [row["text"] for row in reviews(40)]}
+    for config in ("cola", "sst2"):
+        cache_hub_dataset(tmp_path / "hf-home", "someorg/exists", config, {"train": texts})
+    env = hub_environment(tmp_path, HF_HUB_OFFLINE="0", HF_ENDPOINT=fake_hub)
+    accepted(tmp_path, TINY_LLAMA, "--set", "data.dataset=someorg/exists", env=env)
+    line = refused(
+        tmp_path,
+        TINY_LLAMA,
+        "--set",
+        "data.dataset=someorg/exists",
+        env={**env, "HF_HUB_OFFLINE": "1"},
+    )
+    assert "data.dataset_config: hub dataset 'someorg/exists' has several configurations" in line
 
 
 def test_online_an_unreachable_hub_is_refused_when_the_dataset_is_not_cached(tmp_path):

@@ -69,6 +69,9 @@ class ModelConfig(Section):
 class DataConfig(Section):
     # hub id, or local file(s): .json/.jsonl/.csv/.txt/.parquet (a list for several files)
     dataset: str | list[str]
+    # the configuration (subset) of a hub dataset, as load_dataset(dataset, dataset_config):
+    # glue needs sst2, wikitext needs wikitext-2-raw-v1, …
+    dataset_config: str | None = None
     split: str = "train"
     # a named split of the same (hub) dataset for evaluation ...
     eval_split: str | None = None

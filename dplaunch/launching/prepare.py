@@ -221,12 +221,21 @@ def prepare_training_run(
     if length_note is not None:
         plan_notes.append(length_note)
     check_tokenizer(config.model)
-    check_data(
+    dataset_classes = check_data(
         config.data,
         config.model.task,
         config.train.global_batch_size,
         num_labels=config.model.num_labels,
+        classes_named="num_labels" in config.model.model_fields_set,
     )
+    if dataset_classes is not None:
+        # as HF's run_glue: the dataset's ClassLabel names the classes (and counts them)
+        config.data.label_names = list(dataset_classes)
+        config.model.num_labels = len(dataset_classes)
+        plan_notes.append(
+            f"data.label_names: {', '.join(dataset_classes)} (the dataset's ClassLabel "
+            f"{config.data.label_column!r}); model.num_labels {len(dataset_classes)}"
+        )
     machine = Machine(visible_gpus=visible_gpu_count(), render_only=render_only)
     auto = None
     if config.parallel.auto:

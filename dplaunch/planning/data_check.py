@@ -4,24 +4,25 @@ Local files: each file is read once, record by record (JSON lines parsed, CSV ro
 Parquet from its footer and columns), so a broken line, a missing column, a missing value or a
 label that is no class of model.num_labels is named here rather than in a rank's traceback (on a
 GPU, a CUDA device-side assert); the training rows left after the eval split must fill one
-global batch. Hub ids: the dataset must be in the `datasets` cache, or (online) on the Hub.
+global batch. Hub ids: the dataset must be in the `datasets` cache, or (online) on the Hub; a cached
+one is checked as local files are (hub_data.py finds it).
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
-import glob
 import json
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from dplaunch.config.schema import DataConfig
 from dplaunch.errors import UserError
+from dplaunch.planning.hub_data import CONFIG_FIELD, CachedDataset, check_hub_dataset
 
 LOCAL_FORMATS = {
     ".json": "json",
@@ -37,8 +38,6 @@ CSV_MISSING = frozenset(
     {"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN"}
     | {"<NA>", "N/A", "NA", "NULL", "NaN", "None", "n/a", "nan", "null"}
 )
-# how long the Hub may take to say whether a dataset that is not cached exists
-HUB_TIMEOUT_S = 10.0
 # bytes of a dataset's files read line by line before launch (about 3 s of checking here): a
 # corpus of many GB is checked on its first records of each file and its first 256 MB, not read
 # whole at every launch (and on every node); its rows and bytes are then lower bounds.
@@ -81,13 +80,26 @@ def check_data(
     task: str,
     global_batch_size: int | None = None,
     num_labels: int | None = None,
-) -> None:
+    *,
+    classes_named: bool = True,
+) -> tuple[str, ...] | None:
     """Raise UserError when files, records, columns or rows the run needs are missing, or (with
-    NUM_LABELS, for sequence classification) a label is not one of its class numbers."""
+    NUM_LABELS, for sequence classification) a label is not one of its class numbers.
+
+    Returns the class names of a cached hub dataset's label column (a ClassLabel) when the run
+    names no classes itself (CLASSES_NAMED false: neither data.label_names nor model.num_labels
+    given): the labels were checked against them, and the caller makes them data.label_names."""
     needs = _Needs.of(data, task, num_labels)
     budget = _check_budget()
     packing = task == "causal-lm" and (data.packing if data.packing is not None else True)
     training: _Summary | None = None
+    dataset_classes: tuple[str, ...] | None = None
+    if data.dataset_config is not None and is_local(data.dataset):
+        raise UserError(
+            CONFIG_FIELD,
+            "local files have no configurations",
+            "drop data.dataset_config (it names a configuration of a hub dataset)",
+        )
     for field, dataset in (
         ("data.dataset", data.dataset),
         ("data.eval_dataset", data.eval_dataset),
@@ -101,7 +113,16 @@ def check_data(
                     f"{dataset} is not a local file",
                     "give local file(s), or use data.eval_split for a hub dataset",
                 )
-            check_hub_dataset(dataset, field)
+            cached = check_hub_dataset(dataset, data.dataset_config, field)
+            if cached is not None:
+                needs, dataset_classes = _classes_of(cached, data, needs, classes_named)
+                training = _read_cached_split(
+                    cached, data.split, "data.split", needs, packing, budget
+                )
+                if data.eval_split is not None and data.eval_split != data.split:
+                    _read_cached_split(
+                        cached, data.eval_split, "data.eval_split", needs, False, budget
+                    )
             continue
         files = dataset if isinstance(dataset, list) else [dataset]
         for item in files:
@@ -140,98 +161,105 @@ def check_data(
         )
     if training is not None and training.rows_known and global_batch_size:
         _check_one_global_batch(training, data, packing, global_batch_size)
+    return dataset_classes
 
 
-def check_hub_dataset(name: str | list[str], field: str = "data.dataset") -> None:
-    """Refuse a hub dataset the ranks cannot load: not in the `datasets` cache and the Hub is
-    off (HF_HUB_OFFLINE) or does not have it. Only `datasets`' own cache counts: offline,
-    `load_dataset` reads nothing else (a hub-cache snapshot alone fails with ConnectionError)."""
-    if isinstance(name, list):
-        raise UserError(field, f"{name} names no local file", "a list must name local data files")
-    from dplaunch.planning.model_facts import looks_like_path
-
-    if looks_like_path(name):
-        raise UserError(
-            field,
-            f"{name} does not exist",
-            "check the path (relative paths are relative to the run file)",
+def _classes_of(
+    cached: CachedDataset, data: DataConfig, needs: _Needs, classes_named: bool
+) -> tuple[_Needs, tuple[str, ...] | None]:
+    """The needs of a cached hub dataset whose label column is a ClassLabel, and its class names
+    when the run takes them (it names no classes itself). A run that names fewer classes than
+    the ClassLabel holds is refused: its labels are class numbers up to the last of them."""
+    names = cached.class_names(needs.label) if needs.label else None
+    if names is None:
+        return needs, None
+    if not classes_named:
+        named = dataclasses.replace(
+            needs, num_labels=len(names), label_names=names, ids=label_ids(names)
         )
-    cache = datasets_cache_dir()
-    if _in_datasets_cache(name, cache):
-        return
-    download = (
-        f'load it once where the Hub is reachable (python -c "import datasets; '
-        f"datasets.load_dataset('{name}')\") with the same HF_HOME, or give local files"
+        return named, names
+    given = needs.num_labels if needs.num_labels is not None else len(needs.label_names or ())
+    if given >= len(names):
+        return needs, None
+    listed = ", ".join(names[:8]) + (", …" if len(names) > 8 else "")
+    held = (
+        f"column {needs.label!r} of hub dataset {cached.name!r} ({cached.config}) holds "
+        f"{len(names)} classes ({listed})"
     )
-    if hub_offline():
+    if data.label_names:
         raise UserError(
-            field,
-            f"hub dataset {name!r} is not in the datasets cache ({cache}) and offline mode is "
-            "on (HF_HUB_OFFLINE)",
-            download,
+            "data.label_names",
+            f"names {len(data.label_names)} classes, but {held}",
+            f"name all {len(names)} in the dataset's order, or drop data.label_names "
+            "(the dataset's class names are used)",
         )
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
-
-    try:
-        HfApi().dataset_info(name, timeout=HUB_TIMEOUT_S)
-    except GatedRepoError:
-        raise UserError(
-            field,
-            f"hub dataset {name!r} is gated and this account has no access",
-            f"ask for access on https://huggingface.co/datasets/{name} and log in (HF_TOKEN)",
-        ) from None
-    except RepositoryNotFoundError:
-        raise UserError(
-            field,
-            f"{name!r} is neither a local file nor a dataset on the Hugging Face Hub",
-            "check the id (org/name) or the path; a private dataset needs a login (HF_TOKEN)",
-        ) from None
-    except HfHubHTTPError:
-        return  # the Hub answered something else: the ranks will say what
-    except Exception as exc:  # no answer at all: DNS, refused, timed out
-        raise UserError(
-            field,
-            f"hub dataset {name!r} is not in the datasets cache ({cache}) and the Hub cannot "
-            f"be reached ({type(exc).__name__})",
-            download,
-        ) from None
-
-
-def datasets_cache_dir() -> Path:
-    """Where `datasets` keeps prepared datasets (HF_DATASETS_CACHE, else HF_HOME/datasets)."""
-    from dplaunch.planning.model_facts import hf_home
-
-    cache = os.environ.get("HF_DATASETS_CACHE")
-    return Path(cache).expanduser() if cache else hf_home() / "datasets"
-
-
-def hub_offline(for_datasets: bool = True) -> bool:
-    """Offline as `datasets` decides it (HF_DATASETS_OFFLINE when set, else HF_HUB_OFFLINE), or
-    for models and tokenizers (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE)."""
-    true = {"1", "ON", "YES", "TRUE"}
-    datasets_offline = os.environ.get("HF_DATASETS_OFFLINE") if for_datasets else None
-    if datasets_offline is not None:
-        return datasets_offline.upper() in true
-    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
-    return value.upper() in true
-
-
-def _in_datasets_cache(name: str, cache: Path) -> bool:
-    # the layout `datasets` looks up when the Hub is out of reach: <namespace>___<snake_name>/*/*/*
-    parts = name.split("/")
-    parts[-1] = _camelcase_to_snakecase(parts[-1])
-    root = cache / "___".join(parts)
-    return any(
-        os.path.isdir(path)
-        for path in glob.glob(os.path.join(glob.escape(str(root)), "*", "*", "*"))
+    raise UserError(
+        "model.num_labels",
+        f"is {given}, but {held}",
+        f"set model.num_labels to {len(names)}, or leave it out (the dataset's class names are used)",
     )
 
 
-def _camelcase_to_snakecase(name: str) -> str:
-    # datasets.naming.camelcase_to_snakecase (not imported: `datasets` takes a second to import)
-    name = re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", name)
-    return re.sub(r"([a-z\d])([A-Z])", r"\1_\2", name).lower()
+def _read_cached_split(
+    cached: CachedDataset,
+    split_name: str,
+    split_field: str,
+    needs: _Needs,
+    count_bytes: bool,
+    budget: int,
+) -> _Summary:
+    """Check one split of a cached hub dataset as local files are checked: its columns from
+    dataset_info.json, then its Arrow records (nulls, labels, text bytes) within the budget.
+    Its row count is dataset_info's, exact even when the budget stops the reading."""
+    import pyarrow as pa
+
+    split = cached.split(split_name, split_field)
+    for field, column in needs.columns:
+        if column not in cached.features:
+            listed = ", ".join(sorted(cached.features)) or "none"
+            raise UserError(
+                field,
+                f"column {column!r} is not in hub dataset {cached.name!r} ({cached.config})",
+                f"its columns are {listed}",
+            )
+    if split.rows == 0:
+        raise UserError(
+            split_field,
+            f"split {split_name!r} of hub dataset {cached.name!r} ({cached.config}) has no rows",
+            f"use another split (there are {', '.join(sorted(cached.splits))})",
+        )
+    summary = _Summary(count_bytes=count_bytes, bytes_left=budget)
+    columns = sorted({column for _, column in needs.columns})
+    texts = [column for _, column in needs.texts]
+    read = 0
+    for path in split.files:
+        try:
+            with pa.memory_map(str(path)) as source:
+                for batch in pa.ipc.open_stream(source):
+                    table = pa.Table.from_batches([batch]).select(columns)
+                    offset = read
+
+                    def where(index: int, offset: int = offset) -> str:
+                        return f"{cached.name} ({cached.config}) {split_name}[{offset + index}]"
+
+                    _check_table_rows(table, where, needs)
+                    if count_bytes:
+                        summary.text_bytes += sum(_text_bytes(table.column(c)) for c in texts)
+                    read += table.num_rows
+                    if summary.spend(table.nbytes):
+                        break
+        except (OSError, pa.ArrowException) as exc:
+            raise UserError(
+                "data.dataset",
+                f"cannot read {path} of the cached hub dataset {cached.name!r} ({exc})",
+                "delete that folder and load the dataset again where the Hub is reachable",
+            ) from None
+        if summary.partial:
+            break
+    summary.rows = split.rows
+    # the rows are exact; only the text bytes (packing) are a lower bound once the budget is spent
+    summary.partial = summary.partial and count_bytes
+    return summary
 
 
 @dataclass
@@ -610,7 +638,9 @@ def _read_parquet(path: Path, needs: _Needs, summary: _Summary) -> None:
                 wanted |= set(texts) if summary.count_bytes else set()
             if wanted:
                 table = parquet.read_row_group(group, columns=sorted(wanted))
-                _check_parquet_rows(table, first_row, path, needs)
+                _check_table_rows(
+                    table, lambda index, first=first_row: f"row {first + index} of {path}", needs
+                )
                 if counted:
                     size = sum(_text_bytes(table.column(c)) for c in texts if c in wanted)
                     summary.text_bytes += size
@@ -636,8 +666,8 @@ def _columns_with_nulls(metadata, needs: _Needs) -> tuple[set[str], set[str]]:
     return flagged, unknown
 
 
-def _check_parquet_rows(table, first_row: int, path: Path, needs: _Needs) -> None:
-    """Nulls in the needed columns of TABLE (rows first_row… of PATH) and its labels."""
+def _check_table_rows(table, where: Callable[[int], str], needs: _Needs) -> None:
+    """Nulls in the needed columns of an Arrow TABLE and its labels; WHERE names row i of it."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -646,7 +676,7 @@ def _check_parquet_rows(table, first_row: int, path: Path, needs: _Needs) -> Non
             index = pc.index(pc.is_null(table.column(column)), True).as_py()
             raise UserError(
                 field,
-                f"row {first_row + index} of {path} has no {column!r} (null)",
+                f"{where(index)} has no {column!r} (null)",
                 "fill it in or drop that row",
             )
     if needs.label is None or needs.label not in table.column_names:
@@ -664,7 +694,7 @@ def _check_parquet_rows(table, first_row: int, path: Path, needs: _Needs) -> Non
     else:  # floats, texts, categories: one by one, as the ranks' int() takes them
         values = enumerate(labels.to_pylist())
     for index, value in values:
-        if problem := needs.label_problem(value, f"row {first_row + index} of {path}"):
+        if problem := needs.label_problem(value, where(index)):
             raise UserError(LABEL_FIELD, *problem)
 
 

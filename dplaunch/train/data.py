@@ -43,7 +43,7 @@ def load_splits(data: DataConfig, seed: int) -> tuple[Any, Any | None]:
             return load_dataset(
                 local_format(files, "data.dataset"), data_files=files, split="train"
             )
-        return load_dataset(source, split=split)
+        return load_dataset(source, data.dataset_config, split=split)
 
     train = load(data.dataset, data.split)
     evaluation = None

@@ -1,0 +1,262 @@
+"""Hub datasets before launch: find one in the `datasets` cache as `load_dataset` finds it, or
+ask the Hub whether it exists.
+
+On a cluster the compute nodes usually cannot reach the Hub: the data is loaded once where the
+Hub is reachable, and the ranks read the prepared copy `datasets` keeps under
+<cache>/<namespace>___<snake_name>/<config>/<version>/<hash>/. That folder holds
+dataset_info.json (the splits and their rows; the features: columns and a ClassLabel's names)
+and one Arrow stream file per split shard, so a cached hub dataset is checked before launch as
+local files are. Nothing here imports `datasets` (a second to import).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dplaunch.errors import UserError
+
+# how long the Hub may take to say whether a dataset that is not cached exists
+HUB_TIMEOUT_S = 10.0
+CONFIG_FIELD = "data.dataset_config"
+
+
+@dataclass(frozen=True)
+class CachedSplit:
+    """One split of a cached dataset: its rows (dataset_info.json) and its Arrow stream files."""
+
+    name: str
+    rows: int
+    files: tuple[Path, ...]
+
+
+@dataclass(frozen=True)
+class CachedDataset:
+    """The prepared copy of a hub dataset that `load_dataset` would read."""
+
+    name: str
+    config: str
+    directory: Path
+    features: dict[str, Any]
+    splits: dict[str, CachedSplit]
+
+    def split(self, split: str, field: str) -> CachedSplit:
+        """The split, or a UserError naming FIELD and the splits there are."""
+        if split in self.splits:
+            return self.splits[split]
+        raise UserError(
+            field,
+            f"hub dataset {self.name!r} ({self.config}) has no split {split!r}",
+            f"its splits are {', '.join(sorted(self.splits))}",
+        )
+
+    def class_names(self, column: str) -> tuple[str, ...] | None:
+        """The class names of COLUMN when it is a ClassLabel, else None."""
+        feature = self.features.get(column)
+        if isinstance(feature, dict) and feature.get("_type") == "ClassLabel":
+            names = feature.get("names")
+            if isinstance(names, list) and all(isinstance(name, str) for name in names):
+                return tuple(names)
+        return None
+
+
+def cached_dataset(
+    name: str, config: str | None, field: str = "data.dataset"
+) -> CachedDataset | None:
+    """The cached copy `load_dataset(name, config)` reads when the Hub is out of reach; None
+    when there is none. Several cached configurations and no data.dataset_config: offline,
+    `datasets` refuses to guess, and so does this (a UserError naming them); online the Hub's
+    default configuration decides, which the cache cannot tell (None)."""
+    root = datasets_cache_dir() / _cache_folder_name(name)
+    candidates = [
+        Path(path)
+        for path in glob.glob(
+            os.path.join(glob.escape(str(root)), glob.escape(config) if config else "*", "*", "*")
+        )
+        if os.path.isdir(path) and _info_config(Path(path)) == Path(path).parts[-3]
+    ]
+    if not candidates:
+        return None
+    # the newest, and (with no configuration named) the one configuration at its version/hash
+    chosen = max(candidates, key=lambda path: path.stat().st_mtime)
+    if config is None:
+        siblings = sorted(
+            path.parts[-3] for path in candidates if path.parts[-2:] == chosen.parts[-2:]
+        )
+        if len(siblings) > 1 and not hub_offline():
+            return None
+        if len(siblings) > 1:
+            raise UserError(
+                CONFIG_FIELD,
+                f"hub dataset {name!r} has several configurations in the datasets cache "
+                f"({', '.join(siblings)}) and none is named",
+                f"set data.dataset_config to one of them (--set data.dataset_config={siblings[0]})",
+            )
+    return _read_cached(name, chosen, field)
+
+
+def cached_configurations(name: str) -> list[str]:
+    """The configurations of NAME in the datasets cache (for messages)."""
+    root = datasets_cache_dir() / _cache_folder_name(name)
+    return sorted(
+        {
+            Path(path).parts[-3]
+            for path in glob.glob(os.path.join(glob.escape(str(root)), "*", "*", "*"))
+        }
+    )
+
+
+def check_hub_dataset(
+    name: str | list[str], config: str | None, field: str = "data.dataset"
+) -> CachedDataset | None:
+    """Refuse a hub dataset the ranks cannot load: not in the `datasets` cache and the Hub is
+    off (HF_HUB_OFFLINE) or does not have it. Only `datasets`' own cache counts: offline,
+    `load_dataset` reads nothing else (a hub-cache snapshot alone fails with ConnectionError).
+
+    Returns the cached copy when there is one (the ranks read it offline, or when the Hub holds
+    the same revision), None when the ranks will download the dataset."""
+    if isinstance(name, list):
+        raise UserError(field, f"{name} names no local file", "a list must name local data files")
+    from dplaunch.planning.model_facts import looks_like_path
+
+    if looks_like_path(name):
+        raise UserError(
+            field,
+            f"{name} does not exist",
+            "check the path (relative paths are relative to the run file)",
+        )
+    cache = datasets_cache_dir()
+    cached = cached_dataset(name, config, field)
+    if cached is not None:
+        return cached
+    download = (
+        f'load it once where the Hub is reachable (python -c "import datasets; '
+        f"datasets.load_dataset('{name}'{f', {config!r}' if config else ''})\") with the same "
+        "HF_HOME, or give local files"
+    )
+    if hub_offline():
+        others = cached_configurations(name) if config else []
+        if others:
+            raise UserError(
+                CONFIG_FIELD,
+                f"configuration {config!r} of hub dataset {name!r} is not in the datasets cache "
+                f"({cache}), which holds {', '.join(others)}, and offline mode is on (HF_HUB_OFFLINE)",
+                f"use one of those, or {download}",
+            )
+        raise UserError(
+            field,
+            f"hub dataset {name!r} is not in the datasets cache ({cache}) and offline mode is "
+            "on (HF_HUB_OFFLINE)",
+            download,
+        )
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        HfApi().dataset_info(name, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        raise UserError(
+            field,
+            f"hub dataset {name!r} is gated and this account has no access",
+            f"ask for access on https://huggingface.co/datasets/{name} and log in (HF_TOKEN)",
+        ) from None
+    except RepositoryNotFoundError:
+        raise UserError(
+            field,
+            f"{name!r} is neither a local file nor a dataset on the Hugging Face Hub",
+            "check the id (org/name) or the path; a private dataset needs a login (HF_TOKEN)",
+        ) from None
+    except HfHubHTTPError:
+        return None  # the Hub answered something else: the ranks will say what
+    except Exception as exc:  # no answer at all: DNS, refused, timed out
+        raise UserError(
+            field,
+            f"hub dataset {name!r} is not in the datasets cache ({cache}) and the Hub cannot "
+            f"be reached ({type(exc).__name__})",
+            download,
+        ) from None
+    return None
+
+
+def datasets_cache_dir() -> Path:
+    """Where `datasets` keeps prepared datasets (HF_DATASETS_CACHE, else HF_HOME/datasets)."""
+    from dplaunch.planning.model_facts import hf_home
+
+    cache = os.environ.get("HF_DATASETS_CACHE")
+    return Path(cache).expanduser() if cache else hf_home() / "datasets"
+
+
+def hub_offline(for_datasets: bool = True) -> bool:
+    """Offline as `datasets` decides it (HF_DATASETS_OFFLINE when set, else HF_HUB_OFFLINE), or
+    for models and tokenizers (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE)."""
+    true = {"1", "ON", "YES", "TRUE"}
+    datasets_offline = os.environ.get("HF_DATASETS_OFFLINE") if for_datasets else None
+    if datasets_offline is not None:
+        return datasets_offline.upper() in true
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.upper() in true
+
+
+def _cache_folder_name(name: str) -> str:
+    # <namespace>___<snake_name>, the folder `datasets` prepares a hub dataset in
+    parts = name.split("/")
+    parts[-1] = camelcase_to_snakecase(parts[-1])
+    return "___".join(parts)
+
+
+def _info_config(directory: Path) -> str | None:
+    # the configuration dataset_info.json names; `datasets` skips a folder whose name differs
+    # (one prepared with extra arguments) and fails on one without the file
+    try:
+        info = json.loads((directory / "dataset_info.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return info.get("config_name") if isinstance(info, dict) else None
+
+
+def _read_cached(name: str, directory: Path, field: str) -> CachedDataset:
+    info_file = directory / "dataset_info.json"
+    try:
+        info = json.loads(info_file.read_text(encoding="utf-8"))
+        features = info.get("features") or {}
+        split_infos = info["splits"]
+        if not isinstance(features, dict) or not isinstance(split_infos, dict):
+            raise ValueError("no features or splits")
+    except (OSError, ValueError, KeyError, AttributeError) as exc:
+        raise UserError(
+            field,
+            f"the cached copy of hub dataset {name!r} has an unreadable {info_file} ({exc})",
+            "delete that folder and load the dataset again where the Hub is reachable",
+        ) from None
+    prefix = camelcase_to_snakecase(name.split("/")[-1])
+    splits = {}
+    for split, split_info in split_infos.items():
+        shards = (split_info or {}).get("shard_lengths") or []
+        stem = directory / f"{prefix}-{split}"
+        if len(shards) > 1:
+            files = tuple(
+                Path(f"{stem}-{shard:05d}-of-{len(shards):05d}.arrow")
+                for shard in range(len(shards))
+            )
+        else:
+            files = (Path(f"{stem}.arrow"),)
+        missing = [path for path in files if not path.is_file()]
+        if missing:
+            raise UserError(
+                field,
+                f"the cached copy of hub dataset {name!r} lacks {missing[0]}",
+                "delete that folder and load the dataset again where the Hub is reachable",
+            )
+        splits[split] = CachedSplit(split, int((split_info or {}).get("num_examples") or 0), files)
+    return CachedDataset(name, directory.parts[-3], directory, features, splits)
+
+
+def camelcase_to_snakecase(name: str) -> str:
+    """datasets.naming.camelcase_to_snakecase (not imported: `datasets` takes a second)."""
+    name = re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", name)
+    return re.sub(r"([a-z\d])([A-Z])", r"\1_\2", name).lower()
