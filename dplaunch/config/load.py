@@ -20,7 +20,7 @@ _HF_CONFIG_KEYS = ("model_type", "architectures")
 # fixes for keys whose generic "fix the value" says too little
 _FIXES = {
     "data.dataset": "give a hub dataset id or local file(s) (.json/.jsonl/.csv/.txt/.parquet), "
-    "or a list of them",
+    "a list of them, or a folder written by save_to_disk",
     "data.eval_dataset": "give local file(s) (.json/.jsonl/.csv/.txt/.parquet), or a list of them",
     "model.num_labels": "give the number of classes, 2 or more (regression is not supported)",
 }

@@ -4,8 +4,9 @@ Local files: each file is read once, record by record (JSON lines parsed, CSV ro
 Parquet from its footer and columns), so a broken line, a missing column, a missing value or a
 label that is no class of model.num_labels is named here rather than in a rank's traceback (on a
 GPU, a CUDA device-side assert); the training rows left after the eval split must fill one
-global batch. Hub ids: the dataset must be in the `datasets` cache, or (online) on the Hub; a cached
-one is checked as local files are (hub_data.py finds it).
+global batch. Hub ids: the dataset must be in the `datasets` cache, or (online) on the Hub. A
+cached one, and a folder written by save_to_disk, are checked as local files are, from their
+Arrow files (arrow_datasets.py finds and describes them).
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ from pathlib import Path
 
 from dplaunch.config.schema import DataConfig
 from dplaunch.errors import UserError
-from dplaunch.planning.hub_data import CONFIG_FIELD, CachedDataset, check_hub_dataset
+from dplaunch.planning.arrow_datasets import (
+    CONFIG_FIELD,
+    PreparedDataset,
+    check_hub_dataset,
+    saved_dataset,
+    saved_folder,
+)
 
 LOCAL_FORMATS = {
     ".json": "json",
@@ -86,7 +93,7 @@ def check_data(
     """Raise UserError when files, records, columns or rows the run needs are missing, or (with
     NUM_LABELS, for sequence classification) a label is not one of its class numbers.
 
-    Returns the class names of a cached hub dataset's label column (a ClassLabel) when the run
+    Returns the class names of a prepared dataset's label column (a ClassLabel) when the run
     names no classes itself (CLASSES_NAMED false: neither data.label_names nor model.num_labels
     given): the labels were checked against them, and the caller makes them data.label_names."""
     needs = _Needs.of(data, task, num_labels)
@@ -116,13 +123,18 @@ def check_data(
             cached = check_hub_dataset(dataset, data.dataset_config, field)
             if cached is not None:
                 needs, dataset_classes = _classes_of(cached, data, needs, classes_named)
-                training = _read_cached_split(
-                    cached, data.split, "data.split", needs, packing, budget
-                )
-                if data.eval_split is not None and data.eval_split != data.split:
-                    _read_cached_split(
-                        cached, data.eval_split, "data.eval_split", needs, False, budget
-                    )
+                training = _read_prepared(cached, data, needs, packing, budget)
+            continue
+        folder = saved_folder(dataset)
+        if folder is not None:
+            saved = saved_dataset(folder, field)
+            if field == "data.eval_dataset":
+                _check_saved_eval(saved)
+                _read_prepared_split(saved, "", field, needs, False, budget)
+            else:
+                _check_saved_splits(saved, data)
+                needs, dataset_classes = _classes_of(saved, data, needs, classes_named)
+                training = _read_prepared(saved, data, needs, packing, budget)
             continue
         files = dataset if isinstance(dataset, list) else [dataset]
         for item in files:
@@ -130,7 +142,7 @@ def check_data(
             if path.is_dir():
                 raise UserError(
                     field,
-                    f"{item} is a directory",
+                    f"{item} is a directory, and no dataset saved with save_to_disk",
                     "name the data files in it (a list of paths is fine)",
                 )
             if not path.is_file():
@@ -153,7 +165,12 @@ def check_data(
             raise UserError(field, problem, "give a file with data")
         if field == "data.dataset":
             training = summary
-    if is_local(data.dataset) and data.eval_split is not None and data.eval_split != data.split:
+    if (
+        is_local(data.dataset)
+        and saved_folder(data.dataset) is None
+        and data.eval_split is not None
+        and data.eval_split != data.split
+    ):
         raise UserError(
             "data.eval_split",
             f"local files have a single split, so {data.eval_split!r} does not exist",
@@ -165,12 +182,12 @@ def check_data(
 
 
 def _classes_of(
-    cached: CachedDataset, data: DataConfig, needs: _Needs, classes_named: bool
+    cached: PreparedDataset, data: DataConfig, needs: _Needs, classes_named: bool
 ) -> tuple[_Needs, tuple[str, ...] | None]:
-    """The needs of a cached hub dataset whose label column is a ClassLabel, and its class names
+    """The needs of a prepared dataset whose label column is a ClassLabel, and its class names
     when the run takes them (it names no classes itself). A run that names fewer classes than
     the ClassLabel holds is refused: its labels are class numbers up to the last of them."""
-    names = cached.class_names(needs.label) if needs.label else None
+    names = cached.class_names(data.split, needs.label) if needs.label else None
     if names is None:
         return needs, None
     if not classes_named:
@@ -182,10 +199,7 @@ def _classes_of(
     if given >= len(names):
         return needs, None
     listed = ", ".join(names[:8]) + (", …" if len(names) > 8 else "")
-    held = (
-        f"column {needs.label!r} of hub dataset {cached.name!r} ({cached.config}) holds "
-        f"{len(names)} classes ({listed})"
-    )
+    held = f"column {needs.label!r} of {cached.described} holds {len(names)} classes ({listed})"
     if data.label_names:
         raise UserError(
             "data.label_names",
@@ -200,63 +214,107 @@ def _classes_of(
     )
 
 
-def _read_cached_split(
-    cached: CachedDataset,
+def _read_prepared(
+    prepared: PreparedDataset, data: DataConfig, needs: _Needs, packing: bool, budget: int
+) -> _Summary:
+    """Check the training split of a prepared dataset, and its evaluation split; the training
+    split's summary."""
+    training = _read_prepared_split(prepared, data.split, "data.split", needs, packing, budget)
+    if data.eval_split is not None and data.eval_split != data.split:
+        _read_prepared_split(prepared, data.eval_split, "data.eval_split", needs, False, budget)
+    return training
+
+
+def _check_saved_splits(saved: PreparedDataset, data: DataConfig) -> None:
+    # a folder saved from one Dataset has no split names: data.split and eval_split mean nothing
+    if not saved.single:
+        return
+    one = f"{saved.name} was saved from one Dataset, which has no splits"
+    if data.split != "train":
+        raise UserError("data.split", one, "drop data.split (or save a DatasetDict)")
+    if data.eval_split is not None:
+        raise UserError(
+            "data.eval_split",
+            one,
+            "use data.eval_fraction, or data.eval_dataset with another saved folder",
+        )
+
+
+def _check_saved_eval(saved: PreparedDataset) -> None:
+    # data.eval_dataset names one dataset: a DatasetDict folder would leave the split unsaid
+    if saved.single:
+        return
+    first = sorted(saved.splits)[0]
+    raise UserError(
+        "data.eval_dataset",
+        f"{saved.name} holds several splits ({', '.join(sorted(saved.splits))})",
+        f"name one split's folder ({saved.directory / first}), or give this folder as "
+        "data.dataset and pick a split with data.eval_split",
+    )
+
+
+def _read_prepared_split(
+    cached: PreparedDataset,
     split_name: str,
     split_field: str,
     needs: _Needs,
     count_bytes: bool,
     budget: int,
 ) -> _Summary:
-    """Check one split of a cached hub dataset as local files are checked: its columns from
+    """Check one split of a prepared dataset as local files are checked: its columns from
     dataset_info.json, then its Arrow records (nulls, labels, text bytes) within the budget.
-    Its row count is dataset_info's, exact even when the budget stops the reading."""
+    Its row count is exact even when the budget stops the checking: dataset_info.json's in the
+    hub cache; a saved folder's record batches are counted to the end (metadata only)."""
     import pyarrow as pa
 
     split = cached.split(split_name, split_field)
     for field, column in needs.columns:
-        if column not in cached.features:
-            listed = ", ".join(sorted(cached.features)) or "none"
+        if column not in split.features:
+            listed = ", ".join(sorted(split.features)) or "none"
             raise UserError(
                 field,
-                f"column {column!r} is not in hub dataset {cached.name!r} ({cached.config})",
+                f"column {column!r} is not in {cached.described}",
                 f"its columns are {listed}",
             )
-    if split.rows == 0:
-        raise UserError(
-            split_field,
-            f"split {split_name!r} of hub dataset {cached.name!r} ({cached.config}) has no rows",
-            f"use another split (there are {', '.join(sorted(cached.splits))})",
-        )
     summary = _Summary(count_bytes=count_bytes, bytes_left=budget)
     columns = sorted({column for _, column in needs.columns})
     texts = [column for _, column in needs.texts]
-    read = 0
+    rows = 0
     for path in split.files:
         try:
             with pa.memory_map(str(path)) as source:
                 for batch in pa.ipc.open_stream(source):
+                    if summary.partial:  # budget spent: only the rows are counted
+                        if split.rows is not None:
+                            break
+                        rows += batch.num_rows
+                        continue
                     table = pa.Table.from_batches([batch]).select(columns)
-                    offset = read
 
-                    def where(index: int, offset: int = offset) -> str:
-                        return f"{cached.name} ({cached.config}) {split_name}[{offset + index}]"
+                    def where(index: int, first: int = rows) -> str:
+                        return cached.row(split_name, first + index)
 
                     _check_table_rows(table, where, needs)
                     if count_bytes:
                         summary.text_bytes += sum(_text_bytes(table.column(c)) for c in texts)
-                    read += table.num_rows
-                    if summary.spend(table.nbytes):
-                        break
+                    rows += table.num_rows
+                    summary.spend(table.nbytes)
         except (OSError, pa.ArrowException) as exc:
             raise UserError(
                 "data.dataset",
-                f"cannot read {path} of the cached hub dataset {cached.name!r} ({exc})",
-                "delete that folder and load the dataset again where the Hub is reachable",
+                f"cannot read {path} of {cached.described} ({exc})",
+                "load or save the dataset again",
             ) from None
-        if summary.partial:
-            break
-    summary.rows = split.rows
+    summary.rows = split.rows if split.rows is not None else rows
+    if summary.rows == 0:
+        where = cached.described if cached.single else f"split {split_name!r} of {cached.described}"
+        raise UserError(
+            split_field if not cached.single else "data.dataset",
+            f"{where} has no rows",
+            "give data"
+            if cached.single
+            else f"use another split (there are {', '.join(sorted(cached.splits))})",
+        )
     # the rows are exact; only the text bytes (packing) are a lower bound once the budget is spent
     summary.partial = summary.partial and count_bytes
     return summary

@@ -171,7 +171,7 @@ def check_tokenizer(model: ModelConfig, field: str = "model.tokenizer") -> None:
     checked with model.name_or_path), a folder, or a cached hub id (found as model.name_or_path
     is). A hub id that is not cached passes while the Hub is on: the ranks download it (a model
     trained from scratch with the tokenizer of gpt2, say). Offline it must be cached."""
-    from dplaunch.planning.hub_data import hub_offline
+    from dplaunch.planning.arrow_datasets import hub_offline
 
     name_or_path = model.tokenizer
     if name_or_path is None and model.name_or_path is None:

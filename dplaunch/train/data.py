@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from dplaunch.config.schema import DataConfig
+from dplaunch.planning.arrow_datasets import saved_folder
 from dplaunch.planning.data_check import class_number, is_local, label_ids, local_format
 
 IGNORE_INDEX = -100
@@ -34,9 +35,13 @@ IGNORE_INDEX = -100
 
 def load_splits(data: DataConfig, seed: int) -> tuple[Any, Any | None]:
     """(train, eval or None) as `datasets.Dataset`s."""
-    from datasets import load_dataset
+    from datasets import DatasetDict, load_dataset, load_from_disk
 
     def load(source: str | list[str], split: str) -> Any:
+        folder = saved_folder(source)
+        if folder is not None:  # written by save_to_disk: a Dataset, or a DatasetDict's split
+            saved = load_from_disk(str(folder))
+            return saved[split] if isinstance(saved, DatasetDict) else saved
         if is_local(source):
             files = source if isinstance(source, list) else [source]
             files = [str(Path(item).expanduser()) for item in files]

@@ -1,12 +1,13 @@
-"""Hub datasets before launch: find one in the `datasets` cache as `load_dataset` finds it, or
-ask the Hub whether it exists.
+"""Datasets `datasets` has already prepared as Arrow, found and described before launch: a hub
+dataset in the `datasets` cache (found as `load_dataset` finds it), or a folder written by
+`save_to_disk` (read with `load_from_disk`). Also: whether the Hub has a dataset that is not cached.
 
 On a cluster the compute nodes usually cannot reach the Hub: the data is loaded once where the
 Hub is reachable, and the ranks read the prepared copy `datasets` keeps under
-<cache>/<namespace>___<snake_name>/<config>/<version>/<hash>/. That folder holds
-dataset_info.json (the splits and their rows; the features: columns and a ClassLabel's names)
-and one Arrow stream file per split shard, so a cached hub dataset is checked before launch as
-local files are. Nothing here imports `datasets` (a second to import).
+<cache>/<namespace>___<snake_name>/<config>/<version>/<hash>/. That folder, like a saved one,
+holds dataset_info.json (the features: columns and a ClassLabel's names; in the cache, the
+splits and their rows too) and Arrow stream files, so either is checked before launch as local
+files are. Nothing here imports `datasets` (a second to import).
 """
 
 from __future__ import annotations
@@ -27,37 +28,54 @@ CONFIG_FIELD = "data.dataset_config"
 
 
 @dataclass(frozen=True)
-class CachedSplit:
-    """One split of a cached dataset: its rows (dataset_info.json) and its Arrow stream files."""
+class PreparedSplit:
+    """One split of a prepared dataset: its rows (None when only its files can tell) and files."""
 
     name: str
-    rows: int
+    rows: int | None
     files: tuple[Path, ...]
+    features: dict[str, Any]
 
 
 @dataclass(frozen=True)
-class CachedDataset:
-    """The prepared copy of a hub dataset that `load_dataset` would read."""
+class PreparedDataset:
+    """The prepared copy of a dataset that the ranks read: a hub dataset's in the `datasets`
+    cache (CONFIG its configuration) or a `save_to_disk` folder (CONFIG None)."""
 
     name: str
-    config: str
+    config: str | None
     directory: Path
-    features: dict[str, Any]
-    splits: dict[str, CachedSplit]
+    splits: dict[str, PreparedSplit]
+    # a folder saved from one Dataset, not a DatasetDict: its one split has no name
+    single: bool = False
 
-    def split(self, split: str, field: str) -> CachedSplit:
+    @property
+    def described(self) -> str:
+        """How messages name it: hub dataset 'org/name' (config), or saved dataset FOLDER."""
+        if self.config is None:
+            return f"saved dataset {self.name}"
+        return f"hub dataset {self.name!r} ({self.config})"
+
+    def row(self, split: str, index: int) -> str:
+        """How messages name one record: org/name (config) train[5], or FOLDER[5]."""
+        where = self.name if self.config is None else f"{self.name} ({self.config})"
+        return f"{where}[{index}]" if self.single else f"{where} {split}[{index}]"
+
+    def split(self, split: str, field: str) -> PreparedSplit:
         """The split, or a UserError naming FIELD and the splits there are."""
+        if self.single:
+            return next(iter(self.splits.values()))
         if split in self.splits:
             return self.splits[split]
         raise UserError(
             field,
-            f"hub dataset {self.name!r} ({self.config}) has no split {split!r}",
+            f"{self.described} has no split {split!r}",
             f"its splits are {', '.join(sorted(self.splits))}",
         )
 
-    def class_names(self, column: str) -> tuple[str, ...] | None:
-        """The class names of COLUMN when it is a ClassLabel, else None."""
-        feature = self.features.get(column)
+    def class_names(self, split: str, column: str) -> tuple[str, ...] | None:
+        """The class names of COLUMN in SPLIT when it is a ClassLabel, else None."""
+        feature = self.split(split, "data.split").features.get(column)
         if isinstance(feature, dict) and feature.get("_type") == "ClassLabel":
             names = feature.get("names")
             if isinstance(names, list) and all(isinstance(name, str) for name in names):
@@ -65,9 +83,63 @@ class CachedDataset:
         return None
 
 
+def saved_folder(dataset: str | list[str]) -> Path | None:
+    """The folder when DATASET names one written by `save_to_disk` (a Dataset or a DatasetDict)."""
+    if isinstance(dataset, list):
+        return None
+    folder = Path(dataset).expanduser()
+    if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
+        return folder
+    return None
+
+
+def saved_dataset(folder: Path, field: str) -> PreparedDataset:
+    """What `load_from_disk(FOLDER)` will read: its splits, their features and Arrow files."""
+    fix = "save it again with save_to_disk, or give data files"
+    if (folder / "dataset_dict.json").is_file():
+        listing = _json_file(folder / "dataset_dict.json", field, fix)
+        names = listing.get("splits") if isinstance(listing, dict) else None
+        if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+            raise UserError(field, f"{folder / 'dataset_dict.json'} lists no splits", fix)
+        splits = {name: _saved_split(folder / name, name, field) for name in names}
+        return PreparedDataset(str(folder), None, folder, splits)
+    split = _saved_split(folder, "", field)
+    return PreparedDataset(str(folder), None, folder, {"": split}, single=True)
+
+
+def _saved_split(folder: Path, name: str, field: str) -> PreparedSplit:
+    fix = "save it again with save_to_disk, or give data files"
+    state = _json_file(folder / "state.json", field, fix)
+    info = _json_file(folder / "dataset_info.json", field, fix)
+    entries = state.get("_data_files") if isinstance(state, dict) else None
+    features = info.get("features") if isinstance(info, dict) else None
+    if not isinstance(entries, list) or not isinstance(features, dict):
+        raise UserError(
+            field, f"{folder} holds no saved dataset (state.json, dataset_info.json)", fix
+        )
+    files = tuple(
+        folder / str(entry.get("filename")) for entry in entries if isinstance(entry, dict)
+    )
+    missing = [path for path in files if not path.is_file()]
+    if missing or not files:
+        raise UserError(
+            field,
+            f"the saved dataset {folder} lacks {missing[0] if missing else 'its Arrow files'}",
+            fix,
+        )
+    return PreparedSplit(name, None, files, features)
+
+
+def _json_file(path: Path, field: str, fix: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(field, f"cannot read {path} ({exc})", fix) from None
+
+
 def cached_dataset(
     name: str, config: str | None, field: str = "data.dataset"
-) -> CachedDataset | None:
+) -> PreparedDataset | None:
     """The cached copy `load_dataset(name, config)` reads when the Hub is out of reach; None
     when there is none. Several cached configurations and no data.dataset_config: offline,
     `datasets` refuses to guess, and so does this (a UserError naming them); online the Hub's
@@ -113,7 +185,7 @@ def cached_configurations(name: str) -> list[str]:
 
 def check_hub_dataset(
     name: str | list[str], config: str | None, field: str = "data.dataset"
-) -> CachedDataset | None:
+) -> PreparedDataset | None:
     """Refuse a hub dataset the ranks cannot load: not in the `datasets` cache and the Hub is
     off (HF_HUB_OFFLINE) or does not have it. Only `datasets`' own cache counts: offline,
     `load_dataset` reads nothing else (a hub-cache snapshot alone fails with ConnectionError).
@@ -219,7 +291,7 @@ def _info_config(directory: Path) -> str | None:
     return info.get("config_name") if isinstance(info, dict) else None
 
 
-def _read_cached(name: str, directory: Path, field: str) -> CachedDataset:
+def _read_cached(name: str, directory: Path, field: str) -> PreparedDataset:
     info_file = directory / "dataset_info.json"
     try:
         info = json.loads(info_file.read_text(encoding="utf-8"))
@@ -252,8 +324,11 @@ def _read_cached(name: str, directory: Path, field: str) -> CachedDataset:
                 f"the cached copy of hub dataset {name!r} lacks {missing[0]}",
                 "delete that folder and load the dataset again where the Hub is reachable",
             )
-        splits[split] = CachedSplit(split, int((split_info or {}).get("num_examples") or 0), files)
-    return CachedDataset(name, directory.parts[-3], directory, features, splits)
+        rows = (split_info or {}).get("num_examples")
+        splits[split] = PreparedSplit(
+            split, rows if isinstance(rows, int) else None, files, features
+        )
+    return PreparedDataset(name, directory.parts[-3], directory, splits)
 
 
 def camelcase_to_snakecase(name: str) -> str:

@@ -1,8 +1,10 @@
-"""Hub datasets from the `datasets` cache, which is how a cluster's compute nodes (no Hub) get
-their data, are checked before launch as local files are, and trained on.
+"""Datasets `datasets` has prepared as Arrow are checked before launch as local files are, and
+trained on: hub datasets from the `datasets` cache (how a cluster's compute nodes, cut off from
+the Hub, get their data) and folders written by `save_to_disk`.
 
 The cache is written as `datasets` prepares a download (tests.helpers.cache_hub_dataset), and
-each layout's verdict is compared with what `load_dataset` itself makes of it offline."""
+each layout's verdict is compared with what `load_dataset` itself makes of it offline. Saved
+folders are written by `datasets` itself."""
 
 from __future__ import annotations
 
@@ -300,3 +302,130 @@ def test_a_cached_hub_dataset_trains_offline_and_its_class_label_names_the_class
     assert [row["step"] for row in metrics if row["type"] == "eval"] == [0, 2]
     exported = json.loads((run_dir / "model" / "config.json").read_text())
     assert exported["id2label"] == {"0": "neg", "1": "pos", "2": "neutral"}
+
+
+# folders written by save_to_disk
+
+
+def save(folder: Path, splits: dict[str, dict[str, list]] | dict[str, list], classes=CLASSES):
+    """save_to_disk a DatasetDict (SPLITS by name) or, given columns, one Dataset; 3 shards.
+    The labels are a ClassLabel of CLASSES, or (None) plain integers."""
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
+
+    label = ClassLabel(names=classes) if classes else Value("int64")
+    features = Features({"sentence": Value("string"), "label": label})
+    if "sentence" in splits:
+        Dataset.from_dict(splits, features=features).save_to_disk(str(folder), num_shards=3)
+    else:
+        DatasetDict(
+            {name: Dataset.from_dict(rows, features=features) for name, rows in splits.items()}
+        ).save_to_disk(str(folder), num_shards={name: 2 for name in splits})
+    return folder
+
+
+def saved_dry_run(tmp_path: Path, *args: str, env: dict[str, str] | None = None):
+    return run_dplaunch(
+        "train",
+        DEFAULT_CONFIG,
+        *("--cpu", "--gpus", "1", "--global-batch", "4", "--micro-batch", "1"),
+        *("--dry-run", "-o", tmp_path / "run"),
+        *("--set", "data.text_column=sentence", "--set", "data.label_names=null"),
+        *("--set", "data.eval_fraction=null"),
+        *args,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_a_saved_dataset_dict_trains_with_a_saved_split_for_evaluation(tmp_path):
+    folder = save(tmp_path / "reviews", {"train": split(12), "test": split(6, first=12)})
+    run_dir = tmp_path / "run"
+    result = run_dplaunch(
+        "train",
+        DEFAULT_CONFIG,
+        *("--cpu", "--gpus", "1", "--global-batch", "4", "-o", run_dir),
+        *("--set", f"data.dataset={folder}", "--set", f"data.eval_dataset={folder / 'test'}"),
+        *("--set", "data.text_column=sentence", "--set", "data.label_names=null"),
+        *("--set", "data.eval_fraction=null", "--set", "train.max_steps=2"),
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    header = read_metrics(run_dir)[0]
+    assert (header["train_samples"], header["eval_samples"]) == (12, 6)
+    exported = json.loads((run_dir / "model" / "config.json").read_text())
+    assert exported["id2label"] == {"0": "neg", "1": "pos", "2": "neutral"}
+
+
+SAVED_MISTAKES = {
+    "a split the dataset dict lacks": (
+        "dict",
+        ["--set", "data.split=training"],
+        "data.split: saved dataset {folder} has no split 'training' — its splits are test, train",
+    ),
+    "a dataset dict as the evaluation set": (
+        "dict",
+        ["--set", "data.eval_dataset={folder}"],
+        "data.eval_dataset: {folder} holds several splits (test, train) — name one split's "
+        "folder ({folder}/test), or give this folder as data.dataset",
+    ),
+    "a split of one saved Dataset": (
+        "one",
+        ["--set", "data.split=validation"],
+        "data.split: {folder} was saved from one Dataset, which has no splits",
+    ),
+    "an evaluation split of one saved Dataset": (
+        "one",
+        ["--set", "data.eval_split=test"],
+        "data.eval_split: {folder} was saved from one Dataset, which has no splits",
+    ),
+    "a null text": ("null", [], "data.text_column: {folder}[10] has no 'sentence' (null)"),
+    "a label past the classes": (
+        "label",
+        ["--set", "data.eval_split=test", "--set", "model.num_labels=3"],
+        "data.label_column: {folder} test[4] has 'label' 5, not one of the classes 0 to 2",
+    ),
+    "fewer rows than one global batch": (
+        "dict",
+        ["--global-batch", "16"],
+        "train.global_batch_size: the training set has 12 samples, fewer than one global batch",
+    ),
+    "a folder that holds no saved dataset": (
+        "plain",
+        [],
+        "data.dataset: {folder} is a directory, and no dataset saved with save_to_disk",
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", SAVED_MISTAKES, ids=list(SAVED_MISTAKES))
+def test_a_saved_dataset_is_checked_like_local_files(tmp_path, mistake):
+    kind, args, expected = SAVED_MISTAKES[mistake]
+    folder = tmp_path / "reviews"
+    if kind == "dict":
+        save(folder, {"train": split(12), "test": split(6)})
+    elif kind == "one":
+        save(folder, split(12))
+    elif kind == "null":
+        save(folder, _with(split(12), "sentence", 10, None))
+    elif kind == "label":
+        save(folder, {"train": split(12), "test": _with(split(6), "label", 4, 5)}, None)
+    else:
+        folder.mkdir()
+        (folder / "notes.txt").write_text("not a dataset")
+    args = [arg.format(folder=folder) for arg in args]
+    before = files_under(tmp_path)
+    line = refusal_line(saved_dry_run(tmp_path, "--set", f"data.dataset={folder}", *args))
+    assert line.startswith(f"dplaunch: error: {expected.format(folder=folder)}"), line
+    assert files_under(tmp_path) == before, "something was written"
+
+
+def test_the_rows_of_a_saved_dataset_are_counted_past_the_budget(tmp_path):
+    # saved folders have no row count: past the budget the record batches are counted, not read
+    folder = save(tmp_path / "reviews", _with(split(12), "label", 11, 4), None)
+    lean = child_environment(DPLAUNCH_DATA_CHECK_MB="0")
+    base = ("--set", f"data.dataset={folder}", "--set", "model.num_labels=3")
+    assert saved_dry_run(tmp_path, *base, env=lean).returncode == 0  # row 11 not read
+    line = refusal_line(saved_dry_run(tmp_path, *base))
+    assert f"{folder}[11] has 'label' 4, not one of the classes 0 to 2" in line
+    line = refusal_line(saved_dry_run(tmp_path, *base, "--global-batch", "16", env=lean))
+    assert "the training set has 12 samples" in line
