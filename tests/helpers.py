@@ -30,8 +30,14 @@ TINY_GPT2_CONFIG = {
 
 
 def child_environment(**extra: str) -> dict[str, str]:
-    """The environment ranks run in during tests: one thread each, no GPU, no hub access."""
+    """The environment ranks run in during tests: one thread each, no GPU, no hub access.
+
+    Processes started without dplaunch (a test's own torchrun or DeepSpeed script) build
+    DeepSpeed's ops where dplaunch's ranks do, so the suite JIT-builds them once, not twice."""
+    from dplaunch.launching.prepare import torch_extensions_dir
+
     env = dict(os.environ)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))
     env.update(
         {
             "OMP_NUM_THREADS": "1",

@@ -346,13 +346,7 @@ def rank_environment(plan: Plan) -> dict[str, str]:
     # launch.timeout_minutes, for scripts that build their own process group (dplaunch launch)
     env["DPLAUNCH_TIMEOUT_MINUTES"] = f"{plan.timeout_minutes:g}"
     if plan.uses_deepspeed and not os.environ.get("TORCH_EXTENSIONS_DIR"):
-        # DeepSpeed JIT-builds its ops under one shared folder by default: two installs (venvs) then
-        # rebuild each other's ops, and a build killed halfway leaves a lock every later run waits on
-        # forever. One folder per Python environment keeps installs apart.
-        digest = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
-        env["TORCH_EXTENSIONS_DIR"] = str(
-            Path.home() / ".cache" / "dplaunch" / "torch_extensions" / digest
-        )
+        env["TORCH_EXTENSIONS_DIR"] = str(torch_extensions_dir())
     if plan.target == "cpu":
         env["DS_ACCELERATOR"] = (
             "cpu"  # DeepSpeed would otherwise probe for CUDA and warn in every rank
@@ -366,6 +360,15 @@ def rank_environment(plan: Plan) -> dict[str, str]:
             max(1, cores // plan.processes_per_node)
         )
     return env
+
+
+def torch_extensions_dir() -> Path:
+    """Where the ranks' DeepSpeed JIT-builds its ops: one folder per Python environment.
+
+    DeepSpeed's default is one shared folder: two installs (venvs) then rebuild each other's
+    ops, and a build killed halfway leaves a lock every later run waits on forever."""
+    digest = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
+    return Path.home() / ".cache" / "dplaunch" / "torch_extensions" / digest
 
 
 def _settle_port(plan: Plan, *, explicit: bool, render_only: bool) -> Plan:
