@@ -121,9 +121,7 @@ def test_a_cached_dataset_is_accepted_exactly_when_load_dataset_reads_it_offline
     assert (result.returncode == 0) == expected, result.stderr[-600:]
     if not expected:
         line = refusal_line(result)
-        assert line.startswith(
-            ("dplaunch: error: data.dataset_config:", "dplaunch: error: data.")
-        ), line
+        assert line.startswith("dplaunch: error: data."), line  # a data field, named
 
 
 @pytest.fixture(scope="module")
@@ -215,9 +213,7 @@ def test_a_cached_hub_dataset_is_checked_like_local_files(tmp_path, mistake):
     )
     before = files_under(tmp_path)
     line = refusal_line(dry_run(tmp_path, home, *args))
-    assert line == f"dplaunch: error: {expected}" or line.startswith(
-        f"dplaunch: error: {expected}"
-    ), line
+    assert line.startswith(f"dplaunch: error: {expected}"), line
     assert files_under(tmp_path) == before, "something was written"
 
 

@@ -87,7 +87,7 @@ def test_a_hub_dataset_missing_from_the_cache_is_refused_when_offline(tmp_path):
 
 def test_a_hub_dataset_in_the_datasets_cache_passes_offline(tmp_path):
     # the folder `load_dataset` falls back to offline: <namespace>___<snake_case name>/config/version/hash
-    # (test_hub_data checks what is in it)
+    # (test_arrow_datasets checks what is in it)
     env = hub_environment(tmp_path, HF_HUB_OFFLINE="1")
     texts = {"text": [row["text"] for row in reviews(40)]}
     cache_hub_dataset(tmp_path / "hf-home", "someorg/TinyReviews", "default", {"train": texts})
@@ -145,7 +145,7 @@ def test_online_a_hub_dataset_not_cached_is_asked_for_at_the_hub(tmp_path, fake_
 
 
 def test_online_the_hub_decides_between_several_cached_configurations(tmp_path, fake_hub):
-    # offline `datasets` refuses to pick one (test_hub_data); online the Hub's default decides
+    # offline `datasets` refuses to pick one (test_arrow_datasets); online the Hub's default decides
     texts = {"text": [row["text"] for row in reviews(40)]}
     for config in ("cola", "sst2"):
         cache_hub_dataset(tmp_path / "hf-home", "someorg/exists", config, {"train": texts})

@@ -120,21 +120,21 @@ def check_data(
                     f"{dataset} is not a local file",
                     "give local file(s), or use data.eval_split for a hub dataset",
                 )
-            cached = check_hub_dataset(dataset, data.dataset_config, field)
-            if cached is not None:
-                needs, dataset_classes = _classes_of(cached, data, needs, classes_named)
-                training = _read_prepared(cached, data, needs, packing, budget)
-            continue
-        folder = saved_folder(dataset)
-        if folder is not None:
-            saved = saved_dataset(folder, field)
+            # a cached copy is checked below; one the ranks will download, only for existing
+            prepared = check_hub_dataset(dataset, data.dataset_config, field)
+            if prepared is None:
+                continue
+        else:
+            folder = saved_folder(dataset)
+            prepared = saved_dataset(folder, field) if folder is not None else None
+        if prepared is not None:
             if field == "data.eval_dataset":
-                _check_saved_eval(saved)
-                _read_prepared_split(saved, "", field, needs, False, budget)
+                _check_saved_eval(prepared)
+                _read_prepared_split(prepared, "", field, needs, False, budget)
             else:
-                _check_saved_splits(saved, data)
-                needs, dataset_classes = _classes_of(saved, data, needs, classes_named)
-                training = _read_prepared(saved, data, needs, packing, budget)
+                _check_saved_splits(prepared, data)
+                needs, dataset_classes = _classes_of(prepared, data, needs, classes_named)
+                training = _read_prepared(prepared, data, needs, packing, budget)
             continue
         files = dataset if isinstance(dataset, list) else [dataset]
         for item in files:
@@ -182,12 +182,12 @@ def check_data(
 
 
 def _classes_of(
-    cached: PreparedDataset, data: DataConfig, needs: _Needs, classes_named: bool
+    prepared: PreparedDataset, data: DataConfig, needs: _Needs, classes_named: bool
 ) -> tuple[_Needs, tuple[str, ...] | None]:
     """The needs of a prepared dataset whose label column is a ClassLabel, and its class names
     when the run takes them (it names no classes itself). A run that names fewer classes than
     the ClassLabel holds is refused: its labels are class numbers up to the last of them."""
-    names = cached.class_names(data.split, needs.label) if needs.label else None
+    names = prepared.class_names(data.split, needs.label) if needs.label else None
     if names is None:
         return needs, None
     if not classes_named:
@@ -199,7 +199,7 @@ def _classes_of(
     if given >= len(names):
         return needs, None
     listed = ", ".join(names[:8]) + (", …" if len(names) > 8 else "")
-    held = f"column {needs.label!r} of {cached.described} holds {len(names)} classes ({listed})"
+    held = f"column {needs.label!r} of {prepared.described} holds {len(names)} classes ({listed})"
     if data.label_names:
         raise UserError(
             "data.label_names",
@@ -254,7 +254,7 @@ def _check_saved_eval(saved: PreparedDataset) -> None:
 
 
 def _read_prepared_split(
-    cached: PreparedDataset,
+    prepared: PreparedDataset,
     split_name: str,
     split_field: str,
     needs: _Needs,
@@ -267,13 +267,13 @@ def _read_prepared_split(
     hub cache; a saved folder's record batches are counted to the end (metadata only)."""
     import pyarrow as pa
 
-    split = cached.split(split_name, split_field)
+    split = prepared.split(split_name, split_field)
     for field, column in needs.columns:
         if column not in split.features:
             listed = ", ".join(sorted(split.features)) or "none"
             raise UserError(
                 field,
-                f"column {column!r} is not in {cached.described}",
+                f"column {column!r} is not in {prepared.described}",
                 f"its columns are {listed}",
             )
     summary = _Summary(count_bytes=count_bytes, bytes_left=budget)
@@ -292,7 +292,7 @@ def _read_prepared_split(
                     table = pa.Table.from_batches([batch]).select(columns)
 
                     def where(index: int, first: int = rows) -> str:
-                        return cached.row(split_name, first + index)
+                        return prepared.row(split_name, first + index)
 
                     _check_table_rows(table, where, needs)
                     if count_bytes:
@@ -302,18 +302,22 @@ def _read_prepared_split(
         except (OSError, pa.ArrowException) as exc:
             raise UserError(
                 "data.dataset",
-                f"cannot read {path} of {cached.described} ({exc})",
+                f"cannot read {path} of {prepared.described} ({exc})",
                 "load or save the dataset again",
             ) from None
     summary.rows = split.rows if split.rows is not None else rows
     if summary.rows == 0:
-        where = cached.described if cached.single else f"split {split_name!r} of {cached.described}"
+        where = (
+            prepared.described
+            if prepared.single
+            else f"split {split_name!r} of {prepared.described}"
+        )
         raise UserError(
-            split_field if not cached.single else "data.dataset",
+            split_field if not prepared.single else "data.dataset",
             f"{where} has no rows",
             "give data"
-            if cached.single
-            else f"use another split (there are {', '.join(sorted(cached.splits))})",
+            if prepared.single
+            else f"use another split (there are {', '.join(sorted(prepared.splits))})",
         )
     # the rows are exact; only the text bytes (packing) are a lower bound once the budget is spent
     summary.partial = summary.partial and count_bytes
