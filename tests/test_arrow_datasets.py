@@ -385,6 +385,11 @@ SAVED_MISTAKES = {
         ["--global-batch", "16"],
         "train.global_batch_size: the training set has 12 samples, fewer than one global batch",
     ),
+    "an empty saved Dataset for evaluation": (
+        "empty eval",
+        ["--set", "data.eval_dataset={folder}/test"],
+        "data.eval_dataset: saved dataset {folder}/test has no rows — give data",
+    ),
     "a folder that holds no saved dataset": (
         "plain",
         [],
@@ -403,6 +408,8 @@ def test_a_saved_dataset_is_checked_like_local_files(tmp_path, mistake):
         save(folder, split(12))
     elif kind == "null":
         save(folder, _with(split(12), "sentence", 10, None))
+    elif kind == "empty eval":
+        save(folder, {"train": split(12), "test": split(0)})
     elif kind == "label":
         save(folder, {"train": split(12), "test": _with(split(6), "label", 4, 5)}, None)
     else:

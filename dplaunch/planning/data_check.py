@@ -264,8 +264,12 @@ def _read_prepared_split(
     """Check one split of a prepared dataset as local files are checked: its columns from
     dataset_info.json, then its Arrow records (nulls, labels, text bytes) within the budget.
     Its row count is exact even when the budget stops the checking: dataset_info.json's in the
-    hub cache; a saved folder's record batches are counted to the end (metadata only)."""
+    hub cache; a saved folder's record batches are counted to the end (metadata only).
+    SPLIT_FIELD is data.split or data.eval_split, or data.eval_dataset for a saved Dataset."""
     import pyarrow as pa
+
+    # the field naming the dataset itself, for what is wrong with it rather than its split
+    source_field = "data.eval_dataset" if split_field == "data.eval_dataset" else "data.dataset"
 
     split = prepared.split(split_name, split_field)
     for field, column in needs.columns:
@@ -301,7 +305,7 @@ def _read_prepared_split(
                     summary.spend(table.nbytes)
         except (OSError, pa.ArrowException) as exc:
             raise UserError(
-                "data.dataset",
+                source_field,
                 f"cannot read {path} of {prepared.described} ({exc})",
                 "load or save the dataset again",
             ) from None
@@ -313,7 +317,7 @@ def _read_prepared_split(
             else f"split {split_name!r} of {prepared.described}"
         )
         raise UserError(
-            split_field if not prepared.single else "data.dataset",
+            source_field if prepared.single else split_field,
             f"{where} has no rows",
             "give data"
             if prepared.single
