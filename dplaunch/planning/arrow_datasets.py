@@ -145,13 +145,15 @@ def cached_dataset(
     `datasets` refuses to guess, and so does this (a UserError naming them); online the Hub's
     default configuration decides, which the cache cannot tell (None)."""
     root = datasets_cache_dir() / _cache_folder_name(name)
-    candidates = [
-        Path(path)
-        for path in glob.glob(
-            os.path.join(glob.escape(str(root)), glob.escape(config) if config else "*", "*", "*")
-        )
-        if os.path.isdir(path) and _info_config(Path(path)) == Path(path).parts[-3]
-    ]
+    pattern = os.path.join(glob.escape(str(root)), glob.escape(config) if config else "*", "*", "*")
+    # `datasets` skips a folder whose dataset_info.json names another configuration (one
+    # prepared with extra arguments) and fails on one without the file
+    candidates = {
+        Path(path): info
+        for path in glob.glob(pattern)
+        if (info := _dataset_info(Path(path))) is not None
+        and info.get("config_name") == Path(path).parts[-3]
+    }
     if not candidates:
         return None
     # the newest, and (with no configuration named) the one configuration at its version/hash
@@ -169,7 +171,7 @@ def cached_dataset(
                 f"({', '.join(siblings)}) and none is named",
                 f"set data.dataset_config to one of them (--set data.dataset_config={siblings[0]})",
             )
-    return _read_cached(name, chosen, field)
+    return _read_cached(name, chosen, candidates[chosen], field)
 
 
 def cached_configurations(name: str) -> list[str]:
@@ -281,30 +283,25 @@ def _cache_folder_name(name: str) -> str:
     return "___".join(parts)
 
 
-def _info_config(directory: Path) -> str | None:
-    # the configuration dataset_info.json names; `datasets` skips a folder whose name differs
-    # (one prepared with extra arguments) and fails on one without the file
+def _dataset_info(directory: Path) -> dict[str, Any] | None:
+    # a cache folder's dataset_info.json, None when it has none or it is no JSON object
     try:
         info = json.loads((directory / "dataset_info.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return info.get("config_name") if isinstance(info, dict) else None
+    return info if isinstance(info, dict) else None
 
 
-def _read_cached(name: str, directory: Path, field: str) -> PreparedDataset:
-    info_file = directory / "dataset_info.json"
-    try:
-        info = json.loads(info_file.read_text(encoding="utf-8"))
-        features = info.get("features") or {}
-        split_infos = info["splits"]
-        if not isinstance(features, dict) or not isinstance(split_infos, dict):
-            raise ValueError("no features or splits")
-    except (OSError, ValueError, KeyError, AttributeError) as exc:
+def _read_cached(name: str, directory: Path, info: dict[str, Any], field: str) -> PreparedDataset:
+    features = info.get("features") or {}
+    split_infos = info.get("splits")
+    if not isinstance(features, dict) or not isinstance(split_infos, dict):
         raise UserError(
             field,
-            f"the cached copy of hub dataset {name!r} has an unreadable {info_file} ({exc})",
+            f"the cached copy of hub dataset {name!r} has no features or splits in "
+            f"{directory / 'dataset_info.json'}",
             "delete that folder and load the dataset again where the Hub is reachable",
-        ) from None
+        )
     prefix = camelcase_to_snakecase(name.split("/")[-1])
     splits = {}
     for split, split_info in split_infos.items():
