@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -390,6 +391,7 @@ def test_export_of_a_tp2_checkpoint_gives_the_trained_model_in_one_process(tmp_p
 def test_the_other_nodes_wait_for_node_0s_universal_conversion_and_give_up_in_time(tmp_path):
     import threading
 
+    from dplaunch.commands.train import _reshard
     from dplaunch.errors import UserError
     from dplaunch.train.checkpoint import (
         CheckpointInfo,
@@ -413,6 +415,22 @@ def test_the_other_nodes_wait_for_node_0s_universal_conversion_and_give_up_in_ti
     wait_for_universal(point, limit_s=30, say=said.append, poll_s=0.05)
     assert time.monotonic() - started >= 0.4  # it did wait, for the rename
     assert said == [f"waiting for node 0 to re-shard step-4 into {point.load_dir}…"]
+    # SLURM's time-limit warning reaches this node while it waits: noted, not lost, the wait goes on
+    later = ResumePoint(source, tmp_path / "run-3", reshard="universal")
+    later.load_dir.parent.mkdir(parents=True)
+    (converted := tmp_path / "converted-3").mkdir()
+    (converted / "done").write_text(_universal_source(later))
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+    threading.Timer(0.5, os.rename, (converted, later.load_dir)).start()
+    other_node = SimpleNamespace(plan=SimpleNamespace(node_rank=1, timeout_minutes=1))
+    # where the signal goes if _reshard does not take it (instead of killing pytest)
+    missed: list[int] = []
+    before = signal.signal(signal.SIGUSR1, lambda signum, _frame: missed.append(signum))
+    try:
+        assert _reshard(other_node, later) == "SIGUSR1" and not missed
+        assert _universal_done(later)
+    finally:
+        signal.signal(signal.SIGUSR1, before)
     # the same step of another checkpoint converted into the same place is not this conversion
     another = CheckpointInfo(tmp_path / "third-run" / "checkpoints" / "step-4", {"step": 4})
     assert not _universal_done(ResumePoint(another, tmp_path / "run", reshard="universal"))
@@ -570,6 +588,68 @@ def test_launch_sh_of_a_resumed_launch_whose_checkpoint_was_rotated_away_says_wh
     assert "which is gone (train.keep_last keeps only the newest): continue with" in (
         result.stdout + result.stderr
     ), result.stderr[-3000:]
+
+
+def test_a_time_limit_signal_during_re_sharding_keeps_the_conversion_and_stops_checkpointed(
+    tmp_path, zero2_runs, run_file
+):
+    # A 2-rank ZeRO-2 run resubmitted on 1 GPU: its step 4 is re-sharded before any rank starts.
+    # SLURM's time-limit warning (SIGUSR1 to every process of the step, which the script's bash
+    # wrapper leaves ignored) comes during that conversion.
+    straight, stopped = zero2_runs
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    flags = (*ZERO2, "--gpus", "1", "--resume", "auto")
+    dplaunch = subprocess.Popen(
+        [sys.executable, "-m", "dplaunch", "train", str(run_file), "-o", str(run), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_environment(),
+        cwd=REPO,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN),
+    )
+    seen = []
+    for line in dplaunch.stdout:
+        seen.append(line)
+        if line.startswith("re-sharding step-4"):
+            break
+    deadline = time.monotonic() + 60  # the signal comes once the conversion process runs
+    while not any("ds_to_universal" in " ".join(child.cmdline()) for child in _children(dplaunch)):
+        assert time.monotonic() < deadline and dplaunch.poll() is None, "".join(seen)
+        time.sleep(0.05)
+    os.killpg(dplaunch.pid, signal.SIGUSR1)
+    out, err = dplaunch.communicate(timeout=300)
+    out = "".join(seen) + out
+    # the conversion finished (the signal killed neither it nor the launcher), no rank started,
+    # and the launch ended as a checkpointed one: 75, which the SLURM script requeues
+    assert dplaunch.returncode == 75, out[-3000:] + err[-3000:]
+    assert "universal checkpoint ready" in out, out[-3000:]
+    assert (
+        "dplaunch: SIGUSR1 (the time-limit warning) came while step-4 was re-sharded, so no rank "
+        "was started" in err
+    ), err[-3000:]
+    assert (run / "checkpoints" / "universal-step-4" / "done").exists()
+    assert losses_by_step(run) == losses_by_step(stopped)  # no step trained
+    # the requeued job's launch uses the kept conversion and trains on
+    result = train(run, *flags, config=run_file)
+    assert f"using the universal checkpoint in {run / 'checkpoints' / 'universal-step-4'}" in (
+        result.stdout
+    )
+    assert "re-sharding" not in result.stdout
+    losses, reference = losses_by_step(run), losses_by_step(straight)
+    assert sorted(losses) == list(range(1, 9))
+    gap = max_relative_gap([losses[s] for s in range(5, 9)], [reference[s] for s in range(5, 9)])
+    assert gap < 1e-5, (losses, reference)
+
+
+def _children(process: subprocess.Popen) -> list:
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(process.pid).children()
+    return []
 
 
 def test_a_universal_conversion_of_another_checkpoint_is_replaced_not_loaded(tmp_path, zero2_runs):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,11 +64,16 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
     typer.echo(f"run directory: {prepared.run_dir} ({disk_line})")
     _print_resume(point, resume)
     if point is not None and point.reshard == "universal":
-        if prepared.plan.node_rank == 0:
-            checkpoint.convert_to_universal(point, say=typer.echo)
-        else:
-            limit_s = max(prepared.plan.timeout_minutes, 1) * 60
-            checkpoint.wait_for_universal(point, limit_s, say=typer.echo)
+        interrupted = _reshard(prepared, point)
+        if interrupted is not None:
+            typer.echo(
+                f"dplaunch: {interrupted} (the time-limit warning) came while {point.checkpoint.name} "
+                f"was re-sharded, so no rank was started; the re-sharded checkpoint {point.load_dir} "
+                f"is kept for the next launch: continue with --resume auto "
+                f"(exit status {checkpoint.EXIT_CHECKPOINTED})",
+                err=True,
+            )
+            return checkpoint.EXIT_CHECKPOINTED
     checkpoint.clear_stop_record(prepared.run_dir)
     code = start(prepared, after_failure=lambda _status: _failure_hints(prepared.run_dir))
     stop = checkpoint.read_stop_record(prepared.run_dir)
@@ -80,6 +86,28 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
             err=True,
         )
     return code
+
+
+def _reshard(prepared: PreparedRun, point: ResumePoint) -> str | None:
+    """Re-shard the checkpoint (node 0) or wait for it (the other nodes); the name of a SIGUSR1
+    that came meanwhile, else None.
+
+    A conversion can take minutes. SLURM's time-limit warning that comes during it must not be
+    lost (the ranks that would have handled it do not exist yet): the conversion is finished and
+    kept, and the launch stops there as a checkpointed one would, so a requeued job uses it."""
+    from dplaunch.train import checkpoint
+
+    noted = checkpoint.StopSignals(signals=(signal.SIGUSR1,))
+    noted.install()
+    try:
+        if prepared.plan.node_rank == 0:
+            checkpoint.convert_to_universal(point, say=typer.echo)
+        else:
+            limit_s = max(prepared.plan.timeout_minutes, 1) * 60
+            checkpoint.wait_for_universal(point, limit_s, say=typer.echo)
+    finally:
+        noted.restore()
+    return noted.received
 
 
 def _refuse_a_requeue_without_progress(stop: dict, point: ResumePoint | None) -> None:

@@ -446,7 +446,16 @@ def convert_to_universal(point: ResumePoint, say: Any = print) -> None:
         workers,
     ]
     env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
-    result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    # SLURM signals every process of the step: the time-limit warning (SIGUSR1) is the launcher's
+    # to note (run_train), and would otherwise kill the conversion it waits for
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        preexec_fn=_ignore_usr1,
+    )
     if result.returncode != 0:
         shutil.rmtree(temp, ignore_errors=True)
         tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-15:])
@@ -468,6 +477,10 @@ def convert_to_universal(point: ResumePoint, say: Any = print) -> None:
         if not _universal_done(point):
             raise
     say(f"universal checkpoint ready in {time.perf_counter() - started:.1f} s: {target}")
+
+
+def _ignore_usr1() -> None:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def _universal_source(point: ResumePoint) -> str:
@@ -592,14 +605,18 @@ def clear_stop_record(run_dir: Path) -> None:
 
 
 class StopSignals:
-    """SIGUSR1/SIGTERM set a flag; the loop stops at the next step boundary. Repeats are harmless."""
+    """SIGUSR1/SIGTERM set a flag; the loop stops at the next step boundary. Repeats are harmless.
 
-    def __init__(self) -> None:
+    The launcher notes SIGUSR1 alone the same way while it re-shards a checkpoint (``signals``).
+    """
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
         self.received: str | None = None
+        self._signals = signals
         self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
-        for sig in STOP_SIGNALS:
+        for sig in self._signals:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, _frame: Any) -> None:
