@@ -115,7 +115,17 @@ CASES = [
     (
         "unknown-nested-key",
         lambda t: ["train", TINY_LLAMA, "--set", "train.lrr=1"],
-        "train.lrr: unknown key — known keys here",
+        "train.lrr: unknown key — did you mean train.lr? known keys here: checkpoint_every,",
+    ),
+    (
+        "shortened-key",
+        lambda t: ["train", TINY_LLAMA, "--set", "parallel.zero=2"],
+        "parallel.zero: unknown key — did you mean parallel.zero_stage? known keys here: auto,",
+    ),
+    (
+        "unknown-key-like-none",
+        lambda t: ["train", TINY_LLAMA, "--set", "train.foo=1"],
+        "train.foo: unknown key — known keys here: checkpoint_every,",
     ),
     (
         "wrong-type",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import re
 from importlib import resources
 from pathlib import Path
@@ -277,6 +278,11 @@ def _validation_error(exc: ValidationError) -> UserError:
         section = ".".join(parts[:-1])
         known = _known_keys(section)
         hint = f"known keys here: {', '.join(known)}" if known else "remove it"
+        typed = parts[-1]
+        close = difflib.get_close_matches(typed, known, n=1, cutoff=0.6)
+        close = close or [key for key in known if key.startswith(typed) and len(typed) >= 3]
+        if len(close) == 1:  # a misspelling or a shortening: name the key that was meant first
+            hint = f"did you mean {'.'.join([*parts[:-1], close[0]])}? {hint}"
         return UserError(location, "unknown key", hint)
     if kind == "missing":
         return UserError(
