@@ -70,6 +70,12 @@ def _existing_run(tmp: Path) -> list:
     return ["train", TINY_LLAMA, "-o", run]
 
 
+def _existing_checkpointed_run(tmp: Path) -> list:
+    argv = _existing_run(tmp)
+    (tmp / "out" / "checkpoints").mkdir()
+    return argv
+
+
 def _output_under_a_file(tmp: Path) -> list:
     (tmp / "afile").write_text("x")
     return ["train", TINY_LLAMA, "-o", tmp / "afile" / "run"]
@@ -278,7 +284,16 @@ CASES = [
         "output_dir: cannot create files in /sys",
     ),
     ("model-code-not-trusted", _model_with_its_own_code, "model.trust_remote_code: "),
-    ("output-dir-holds-a-run", _existing_run, "already holds a run"),
+    (
+        "output-dir-holds-a-run",
+        _existing_run,
+        "already holds a run (metrics.jsonl) — choose another --output-dir (it holds no checkpoint",
+    ),
+    (
+        "output-dir-holds-a-checkpointed-run",
+        _existing_checkpointed_run,
+        "already holds a run (metrics.jsonl, checkpoints) — pass --resume auto to continue it",
+    ),
     ("port-in-use-multi-node", _busy_port, "port"),
     (
         "node-rank-too-large",

@@ -30,8 +30,10 @@ from tests.helpers import (
     REPO,
     TINY_LLAMA,
     child_environment,
+    files_under,
     max_relative_gap,
     read_metrics,
+    refusal_line,
     run_dplaunch,
     train,
     train_losses,
@@ -119,6 +121,15 @@ def test_a_run_survives_a_killed_rank_and_sigterm_with_the_exact_losses(tmp_path
     train(straight, *DDP, config=run_file)
     header = read_metrics(straight)[0]
     assert (header["steps_per_epoch"], header["total_steps"]) == (3, 8)  # crosses 2 epoch ends
+    # finished without a checkpoint: --resume auto would train it again over its model: refused
+    before = files_under(straight)
+    line = refusal_line(
+        run_dplaunch("train", run_file, "-o", straight, *DDP, "--resume", "auto", "--dry-run"),
+        f"--resume: {straight} finished at step 8 and kept no checkpoint: --resume auto would "
+        "train it again from step 0 and replace its model — choose another --output-dir (with "
+        f"model.name_or_path: {straight / 'model'} to train the result further)",
+    )
+    assert files_under(straight) == before, line
 
     run = tmp_path / "run"
     every_2 = ("--set", "train.checkpoint_every=2", "--resume", "auto")
@@ -386,6 +397,26 @@ def test_export_of_a_tp2_checkpoint_gives_the_trained_model_in_one_process(tmp_p
         result.stderr.startswith("dplaunch: error: CHECKPOINT: ") and "mp_rank_01" in result.stderr
     )
     assert not (tmp_path / "never").exists()
+
+
+def test_a_run_counts_as_finished_only_when_its_newest_launch_wrote_a_summary(tmp_path):
+    from dplaunch.train.checkpoint import finished_at
+
+    def records(*kinds: str) -> None:
+        lines = [json.dumps({"type": kind, "step": 8}) for kind in kinds]
+        (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+    assert finished_at(tmp_path) is None  # no metrics at all
+    records("header", "train", "summary")
+    assert finished_at(tmp_path) == 8
+    records("header", "train", "summary", "header", "train")  # started again, then killed
+    assert finished_at(tmp_path) is None
+    records("header", "train", "stop")  # stopped on a signal
+    assert finished_at(tmp_path) is None
+    records("header", "summary", "header", "train", "summary")
+    with (tmp_path / "metrics.jsonl").open("a") as metrics:
+        metrics.write('{"type": "tra')  # a line cut short
+    assert finished_at(tmp_path) == 8
 
 
 def test_the_other_nodes_wait_for_node_0s_universal_conversion_and_give_up_in_time(tmp_path):

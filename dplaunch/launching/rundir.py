@@ -19,11 +19,12 @@ def check_run_dir(run_dir: Path, *, resuming: bool) -> str:
     """Raise UserError when the run dir cannot be used; return a free-space line."""
     existing = [marker for marker in RUN_MARKERS if (run_dir / marker).exists()]
     if existing and not resuming:
-        raise UserError(
-            "output_dir",
-            f"{run_dir} already holds a run ({', '.join(existing)})",
-            "pass --resume auto to continue it, or choose another --output-dir",
+        fix = (
+            "pass --resume auto to continue it, or choose another --output-dir"
+            if "checkpoints" in existing
+            else "choose another --output-dir (it holds no checkpoint to continue from)"
         )
+        raise UserError("output_dir", f"{run_dir} already holds a run ({', '.join(existing)})", fix)
     return check_output_dir(run_dir, "output_dir")
 
 

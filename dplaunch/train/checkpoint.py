@@ -224,6 +224,7 @@ def plan_resume(run_dir: Path, resume: str, config: Any, plan: Any) -> ResumePoi
     if resume == "auto":
         info = newest_checkpoint(run_dir / CHECKPOINTS_DIR)
         if info is None:
+            _refuse_retraining_a_finished_run(run_dir)
             return None
     else:
         info = find_checkpoint(Path(resume).expanduser())
@@ -233,6 +234,42 @@ def plan_resume(run_dir: Path, resume: str, config: Any, plan: Any) -> ResumePoi
     notes += _check_steps_left(config, info)
     reshard, layout_notes = _check_layout(saved_plan, plan, info)
     return ResumePoint(info, run_dir, reshard, tuple(notes + layout_notes))
+
+
+def _refuse_retraining_a_finished_run(run_dir: Path) -> None:
+    # --resume auto without a checkpoint starts again from step 0: right after a crash before the
+    # first save, but for a run that finished it would train it again and replace its model
+    step = finished_at(run_dir)
+    if step is None:
+        return
+    exported = run_dir / "model"
+    raise UserError(
+        "--resume",
+        f"{run_dir} finished at step {step} and kept no checkpoint: --resume auto would train it "
+        "again from step 0 and replace its model",
+        f"choose another --output-dir (with model.name_or_path: {exported} to train the result "
+        "further)",
+    )
+
+
+def finished_at(run_dir: Path) -> int | None:
+    """The step at which the newest launch recorded in RUN/metrics.jsonl finished; None when that
+    launch stopped early, failed or is not recorded."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a killed rank
+        kind = record.get("type") if isinstance(record, dict) else None
+        if kind == "summary":
+            return int(record.get("step", 0))
+        if kind in ("header", "stop"):
+            return None
+    return None
 
 
 def _check_steps_left(config: Any, info: CheckpointInfo) -> list[str]:
