@@ -400,7 +400,7 @@ def test_export_of_a_tp2_checkpoint_gives_the_trained_model_in_one_process(tmp_p
 
 
 def test_a_run_counts_as_finished_only_when_its_newest_launch_wrote_a_summary(tmp_path):
-    from dplaunch.train.checkpoint import finished_at
+    from dplaunch.train.checkpoint import _lines_from_the_end, finished_at
 
     def records(*kinds: str) -> None:
         lines = [json.dumps({"type": kind, "step": 8}) for kind in kinds]
@@ -417,6 +417,10 @@ def test_a_run_counts_as_finished_only_when_its_newest_launch_wrote_a_summary(tm
     with (tmp_path / "metrics.jsonl").open("a") as metrics:
         metrics.write('{"type": "tra')  # a line cut short
     assert finished_at(tmp_path) == 8
+    # read from the end block by block: lines that straddle blocks come back whole
+    lines = (tmp_path / "metrics.jsonl").read_bytes().split(b"\n")
+    for block in (3, 7, 64):
+        assert list(_lines_from_the_end(tmp_path / "metrics.jsonl", block)) == lines[::-1]
 
 
 def test_the_other_nodes_wait_for_node_0s_universal_conversion_and_give_up_in_time(tmp_path):

@@ -32,6 +32,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -255,11 +256,7 @@ def _refuse_retraining_a_finished_run(run_dir: Path) -> None:
 def finished_at(run_dir: Path) -> int | None:
     """The step at which the newest launch recorded in RUN/metrics.jsonl finished; None when that
     launch stopped early, failed or is not recorded."""
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
+    for line in _lines_from_the_end(run_dir / "metrics.jsonl"):
         try:
             record = json.loads(line)
         except ValueError:
@@ -270,6 +267,24 @@ def finished_at(run_dir: Path) -> int | None:
         if kind in ("header", "stop"):
             return None
     return None
+
+
+def _lines_from_the_end(path: Path, block: int = 1 << 20) -> Iterator[bytes]:
+    # a long run's metrics.jsonl holds a line per logged step: read only as far back as needed
+    try:
+        handle = path.open("rb")
+    except OSError:
+        return
+    with handle:
+        end = handle.seek(0, os.SEEK_END)
+        rest = b""
+        while end > 0:
+            start = max(0, end - block)
+            handle.seek(start)
+            lines = (handle.read(end - start) + rest).split(b"\n")
+            rest = lines.pop(0) if start > 0 else b""  # maybe the tail of a line further back
+            yield from reversed(lines)
+            end = start
 
 
 def _check_steps_left(config: Any, info: CheckpointInfo) -> list[str]:
