@@ -43,6 +43,8 @@ from dplaunch.errors import UserError
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
+# RUN/model: the trained model a finished run exports (save_pretrained)
+EXPORT_DIR = "model"
 # the model's HF config (config.json, generation_config.json) and tokenizer, in every checkpoint:
 # `dplaunch export` builds the model from them, without the pretrained weights or the Hub
 MODEL_FILES_DIR = "hf"
@@ -243,7 +245,7 @@ def _refuse_retraining_a_finished_run(run_dir: Path) -> None:
     step = finished_at(run_dir)
     if step is None:
         return
-    exported = run_dir / "model"
+    exported = run_dir / EXPORT_DIR
     raise UserError(
         "--resume",
         f"{run_dir} finished at step {step} and kept no checkpoint: --resume auto would train it "

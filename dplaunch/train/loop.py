@@ -25,6 +25,7 @@ from dplaunch.config.schema import RunConfig
 from dplaunch.planning.plan import Plan
 from dplaunch.train.checkpoint import (
     EXIT_CHECKPOINTED,
+    EXPORT_DIR,
     RESUME_FILE,
     Checkpointer,
     ControlChannel,
@@ -35,7 +36,6 @@ from dplaunch.train.engines import AccelerateEngine, StepEngine, build_optimizer
 from dplaunch.train.metrics import MetricsWriter
 from dplaunch.train.modeling import load_model, load_tokenizer
 
-EXPORT_DIR = "model"
 # the stop reason of train.stop_after_steps (exit 0); signals give their name (exit 75)
 STOP_AFTER_STEPS = "train.stop_after_steps"
 
