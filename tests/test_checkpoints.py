@@ -71,8 +71,13 @@ def latest(run_dir: Path) -> str:
     return (run_dir / "checkpoints" / "latest").read_text().strip()
 
 
-def start(run_file: Path, run_dir: Path, *args: str, **env: str) -> subprocess.Popen:
-    """`dplaunch train` in the background (a process we can signal), output in run_dir.log."""
+def start(
+    run_file: Path, run_dir: Path, *args: str, slurm_step: bool = False, **env: str
+) -> subprocess.Popen:
+    """`dplaunch train` in the background (a process we can signal), output in run_dir.log.
+
+    slurm_step: in a process group of its own (signal them all, as SLURM signals a step), with
+    SIGUSR1 ignored, as the bash wrapper of dplaunch's SLURM script leaves it."""
     log = open(f"{run_dir}.log", "w")  # noqa: SIM115 — closed with the process by finish()
     return subprocess.Popen(
         [sys.executable, "-m", "dplaunch", "train", str(run_file), "-o", str(run_dir), *args],
@@ -81,6 +86,8 @@ def start(run_file: Path, run_dir: Path, *args: str, **env: str) -> subprocess.P
         env=child_environment(**env),
         cwd=REPO,
         text=True,
+        start_new_session=slurm_step,
+        preexec_fn=(lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN)) if slurm_step else None,
     )
 
 
@@ -635,36 +642,18 @@ def test_a_time_limit_signal_during_re_sharding_keeps_the_conversion_and_stops_c
     run = tmp_path / "run"
     shutil.copytree(stopped, run)
     flags = (*ZERO2, "--gpus", "1", "--resume", "auto")
-    dplaunch = subprocess.Popen(
-        [sys.executable, "-m", "dplaunch", "train", str(run_file), "-o", str(run), *flags],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=child_environment(),
-        cwd=REPO,
-        start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN),
-    )
-    seen = []
-    for line in dplaunch.stdout:
-        seen.append(line)
-        if line.startswith("re-sharding step-4"):
-            break
-    deadline = time.monotonic() + 60  # the signal comes once the conversion process runs
-    while not any("ds_to_universal" in " ".join(child.cmdline()) for child in _children(dplaunch)):
-        assert time.monotonic() < deadline and dplaunch.poll() is None, "".join(seen)
-        time.sleep(0.05)
-    os.killpg(dplaunch.pid, signal.SIGUSR1)
-    out, err = dplaunch.communicate(timeout=300)
-    out = "".join(seen) + out
+    process = start(run_file, run, *flags, slurm_step=True)
+    wait_for(lambda: _runs_a_child(process, "ds_to_universal"), "the conversion process", process)
+    os.killpg(process.pid, signal.SIGUSR1)
+    code, log = finish(process, run)
     # the conversion finished (the signal killed neither it nor the launcher), no rank started,
     # and the launch ended as a checkpointed one: 75, which the SLURM script requeues
-    assert dplaunch.returncode == 75, out[-3000:] + err[-3000:]
-    assert "universal checkpoint ready" in out, out[-3000:]
+    assert code == 75, log[-3000:]
+    assert "universal checkpoint ready" in log, log[-3000:]
     assert (
         "dplaunch: SIGUSR1 (the time-limit warning) came while step-4 was re-sharded, so no rank "
-        "was started" in err
-    ), err[-3000:]
+        "was started" in log
+    ), log[-3000:]
     assert (run / "checkpoints" / "universal-step-4" / "done").exists()
     assert losses_by_step(run) == losses_by_step(stopped)  # no step trained
     # the requeued job's launch uses the kept conversion and trains on
@@ -679,12 +668,16 @@ def test_a_time_limit_signal_during_re_sharding_keeps_the_conversion_and_stops_c
     assert gap < 1e-5, (losses, reference)
 
 
-def _children(process: subprocess.Popen) -> list:
+def _runs_a_child(process: subprocess.Popen, text: str) -> bool:
+    """Whether a child of ``process`` has ``text`` in its command line (one that exits meanwhile
+    does not count)."""
     import psutil
 
     with contextlib.suppress(psutil.Error):
-        return psutil.Process(process.pid).children()
-    return []
+        return any(
+            text in " ".join(child.cmdline()) for child in psutil.Process(process.pid).children()
+        )
+    return False
 
 
 def test_a_universal_conversion_of_another_checkpoint_is_replaced_not_loaded(tmp_path, zero2_runs):
