@@ -11,6 +11,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -262,7 +263,8 @@ def prepare_training_run(
         run_dir,
         target,
         max_grad_norm=config.train.max_grad_norm,
-        extra_env=cluster_environment(plan, allocation),
+        # `dplaunch slurm` plans another machine: the job decides its threads itself
+        threads=openmp_threads(plan, allocation) if use_allocation else None,
     )
 
 
@@ -308,7 +310,7 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
         run_dir,
         ["-m", "dplaunch.train.script", *script],
         max_grad_norm=config.train.max_grad_norm,
-        extra_env=cluster_environment(plan, allocation),
+        threads=openmp_threads(plan, allocation),
     )
 
 
@@ -320,8 +322,17 @@ def render_files(
     *,
     max_grad_norm: float,
     extra_env: dict[str, str] | None = None,
+    threads: tuple[str, str] | None = None,
 ) -> PreparedRun:
-    """The files, argv and environment that start ``target`` on every rank of ``plan`` (writes nothing)."""
+    """The files, argv and environment that start ``target`` on every rank of ``plan`` (writes nothing).
+
+    ``threads``: openmp_threads' answer (None: the launcher's default, one thread per rank)."""
+    if threads is not None and plan.offload != "none":
+        note = (
+            f"offload: DeepSpeed's CPU Adam steps on {threads[0]} OpenMP thread(s) per rank "
+            f"(OMP_NUM_THREADS: {threads[1]})"
+        )
+        plan = replace(plan, notes=(*plan.notes, note))
     files: dict[str, str] = {}
     run_abs = run_dir.absolute()
     if plan.uses_deepspeed:
@@ -331,7 +342,7 @@ def render_files(
     files[accelerate_name] = render_accelerate_config(plan, str(run_abs / DEEPSPEED_CONFIG_NAME))
     files["run.yaml"] = dump_run_config(config)
     files["plan.json"] = json.dumps(plan.to_dict(), indent=2) + "\n"
-    env = {**rank_environment(plan), **(extra_env or {})}
+    env = {**rank_environment(plan, threads), **(extra_env or {})}
     if config.launch.hostfile:
         argv = hostfile_launch_argv(plan, Path(config.launch.hostfile), target, env)
     else:
@@ -340,8 +351,10 @@ def render_files(
     return PreparedRun(config=config, plan=plan, run_dir=run_dir, files=files, argv=argv, env=env)
 
 
-def rank_environment(plan: Plan) -> dict[str, str]:
-    """Variables dplaunch sets for the ranks on top of the user's environment (never secrets)."""
+def rank_environment(plan: Plan, threads: tuple[str, str] | None = None) -> dict[str, str]:
+    """Variables dplaunch sets for the ranks on top of the user's environment (never secrets).
+
+    ``threads`` is openmp_threads' answer: OMP_NUM_THREADS for each rank, and where it comes from."""
     env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     # launch.timeout_minutes, for scripts that build their own process group (dplaunch launch)
     env["DPLAUNCH_TIMEOUT_MINUTES"] = f"{plan.timeout_minutes:g}"
@@ -355,11 +368,40 @@ def rank_environment(plan: Plan) -> dict[str, str]:
             # an unmodified Accelerate script sees a real gloo world only with this (DESIGN.md); with
             # DeepSpeed it would make Accelerate drop the DeepSpeed plugin, so there gloo is asked for in code
             env["ACCELERATE_USE_CPU"] = "1"
-        cores = os.cpu_count() or 1
-        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(
-            max(1, cores // plan.processes_per_node)
-        )
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = threads[0]
     return env
+
+
+def openmp_threads(
+    plan: Plan, allocation: SlurmAllocation | None, environ: Mapping[str, str] = os.environ
+) -> tuple[str, str] | None:
+    """OMP_NUM_THREADS for each rank and where it comes from; None leaves it to the launcher.
+
+    `accelerate launch` and torchrun set 1 unless the variable is set: right for GPU ranks that
+    only feed kernels, wrong for CPU ranks and for ZeRO-Offload, whose CPU Adam is OpenMP."""
+    needs_cores = plan.target == "cpu" or plan.offload != "none"
+    given = environ.get("OMP_NUM_THREADS")
+    if given:
+        # ranks inherit it anyway; written into launch.sh where it matters
+        return (given, "OMP_NUM_THREADS of this shell") if needs_cores else None
+    ranks = plan.processes_per_node
+    if allocation is not None:
+        threads = rank_threads(allocation, ranks)
+        if threads is not None:
+            return str(threads), f"SLURM's {allocation.cpus_per_task} CPUs per task ÷ {ranks} ranks"
+    if not needs_cores:
+        return None
+    cores = usable_cores()
+    return str(max(1, cores // ranks)), f"{cores} cores here ÷ {ranks} ranks per node"
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask: taskset, cgroups), else all."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def torch_extensions_dir() -> Path:
@@ -435,14 +477,6 @@ def launch_for_cluster(
         )
     absolute = str(Path(launch.hostfile).absolute())
     return resolved.model_copy(update={"hostfile": absolute}), notes
-
-
-def cluster_environment(plan: Plan, allocation: SlurmAllocation | None) -> dict[str, str]:
-    """Rank variables an allocation decides: threads per rank from SLURM's CPUs for this task."""
-    if allocation is None or "OMP_NUM_THREADS" in os.environ:
-        return {}
-    threads = rank_threads(allocation, plan.processes_per_node)
-    return {"OMP_NUM_THREADS": str(threads)} if threads is not None else {}
 
 
 def own_host_names() -> tuple[str, ...]:
