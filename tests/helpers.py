@@ -50,6 +50,17 @@ def child_environment(**extra: str) -> dict[str, str]:
     return env
 
 
+def fake_nvidia_smi(folder: Path, body: str) -> str:
+    """An `nvidia-smi` shell script in ``folder`` running ``body``; returns a PATH that finds it first.
+
+    dplaunch asks `--query-gpu=index,uuid,memory.total,compute_cap,name --format=csv,noheader,nounits`:
+    ``body`` echoes rows such as "0, GPU-0a, 32768, 7.0, Tesla V100-SXM2-32GB"."""
+    script = folder / "nvidia-smi"
+    script.write_text("#!/bin/sh\n" + body + "\n")
+    script.chmod(0o755)
+    return f"{folder}{os.pathsep}{os.environ['PATH']}"
+
+
 def run_dplaunch(
     *args: Any, timeout: float = 600, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:

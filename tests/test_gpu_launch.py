@@ -6,9 +6,18 @@ import os
 import subprocess
 from pathlib import Path
 
-from tests.helpers import TINY_LLAMA, child_environment, run_dplaunch
+from dplaunch.planning import devices
+from tests.helpers import TINY_LLAMA, child_environment, fake_nvidia_smi, refusal_line, run_dplaunch
 
 CORES = len(os.sched_getaffinity(0))
+V100S = 'echo "0, GPU-0a, 32768, 7.0, Tesla V100-SXM2-32GB"; echo "1, GPU-1b, 32768, 7.0, Tesla V100-SXM2-32GB"'
+
+
+def environment_with_gpus(folder: Path, nvidia_smi_body: str) -> dict[str, str]:
+    """The test environment on a machine whose (fake) nvidia-smi lists GPUs, none hidden."""
+    env = child_environment(PATH=fake_nvidia_smi(folder, nvidia_smi_body))
+    del env["CUDA_VISIBLE_DEVICES"]
+    return env
 
 
 def render_gpu_plan(out: Path, *flags: str) -> subprocess.CompletedProcess:
@@ -35,3 +44,46 @@ def test_zero_offload_on_two_gpus_gets_the_cores_of_the_node_for_cpu_adam(tmp_pa
 def test_gpu_ranks_without_offload_keep_the_launchers_one_thread(tmp_path):
     render_gpu_plan(tmp_path, "--gpus", "2", "--zero", "2")
     assert "OMP_NUM_THREADS" not in (tmp_path / "launch.sh").read_text()
+
+
+def test_bf16_on_v100s_is_refused_before_launch_with_fp16_as_the_fix(tmp_path):
+    env = environment_with_gpus(tmp_path, V100S)
+    result = run_dplaunch(
+        "train", TINY_LLAMA, "--gpus", "2", "--mixed-precision", "bf16", "--dry-run", env=env
+    )
+    refusal_line(
+        result,
+        "train.mixed_precision: bf16 needs GPUs of compute capability 8.0 (Ampere) or newer",
+        "Tesla V100-SXM2-32GB has 7.0",
+        "--mixed-precision fp16",
+    )
+    fp16 = run_dplaunch(
+        "train", TINY_LLAMA, "--gpus", "2", "--mixed-precision", "fp16", "--dry-run", env=env
+    )
+    assert fp16.returncode == 0, fp16.stderr
+    assert "mixed precision: fp16" in fp16.stdout and "backend nccl" in fp16.stdout
+
+
+def test_the_probe_reads_compute_capability_and_copes_with_an_older_driver(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path, V100S))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    gpus = devices.visible_gpus()
+    assert [(gpu.index, gpu.compute_capability, gpu.memory_mib) for gpu in gpus] == [
+        (0, 7.0, 32768),
+        (1, 7.0, 32768),
+    ]
+    assert devices.oldest_compute_capability(gpus) == (7.0, "Tesla V100-SXM2-32GB")
+    # CUDA_VISIBLE_DEVICES by index or UUID prefix picks from the same list
+    assert [gpu.index for gpu in devices.visible_gpus({"CUDA_VISIBLE_DEVICES": "GPU-1"})] == [1]
+    # drivers before 510 do not know compute_cap: asked again without it
+    old_driver = (
+        'case "$*" in *compute_cap*) echo "Field \\"compute_cap\\" is not a valid field to query."; '
+        'exit 2;; esac; echo "0, GPU-0a, 16384, Tesla P100-PCIE-16GB"'
+    )
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path, old_driver))
+    (gpu,) = devices.visible_gpus()
+    assert (gpu.name, gpu.memory_mib, gpu.compute_capability) == (
+        "Tesla P100-PCIE-16GB",
+        16384,
+        None,
+    )

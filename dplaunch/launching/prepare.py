@@ -29,7 +29,12 @@ from dplaunch.config.schema import LaunchConfig, ModelConfig, RunConfig, ScriptR
 from dplaunch.errors import UserError
 from dplaunch.launching.ports import claim_free_port, claim_port
 from dplaunch.planning.data_check import check_data
-from dplaunch.planning.devices import visible_gpu_count
+from dplaunch.planning.devices import (
+    Gpu,
+    local_gpus,
+    oldest_compute_capability,
+    smallest_gpu_memory_gb,
+)
 from dplaunch.planning.model_facts import (
     ModelFacts,
     check_model_type,
@@ -148,6 +153,15 @@ def model_facts(model: ModelConfig) -> ModelFacts:
     return ModelFacts.from_config_dict(config_json)
 
 
+def local_machine(*, render_only: bool = False) -> tuple[Machine, list[Gpu]]:
+    """What the planner may know of this machine, and the GPUs this process may use."""
+    count, gpus = local_gpus()
+    machine = Machine(
+        visible_gpus=count, render_only=render_only, oldest_gpu=oldest_compute_capability(gpus)
+    )
+    return machine, gpus
+
+
 def check_master_addr(launch: LaunchConfig) -> None:
     """A rendezvous host name that does not resolve would leave every node waiting: refuse it."""
     address = launch.master_addr
@@ -237,13 +251,12 @@ def prepare_training_run(
             f"data.label_names: {', '.join(dataset_classes)} (the dataset's ClassLabel "
             f"{config.data.label_column!r}); model.num_labels {len(dataset_classes)}"
         )
-    machine = Machine(visible_gpus=visible_gpu_count(), render_only=render_only)
+    machine, gpus = local_machine(render_only=render_only)
     auto = None
     if config.parallel.auto:
-        from dplaunch.environment_report import smallest_gpu_memory_gb
         from dplaunch.planning.auto import resolve_auto_parallel
 
-        auto = resolve_auto_parallel(config, facts, machine, smallest_gpu_memory_gb)
+        auto = resolve_auto_parallel(config, facts, machine, lambda: smallest_gpu_memory_gb(gpus))
         config.parallel = auto.parallel
     plan = make_plan(
         config.launch, config.parallel, config.train, machine, facts, task=config.model.task
@@ -282,7 +295,7 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
     )
     if not Path(script[0]).is_file():
         raise UserError("SCRIPT", f"{script[0]} does not exist", "give the path of a Python script")
-    machine = Machine(visible_gpus=visible_gpu_count())
+    machine, _gpus = local_machine()
     plan = make_plan(config.launch, config.parallel, config.train, machine)
     plan = replace(plan, notes=(*plan.notes, *cluster_notes))
     if plan.engine == "pipeline":
