@@ -6,11 +6,18 @@ import os
 import subprocess
 from pathlib import Path
 
+from dplaunch.launching import ports
+from dplaunch.launching.prepare import RunFlags, prepare_training_run
 from dplaunch.planning import devices
 from tests.helpers import TINY_LLAMA, child_environment, fake_nvidia_smi, refusal_line, run_dplaunch
 
 CORES = len(os.sched_getaffinity(0))
 V100S = 'echo "0, GPU-0a, 32768, 7.0, Tesla V100-SXM2-32GB"; echo "1, GPU-1b, 32768, 7.0, Tesla V100-SXM2-32GB"'
+
+
+EIGHT_H100S = "; ".join(
+    f'echo "{index}, GPU-h100-{index}, 81559, 9.0, NVIDIA H100 80GB HBM3"' for index in range(8)
+)
 
 
 def environment_with_gpus(folder: Path, nvidia_smi_body: str) -> dict[str, str]:
@@ -87,3 +94,72 @@ def test_the_probe_reads_compute_capability_and_copes_with_an_older_driver(tmp_p
         16384,
         None,
     )
+
+
+def test_two_runs_of_four_gpus_on_an_eight_gpu_machine_take_different_gpus(tmp_path, monkeypatch):
+    # run A is prepared in this process and holds its claims; B and C are other dplaunch processes
+    env = environment_with_gpus(tmp_path, EIGHT_H100S)
+    env["TMPDIR"] = str(tmp_path)  # where the claims live, for B and C as for A
+    monkeypatch.setattr(ports, "GPU_CLAIMS_DIR", tmp_path / "dplaunch-gpus", raising=False)
+    monkeypatch.setenv("PATH", env["PATH"])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    held_before = len(ports._claims)
+    try:
+        first = prepare_training_run(RunFlags(config=TINY_LLAMA, gpus=4))
+        assert first.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+        assert "GPUs 0,1,2,3 claimed for this run (CUDA_VISIBLE_DEVICES)" in first.plan.notes
+        assert "export CUDA_VISIBLE_DEVICES=0,1,2,3\n" in first.files["launch.sh"]
+
+        second = run_dplaunch("train", TINY_LLAMA, "--gpus", "4", "--dry-run", env=env)
+        assert second.returncode == 0, second.stderr
+        assert (
+            "note: GPUs 4,5,6,7 claimed for this run (CUDA_VISIBLE_DEVICES); "
+            "0,1,2,3 are held by another dplaunch run"
+        ) in second.stdout
+
+        # a CUDA_VISIBLE_DEVICES of the user's is the list dplaunch claims from
+        narrowed = {**env, "CUDA_VISIBLE_DEVICES": "2,3,4,5"}
+        third = run_dplaunch("train", TINY_LLAMA, "--gpus", "2", "--dry-run", env=narrowed)
+        assert "note: GPUs 4,5 claimed for this run (CUDA_VISIBLE_DEVICES); 2,3 are" in third.stdout
+
+        crowded = run_dplaunch(
+            "train", TINY_LLAMA, "--gpus", "5", "--global-batch", "10", "--dry-run", env=env
+        )
+        refusal_line(
+            crowded,
+            "launch.gpus: 5 GPU(s) wanted here, but GPU(s) 0,1,2,3 of this machine's 8 are held",
+            "wait for that run to end",
+        )
+    finally:
+        for handle in ports._claims[held_before:]:
+            os.close(handle)
+        del ports._claims[held_before:]
+
+
+def test_a_hostfile_run_carries_gloo_socket_ifname_to_every_host(tmp_path):
+    # DeepSpeed's runner forwards NCCL_* over pdsh, not GLOO_*: the gloo side group of the remote
+    # ranks would bind the host name's address, perhaps a network the other nodes cannot reach
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("gpu-a slots=2\ngpu-b slots=2\n")
+    env = {**child_environment(), "GLOO_SOCKET_IFNAME": "ib0"}
+    result = run_dplaunch(
+        "config", TINY_LLAMA, "--hostfile", hostfile, "-o", tmp_path / "run", env=env
+    )
+    assert result.returncode == 0, result.stderr
+    launch = (tmp_path / "run" / "launch.sh").read_text()
+    assert "deepspeed.launcher.runner" in launch and " env " in launch
+    assert " GLOO_SOCKET_IFNAME=ib0 " in launch.splitlines()[-1]
+
+
+def test_nodes_reuse_nccls_interface_for_gloo_when_it_names_one_they_have(tmp_path):
+    flags = ("--gpus", "4", "--nodes", "2", "--master-addr", "10.0.0.1")
+    env = {**child_environment(), "NCCL_SOCKET_IFNAME": "lo"}
+    result = run_dplaunch("config", TINY_LLAMA, *flags, "-o", tmp_path / "lo", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "export GLOO_SOCKET_IFNAME=lo\n" in (tmp_path / "lo" / "launch.sh").read_text()
+    assert "note: GLOO_SOCKET_IFNAME=lo (NCCL_SOCKET_IFNAME's)" in result.stdout
+    # a prefix or an exclusion is NCCL's language only: said, not guessed
+    env["NCCL_SOCKET_IFNAME"] = "^docker,lo"
+    result = run_dplaunch("config", TINY_LLAMA, *flags, "-o", tmp_path / "ex", env=env)
+    assert "GLOO_SOCKET_IFNAME" not in (tmp_path / "ex" / "launch.sh").read_text()
+    assert "set GLOO_SOCKET_IFNAME to the interface's exact name" in result.stdout

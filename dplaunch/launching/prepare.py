@@ -27,13 +27,14 @@ from dplaunch.cluster.slurm import (
 from dplaunch.config.load import dump_run_config, load_run_config
 from dplaunch.config.schema import LaunchConfig, ModelConfig, RunConfig, ScriptRunConfig
 from dplaunch.errors import UserError
-from dplaunch.launching.ports import claim_free_port, claim_port
+from dplaunch.launching.ports import claim_free_port, claim_gpu, claim_port
 from dplaunch.planning.data_check import check_data
 from dplaunch.planning.devices import (
     Gpu,
     local_gpus,
     oldest_compute_capability,
     smallest_gpu_memory_gb,
+    visible_keys,
 )
 from dplaunch.planning.model_facts import (
     ModelFacts,
@@ -267,6 +268,10 @@ def prepare_training_run(
     plan = _settle_port(
         plan, explicit=config.launch.master_port is not None, render_only=render_only
     )
+    plan, gpu_env = _settle_gpus(
+        plan, gpus, shared=render_only or allocation is not None or bool(config.launch.hostfile)
+    )
+    plan, gloo_env = gloo_interface(plan)
     run_dir = out_dir or Path(config.output_dir or _default_run_dir(config.name or "run"))
     config.output_dir = str(run_dir)
     target = ["-m", "dplaunch.train", str(run_dir.absolute())]
@@ -276,6 +281,7 @@ def prepare_training_run(
         run_dir,
         target,
         max_grad_norm=config.train.max_grad_norm,
+        extra_env={**gpu_env, **gloo_env},
         # `dplaunch slurm` plans another machine: the job decides its threads itself
         threads=openmp_threads(plan, allocation) if use_allocation else None,
     )
@@ -295,7 +301,7 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
     )
     if not Path(script[0]).is_file():
         raise UserError("SCRIPT", f"{script[0]} does not exist", "give the path of a Python script")
-    machine, _gpus = local_machine()
+    machine, gpus = local_machine()
     plan = make_plan(config.launch, config.parallel, config.train, machine)
     plan = replace(plan, notes=(*plan.notes, *cluster_notes))
     if plan.engine == "pipeline":
@@ -314,6 +320,10 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
             ),
         )
     plan = _settle_port(plan, explicit=config.launch.master_port is not None, render_only=False)
+    plan, gpu_env = _settle_gpus(
+        plan, gpus, shared=allocation is not None or bool(config.launch.hostfile)
+    )
+    plan, gloo_env = gloo_interface(plan)
     run_dir = Path(config.output_dir or _default_run_dir(Path(script[0]).stem))
     config.output_dir = str(run_dir)
     # each rank runs the script as `python SCRIPT ARGS…` would, and exits without gloo's teardown race
@@ -323,6 +333,7 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
         run_dir,
         ["-m", "dplaunch.train.script", *script],
         max_grad_norm=config.train.max_grad_norm,
+        extra_env={**gpu_env, **gloo_env},
         threads=openmp_threads(plan, allocation),
     )
 
@@ -447,6 +458,68 @@ def _settle_port(plan: Plan, *, explicit: bool, render_only: bool) -> Plan:
         master_port=port,
         notes=(*plan.notes, f"port {plan.master_port} ({reason}) {why}: using free port {port}"),
     )
+
+
+def _settle_gpus(plan: Plan, gpus: list[Gpu], *, shared: bool) -> tuple[Plan, dict[str, str]]:
+    """Claim this node's GPUs, so that two runs on one machine take different ones (as ports).
+
+    Returns the plan with a note naming them, and CUDA_VISIBLE_DEVICES for the ranks. ``shared``:
+    someone else places the ranks (SLURM's own CUDA_VISIBLE_DEVICES, DeepSpeed's hostfile runner),
+    or the files are only rendered; nothing is claimed then."""
+    if plan.target != "gpu" or shared:
+        return plan, {}
+    candidates = visible_keys(gpus)
+    wanted = plan.processes_per_node
+    chosen: list[str] = []
+    held: list[str] = []
+    for name, key in candidates:
+        if len(chosen) == wanted:
+            break
+        (chosen if claim_gpu(key) else held).append(name)
+    if len(chosen) < wanted:
+        raise UserError(
+            "launch.gpus",
+            f"{wanted} GPU(s) wanted here, but GPU(s) {','.join(held)} of this machine's "
+            f"{len(candidates)} are held by another dplaunch run",
+            "wait for that run to end, or ask for fewer GPUs",
+        )
+    note = f"GPUs {','.join(chosen)} claimed for this run (CUDA_VISIBLE_DEVICES)"
+    if held:
+        note += f"; {','.join(held)} are held by another dplaunch run"
+    plan = replace(plan, notes=(*plan.notes, note))
+    return plan, {"CUDA_VISIBLE_DEVICES": ",".join(chosen)}
+
+
+def gloo_interface(
+    plan: Plan, environ: Mapping[str, str] = os.environ
+) -> tuple[Plan, dict[str, str]]:
+    """GLOO_SOCKET_IFNAME for the ranks of a multi-node run, and a plan note on it.
+
+    Besides NCCL the ranks talk over gloo (the side group that agrees on stops and saves), and gloo
+    binds the address of the host name unless GLOO_SOCKET_IFNAME names an interface: on clusters
+    that can be a network the other nodes do not reach. DeepSpeed's hostfile runner forwards
+    NCCL_* to the other hosts but not GLOO_*, so the variable travels with the ranks' own."""
+    if plan.num_nodes == 1:
+        return plan, {}
+    given = environ.get("GLOO_SOCKET_IFNAME")
+    if given:
+        return plan, {"GLOO_SOCKET_IFNAME": given}
+    nccl = environ.get("NCCL_SOCKET_IFNAME", "")
+    if not nccl:
+        return plan, {}
+    # NCCL reads prefixes ("eth" = eth0, eth1…), "^" exclusions and "=" exact names; gloo only exact
+    # names, so the value is reused only when it names interfaces this node has
+    names = nccl.removeprefix("=").split(",")
+    if not nccl.startswith("^") and set(names) <= {name for _, name in socket.if_nameindex()}:
+        note = (
+            f"GLOO_SOCKET_IFNAME={','.join(names)} (NCCL_SOCKET_IFNAME's) for the ranks' gloo group"
+        )
+        return replace(plan, notes=(*plan.notes, note)), {"GLOO_SOCKET_IFNAME": ",".join(names)}
+    note = (
+        f"NCCL_SOCKET_IFNAME={nccl} is set but GLOO_SOCKET_IFNAME is not: the ranks' gloo group "
+        "uses the host name's address; set GLOO_SOCKET_IFNAME to the interface's exact name"
+    )
+    return replace(plan, notes=(*plan.notes, note)), {}
 
 
 def _default_run_dir(name: str) -> str:

@@ -113,6 +113,19 @@ def visible_gpus(env: Mapping[str, str] | None = None, probe: GpuProbe | None = 
     return [gpu for wanted in ids for gpu in gpus if _names(gpu, wanted)]
 
 
+def visible_keys(gpus: list[Gpu], env: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+    """Each GPU this process may use as (its name for CUDA_VISIBLE_DEVICES, a machine-wide key).
+
+    The key is the GPU's UUID where nvidia-smi gave one: indices change with CUDA_VISIBLE_DEVICES."""
+    ids = visible_ids(env)
+    if ids is None:
+        return [(str(gpu.index), gpu.uuid or str(gpu.index)) for gpu in gpus]
+    return [
+        (wanted, next((gpu.uuid for gpu in gpus if _names(gpu, wanted) and gpu.uuid), wanted))
+        for wanted in ids
+    ]
+
+
 def _names(gpu: Gpu, wanted: str) -> bool:
     # CUDA takes an index, a full UUID or a unique prefix of one ("GPU-8932f937")
     return wanted == str(gpu.index) or (wanted.startswith("GPU-") and gpu.uuid.startswith(wanted))
