@@ -34,7 +34,7 @@ def child_environment(**extra: str) -> dict[str, str]:
 
     Processes started without dplaunch (a test's own torchrun or DeepSpeed script) build
     DeepSpeed's ops where dplaunch's ranks do, so the suite JIT-builds them once, not twice."""
-    from dplaunch.launching.prepare import torch_extensions_dir
+    from dplaunch.launching.deepspeed_ops import torch_extensions_dir
 
     env = dict(os.environ)
     env.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))

@@ -6,7 +6,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from dplaunch.launching import ports
+from dplaunch.launching import deepspeed_ops, ports
 from dplaunch.launching.prepare import RunFlags, prepare_training_run
 from dplaunch.planning import devices
 from tests.helpers import TINY_LLAMA, child_environment, fake_nvidia_smi, refusal_line, run_dplaunch
@@ -163,3 +163,43 @@ def test_nodes_reuse_nccls_interface_for_gloo_when_it_names_one_they_have(tmp_pa
     result = run_dplaunch("config", TINY_LLAMA, *flags, "-o", tmp_path / "ex", env=env)
     assert "GLOO_SOCKET_IFNAME" not in (tmp_path / "ex" / "launch.sh").read_text()
     assert "set GLOO_SOCKET_IFNAME to the interface's exact name" in result.stdout
+
+
+def test_an_offload_plan_on_a_machine_without_a_compiler_is_refused_in_one_line(tmp_path):
+    # every rank would fail minutes in, JIT-building DeepSpeed's CPU Adam
+    bare = tmp_path / "bin"  # a PATH without ninja and c++
+    bare.mkdir()
+    extensions = tmp_path / "extensions"  # nothing built there yet
+    env = child_environment(PATH=str(bare), TORCH_EXTENSIONS_DIR=str(extensions))
+    offload = ("--cpu", "--gpus", "2", "--zero", "2", "--offload", "optimizer", "--dry-run")
+    result = run_dplaunch("train", TINY_LLAMA, *offload, env=env)
+    refusal_line(
+        result,
+        "parallel.offload: this plan needs DeepSpeed's cpu_adam op",
+        "lacks what building it takes: ninja, a C++ compiler (c++)",
+        "pip install ninja; apt install g++",
+        "DS_BUILD_CPU_ADAM=1 pip install deepspeed",
+    )
+    # a plan that builds nothing is not asked for a compiler
+    assert (
+        run_dplaunch("train", TINY_LLAMA, "--cpu", "--gpus", "2", "--dry-run", env=env).returncode
+        == 0
+    )
+    # nor is one whose ops this machine built before
+    for name in ("cpu_adam", "deepspeed_shm_comm"):
+        (extensions / name).mkdir(parents=True)
+        (extensions / name / f"{name}.so").touch()
+    assert run_dplaunch("train", TINY_LLAMA, *offload, env=env).returncode == 0
+
+
+def test_the_extensions_folder_is_one_per_python_environment_and_cpu_type():
+    avx512 = deepspeed_ops.cpu_architecture_key("x86_64", "fpu sse2 avx2 avx512f")
+    avx2 = deepspeed_ops.cpu_architecture_key("x86_64", "fpu sse2 avx2")
+    assert avx512 != avx2 and avx512.startswith("x86_64-")
+    assert deepspeed_ops.cpu_architecture_key("x86_64", "avx2 sse2 fpu") == avx2  # order-free
+    assert deepspeed_ops.torch_extensions_dir(avx512) != deepspeed_ops.torch_extensions_dir(avx2)
+    here = deepspeed_ops.torch_extensions_dir()
+    assert (
+        here.name.endswith(deepspeed_ops.cpu_architecture_key())
+        and here.parent.name == "torch_extensions"
+    )

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import socket
-import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -27,6 +25,7 @@ from dplaunch.cluster.slurm import (
 from dplaunch.config.load import dump_run_config, load_run_config
 from dplaunch.config.schema import LaunchConfig, ModelConfig, RunConfig, ScriptRunConfig
 from dplaunch.errors import UserError
+from dplaunch.launching.deepspeed_ops import check_ops_can_be_built, torch_extensions_dir
 from dplaunch.launching.ports import claim_free_port, claim_gpu, claim_port
 from dplaunch.planning.data_check import check_data
 from dplaunch.planning.devices import (
@@ -265,6 +264,8 @@ def prepare_training_run(
     if auto is not None:
         plan = replace(plan, notes=(*plan.notes, auto.note))
     plan = replace(plan, notes=(*plan.notes, *plan_notes))
+    if not render_only:  # files rendered for elsewhere are built there
+        check_ops_can_be_built(plan)
     plan = _settle_port(
         plan, explicit=config.launch.master_port is not None, render_only=render_only
     )
@@ -319,6 +320,7 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
                 "kwargs_handlers=[InitProcessGroupKwargs(backend='gloo')] (dplaunch train does this)",
             ),
         )
+    check_ops_can_be_built(plan)
     plan = _settle_port(plan, explicit=config.launch.master_port is not None, render_only=False)
     plan, gpu_env = _settle_gpus(
         plan, gpus, shared=allocation is not None or bool(config.launch.hostfile)
@@ -408,7 +410,7 @@ def openmp_threads(
     given = environ.get("OMP_NUM_THREADS")
     if given:
         # ranks inherit it anyway; written into launch.sh where it matters
-        return (given, "OMP_NUM_THREADS of this shell") if needs_cores else None
+        return (given, "set in this shell") if needs_cores else None
     ranks = plan.processes_per_node
     if allocation is not None:
         threads = rank_threads(allocation, ranks)
@@ -426,15 +428,6 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         return os.cpu_count() or 1
-
-
-def torch_extensions_dir() -> Path:
-    """Where the ranks' DeepSpeed JIT-builds its ops: one folder per Python environment.
-
-    DeepSpeed's default is one shared folder: two installs (venvs) then rebuild each other's
-    ops, and a build killed halfway leaves a lock every later run waits on forever."""
-    digest = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
-    return Path.home() / ".cache" / "dplaunch" / "torch_extensions" / digest
 
 
 def _settle_port(plan: Plan, *, explicit: bool, render_only: bool) -> Plan:
