@@ -14,11 +14,11 @@ import importlib.util
 import logging
 import os
 import platform
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dplaunch.launching.deepspeed_ops import missing_build_tools
 from dplaunch.launching.ports import port_is_free
 from dplaunch.planning.devices import probe_gpus
 
@@ -118,7 +118,9 @@ def deepspeed_ops(names: tuple[str, ...] | None = RELEVANT_OPS) -> dict[str, Any
     Imports torch and DeepSpeed's op builders (about 1-2 s); nothing is compiled except the
     small test programs some builders use to look for system libraries (async_io: libaio).
     """
-    report: dict[str, Any] = {"accelerator": None, "ninja": shutil.which("ninja") is not None}
+    # what a JIT build would lack here (ninja, a C++ compiler, Python.h), as the launch checks it
+    missing = [what for what, _fix in missing_build_tools()]
+    report: dict[str, Any] = {"accelerator": None, "build_tools_missing": missing}
     previous = logging.root.manager.disable
     logging.disable(logging.WARNING)  # "Setting accelerator to CPU" is not news in a report
     try:
@@ -227,7 +229,12 @@ def format_environment(d: dict[str, Any]) -> str:
             lines.append(
                 row(
                     "DeepSpeed ops",
-                    f"accelerator {ops['accelerator']}, ninja {'yes' if ops['ninja'] else 'MISSING (JIT ops cannot build)'}",
+                    f"accelerator {ops['accelerator']}, JIT builds "
+                    + (
+                        f"IMPOSSIBLE (no {', '.join(ops['build_tools_missing'])})"
+                        if ops["build_tools_missing"]
+                        else "possible (ninja, C++ compiler, Python.h)"
+                    ),
                 )
             )
             for name, status in ops["ops"].items():

@@ -203,3 +203,11 @@ def test_the_extensions_folder_is_one_per_python_environment_and_cpu_type():
         here.name.endswith(deepspeed_ops.cpu_architecture_key())
         and here.parent.name == "torch_extensions"
     )
+
+
+def test_dplaunch_env_says_whether_deepspeed_ops_can_be_built_here(tmp_path, monkeypatch):
+    from dplaunch.environment_report import deepspeed_ops
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    missing = deepspeed_ops(("cpu_adam",))["build_tools_missing"]
+    assert missing[:2] == ["ninja", "a C++ compiler (c++)"]
