@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # GPU benchmark: a 1.1B Llama (benchmarks/configs/llama-1b.yaml), bf16, on ONE GPU (an H200).
-# Measures steady-state tokens/s and MFU of `dplaunch train` as DDP-1, as ZeRO-2, and with
+# Measures steady-state tokens/s and MFU (of the datasheet dense bf16 peak; the measured matmul
+# rate beside it) of `dplaunch train` as DDP-1, as ZeRO-2, and with
 # activation checkpointing, the hand-written Accelerate loop on the same run (the ceiling), and
 # each dplaunch run's peak memory against the plan's estimate (planning/estimate.py).
-# Results: $OUT/gpu.json, gpu.png, gpu.txt (device, versions), runs.log (every run's output).
+# Results: $OUT/gpu.json, gpu.png, gpu.txt (device, versions), matmul_peak.json, runs.log
+# (every run's output).
 # Budget: one call, under 8 minutes (each run is cut at RUN_LIMIT_S).
 #
-# 1. Here (a machine with PyPI), once: the packages the GPU image lacks, as wheels in .whl/
+# 1. Here (a machine with PyPI), once: the packages the GPU image may lack, as wheels in .whl/
 #    (git-ignored): DeepSpeed built from its sdist (pure Python; its ops JIT-build when needed,
-#    and ZeRO-2 with torch's AdamW needs none), pydantic, datasets and what they need.
+#    and ZeRO-2 with torch's AdamW needs none), pydantic, datasets and their whole dependency
+#    closure (benchmarks/gpu_wheels.py reads it from the installed packages' metadata).
 #        bash benchmarks/gpu.sh prepare
 # 2. On the device, one call (the tool `run`, carry [".whl"], timeout_s 540):
 #        bash benchmarks/gpu.sh
@@ -20,16 +23,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [[ "${1:-}" == "prepare" ]]; then
-    PY=.venv/bin/python
+    PY=${PY:-.venv/bin/python}
     mkdir -p .whl
-    "$PY" -m pip wheel --quiet --no-deps deepspeed==0.19.8 -w .whl
+    rm -f .whl/*.whl
+    # what the benchmark imports beyond the image's torch, and their dependency closure, at the
+    # versions installed here (constraints.txt): benchmarks/gpu_wheels.py
+    "$PY" -m benchmarks.gpu_wheels roots > .whl/roots.txt
+    "$PY" -m benchmarks.gpu_wheels pins > .whl/pins.txt
+    "$PY" -m pip wheel --quiet --no-deps "$(grep '^deepspeed==' .whl/roots.txt)" -w .whl
     # the device runs CPython 3.12 on x86-64 manylinux
     "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
-        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 -d .whl \
-        hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
-        typing-inspection==0.4.5 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
-        pyarrow==26.0.1 fsspec==2026.9.0
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform manylinux1_x86_64 -d .whl -r .whl/pins.txt
     ls -la .whl
     du -sh .whl
     exit 0
@@ -45,10 +51,20 @@ RUN_LIMIT_S=${RUN_LIMIT_S:-150}
 mkdir -p "$OUT" "$WORK"
 rm -rf "${WORK:?}"/*
 
-# the carried wheels, unless this python already has what they provide (the smoke test here)
+# the carried wheels, unless this python already has what they provide (the smoke test here).
+# The device's pip resolves the roots against the image (a dry run writes nothing) and only the
+# wheels it finds missing are installed: the image's own packages are not shadowed by others
 if compgen -G ".whl/*.whl" > /dev/null && ! "$PY" -c "import deepspeed, datasets, pydantic" > /dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl
+    "$PY" -m pip install --dry-run --quiet --no-index --find-links .whl --report /tmp/wheels.json \
+        -r .whl/roots.txt
+    mapfile -t NEEDED < <("$PY" -c 'import json, sys, urllib.parse as u
+for item in json.load(open(sys.argv[1]))["install"]:
+    print(u.unquote(u.urlparse(item["download_info"]["url"]).path))' /tmp/wheels.json)
+    echo "installing ${#NEEDED[@]} carried wheels the image lacks: ${NEEDED[*]##*/}"
+    if (( ${#NEEDED[@]} )); then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --target /tmp/site "${NEEDED[@]}"
+    fi
     export PYTHONPATH=/tmp/site:$PWD
 else
     export PYTHONPATH=$PWD
@@ -62,6 +78,25 @@ import importlib.metadata as m
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda,
       *(f"{p} {m.version(p)}" for p in ("accelerate", "transformers", "deepspeed", "datasets")))
+EOF
+# the measured dense bf16 matmul rate, reported beside the datasheet peak (GPU only)
+"$PY" - "$OUT/matmul_peak.json" <<'EOF'
+import json, sys, torch
+if torch.cuda.is_available():
+    n, repeats = 8192, 10
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    flops = 2 * n**3 * repeats / (start.elapsed_time(end) / 1000)
+    json.dump({"matmul_bf16_flops": flops, "shape": [n, n, n]}, open(sys.argv[1], "w"))
+    print(f"measured dense bf16 matmul: {flops / 1e12:.0f} TFLOP/s")
 EOF
 
 # one dplaunch run: NAME, then flags; a failing run is logged and the others still run

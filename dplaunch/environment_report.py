@@ -14,20 +14,19 @@ import importlib.util
 import logging
 import os
 import platform
-import shutil
-import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dplaunch.launching.deepspeed_ops import missing_build_tools
 from dplaunch.launching.ports import port_is_free
+from dplaunch.planning.devices import probe_gpus
 
 PACKAGES = ("torch", "accelerate", "deepspeed", "transformers", "datasets", "dplaunch")
 DEFAULT_PORT = 29500
 # the DeepSpeed ops a dplaunch plan can need: ZeRO-Offload's CPU Adam, GPU fused Adam, NVMe
 # offload (async_io) and the CPU collectives DeepSpeed uses without GPUs
 RELEVANT_OPS = ("cpu_adam", "fused_adam", "async_io", "deepspeed_shm_comm")
-NVIDIA_SMI_TIMEOUT_S = 5
 NCCL_WHEELS = ("nvidia-nccl-cu12", "nvidia-nccl-cu13", "nvidia-nccl-cu11")
 SLURM_FIELDS = {
     "job_id": ("SLURM_JOB_ID",),
@@ -89,54 +88,18 @@ def _nccl_version(torch_cuda: str | None) -> str | None:
 
 
 def _gpus() -> tuple[list[dict[str, Any]], str]:
-    """GPUs from nvidia-smi, and a word on how the query went."""
-    if shutil.which("nvidia-smi") is None:
-        return [], "nvidia-smi not found"
-    try:
-        result = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=NVIDIA_SMI_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired:
-        return [], f"nvidia-smi did not answer within {NVIDIA_SMI_TIMEOUT_S} s"
-    except OSError as exc:
-        return [], f"nvidia-smi failed: {exc}"
-    if result.returncode != 0:
-        message = (result.stderr or result.stdout).strip().splitlines()
-        return [], f"nvidia-smi exit {result.returncode}: {message[0] if message else ''}".strip()
-    gpus = []
-    for line in result.stdout.strip().splitlines():
-        parts = [part.strip() for part in line.split(",")]
-        if len(parts) < 3:
-            continue
-        memory = parts[-1].split()[0]
-        gpus.append(
-            {
-                "index": int(parts[0]) if parts[0].isdigit() else parts[0],
-                "name": ", ".join(parts[1:-1]),
-                "memory_mib": int(memory) if memory.isdigit() else None,
-            }
-        )
-    return gpus, "ok"
-
-
-def smallest_gpu_memory_gb(env: Mapping[str, str] = os.environ) -> float | None:
-    """GiB of the smallest GPU this process may use (nvidia-smi memory.total); None when unknown.
-
-    ``CUDA_VISIBLE_DEVICES`` given as indices narrows the list; as UUIDs it is ignored (all GPUs).
-    """
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() in ("", "-1", "none", "NoDevFiles"):
-        return None
-    gpus, _ = _gpus()
-    if visible is not None:
-        wanted = [item.strip() for item in visible.split(",") if item.strip()]
-        if all(item.isdigit() for item in wanted):
-            gpus = [gpu for gpu in gpus if str(gpu["index"]) in wanted]
-    sizes = [gpu["memory_mib"] for gpu in gpus if gpu["memory_mib"]]
-    return min(sizes) / 1024 if sizes else None
+    """GPUs from nvidia-smi (the planner's probe), and a word on how the query went."""
+    probe = probe_gpus()
+    gpus = [
+        {
+            "index": gpu.index,
+            "name": gpu.name,
+            "memory_mib": gpu.memory_mib,
+            "compute_capability": gpu.compute_capability,
+        }
+        for gpu in probe.gpus
+    ]
+    return gpus, probe.status
 
 
 def _slurm(env: Mapping[str, str]) -> dict[str, str | None] | None:
@@ -155,7 +118,9 @@ def deepspeed_ops(names: tuple[str, ...] | None = RELEVANT_OPS) -> dict[str, Any
     Imports torch and DeepSpeed's op builders (about 1-2 s); nothing is compiled except the
     small test programs some builders use to look for system libraries (async_io: libaio).
     """
-    report: dict[str, Any] = {"accelerator": None, "ninja": shutil.which("ninja") is not None}
+    # what a JIT build would lack here (ninja, a C++ compiler, Python.h), as the launch checks it
+    missing = [what for what, _fix in missing_build_tools()]
+    report: dict[str, Any] = {"accelerator": None, "build_tools_missing": missing}
     previous = logging.root.manager.disable
     logging.disable(logging.WARNING)  # "Setting accelerator to CPU" is not news in a report
     try:
@@ -239,7 +204,9 @@ def format_environment(d: dict[str, Any]) -> str:
     if d["gpus"]:
         for gpu in d["gpus"]:
             memory = f"{gpu['memory_mib'] / 1024:.0f} GiB" if gpu["memory_mib"] else "?"
-            lines.append(row(f"GPU {gpu['index']}", f"{gpu['name']}, {memory}"))
+            capability = gpu["compute_capability"]
+            compute = f", compute capability {capability:.1f}" if capability else ""
+            lines.append(row(f"GPU {gpu['index']}", f"{gpu['name']}, {memory}{compute}"))
     else:
         lines.append(row("GPUs", f"none ({d['gpu_query']})"))
     visible = d["cuda_visible_devices"]
@@ -262,7 +229,12 @@ def format_environment(d: dict[str, Any]) -> str:
             lines.append(
                 row(
                     "DeepSpeed ops",
-                    f"accelerator {ops['accelerator']}, ninja {'yes' if ops['ninja'] else 'MISSING (JIT ops cannot build)'}",
+                    f"accelerator {ops['accelerator']}, JIT builds "
+                    + (
+                        f"IMPOSSIBLE (no {', '.join(ops['build_tools_missing'])})"
+                        if ops["build_tools_missing"]
+                        else "possible (ninja, C++ compiler, Python.h)"
+                    ),
                 )
             )
             for name, status in ops["ops"].items():

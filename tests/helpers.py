@@ -34,7 +34,7 @@ def child_environment(**extra: str) -> dict[str, str]:
 
     Processes started without dplaunch (a test's own torchrun or DeepSpeed script) build
     DeepSpeed's ops where dplaunch's ranks do, so the suite JIT-builds them once, not twice."""
-    from dplaunch.launching.prepare import torch_extensions_dir
+    from dplaunch.launching.deepspeed_ops import torch_extensions_dir
 
     env = dict(os.environ)
     env.setdefault("TORCH_EXTENSIONS_DIR", str(torch_extensions_dir()))
@@ -48,6 +48,17 @@ def child_environment(**extra: str) -> dict[str, str]:
     )
     env.update(extra)
     return env
+
+
+def fake_nvidia_smi(folder: Path, body: str) -> str:
+    """An `nvidia-smi` shell script in ``folder`` running ``body``; returns a PATH that finds it first.
+
+    dplaunch asks `--query-gpu=index,uuid,memory.total,compute_cap,name --format=csv,noheader,nounits`:
+    ``body`` echoes rows such as "0, GPU-0a, 32768, 7.0, Tesla V100-SXM2-32GB"."""
+    script = folder / "nvidia-smi"
+    script.write_text("#!/bin/sh\n" + body + "\n")
+    script.chmod(0o755)
+    return f"{folder}{os.pathsep}{os.environ['PATH']}"
 
 
 def run_dplaunch(

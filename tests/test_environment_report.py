@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import socket
-import stat
 import time
 
 import pytest
 
-from dplaunch import environment_report
 from dplaunch.environment_report import collect_environment, format_environment
+from dplaunch.planning import devices
+from tests import helpers
 
 KEYS = {
     "versions",
@@ -29,10 +28,7 @@ KEYS = {
 
 
 def fake_nvidia_smi(folder, body: str, monkeypatch) -> None:
-    script = folder / "nvidia-smi"
-    script.write_text("#!/bin/sh\n" + body + "\n")
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PATH", helpers.fake_nvidia_smi(folder, body))
 
 
 def test_keys_and_versions_match_package_metadata():
@@ -60,23 +56,22 @@ def test_without_the_op_probe_it_takes_well_under_a_second():
 def test_gpus_come_from_nvidia_smi(tmp_path, monkeypatch):
     fake_nvidia_smi(
         tmp_path,
-        'echo "0, NVIDIA H100 80GB HBM3, 81559 MiB"; echo "1, NVIDIA H100 80GB HBM3, 81559 MiB"',
+        'echo "0, GPU-0a, 81559, 9.0, NVIDIA H100 80GB HBM3"; '
+        'echo "1, GPU-1b, 81559, 9.0, NVIDIA H100 80GB HBM3"',
         monkeypatch,
     )
     report = collect_environment({"CUDA_VISIBLE_DEVICES": "0,1"}, probe_ops=False)
     assert report["gpu_query"] == "ok"
-    assert report["gpus"] == [
-        {"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_mib": 81559},
-        {"index": 1, "name": "NVIDIA H100 80GB HBM3", "memory_mib": 81559},
-    ]
+    h100 = {"name": "NVIDIA H100 80GB HBM3", "memory_mib": 81559, "compute_capability": 9.0}
+    assert report["gpus"] == [{"index": 0, **h100}, {"index": 1, **h100}]
     text = format_environment(report)
-    assert "GPU 1                 NVIDIA H100 80GB HBM3, 80 GiB" in text
+    assert "GPU 1                 NVIDIA H100 80GB HBM3, 80 GiB, compute capability 9.0" in text
     assert "'0,1'" in text
 
 
 def test_a_hung_nvidia_smi_is_reported_not_waited_for(tmp_path, monkeypatch):
     fake_nvidia_smi(tmp_path, "sleep 5", monkeypatch)
-    monkeypatch.setattr(environment_report, "NVIDIA_SMI_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(devices, "NVIDIA_SMI_TIMEOUT_S", 0.5)
     start = time.perf_counter()
     report = collect_environment({}, probe_ops=False)
     assert time.perf_counter() - start < 3

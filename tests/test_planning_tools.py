@@ -19,7 +19,14 @@ from dplaunch.planning.estimate import GIB, estimate_memory, model_state_bytes
 from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.planning.plan import Machine
 from tests.conftest import COMPARISON_FLAGS
-from tests.helpers import REPO, TINY_LLAMA, child_environment, run_dplaunch, train_losses
+from tests.helpers import (
+    REPO,
+    TINY_LLAMA,
+    child_environment,
+    fake_nvidia_smi,
+    run_dplaunch,
+    train_losses,
+)
 
 LLAMA_7B = dict(
     model_type="llama",
@@ -113,14 +120,12 @@ def test_plan_without_a_gpu_asks_for_its_memory_in_one_line():
 
 
 def test_plan_reads_the_gpu_memory_from_nvidia_smi(tmp_path):
-    fake = tmp_path / "nvidia-smi"
-    fake.write_text(
-        "#!/bin/sh\n"
-        'case "$*" in *memory.total*) echo "0, NVIDIA A100-SXM4-40GB, 40960 MiB"; '
-        'echo "1, NVIDIA A100-SXM4-40GB, 40960 MiB";; *) echo 0; echo 1;; esac\n'
+    path = fake_nvidia_smi(
+        tmp_path,
+        'echo "0, GPU-0a, 40960, 8.0, NVIDIA A100-SXM4-40GB"; '
+        'echo "1, GPU-1b, 40960, 8.0, NVIDIA A100-SXM4-40GB"',
     )
-    fake.chmod(0o755)
-    env = child_environment(PATH=f"{tmp_path}:{child_environment()['PATH']}")
+    env = child_environment(PATH=path)
     del env["CUDA_VISIBLE_DEVICES"]
     result = run_dplaunch("plan", TINY_LLAMA, env=env)
     assert result.returncode == 0, result.stderr

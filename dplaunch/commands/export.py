@@ -165,7 +165,7 @@ def export_job_plan(config: RunConfig, saved: Plan) -> tuple[RunConfig, Plan]:
 def run_export_job(directory: Path, job: RunConfig, plan: Plan, out: Path) -> int:
     """Start the export job's ranks in a temporary run directory; return the job's exit status."""
     from dplaunch.commands.train import start
-    from dplaunch.launching.prepare import render_files
+    from dplaunch.launching.prepare import openmp_threads, render_files
 
     run_dir = Path(tempfile.mkdtemp(prefix="dplaunch-export-"))
     job.output_dir = str(run_dir)
@@ -175,7 +175,13 @@ def run_export_job(directory: Path, job: RunConfig, plan: Plan, out: Path) -> in
     # ranks' temporary files go into the run directory, removed with it
     job_env = {"CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(run_dir)}
     prepared = render_files(
-        job, plan, run_dir, target, max_grad_norm=job.train.max_grad_norm, extra_env=job_env
+        job,
+        plan,
+        run_dir,
+        target,
+        max_grad_norm=job.train.max_grad_norm,
+        extra_env=job_env,
+        threads=openmp_threads(plan, None),
     )
     typer.echo(
         f"export job: {plan.world_size} CPU rank(s) join the tp {plan.tensor_parallel_size} "

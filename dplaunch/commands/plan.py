@@ -164,7 +164,7 @@ def resolve_setting(options: PlanOptions) -> PlanSetting:
     if memory is None and launch is not None and launch.gpu_memory_gb is not None:
         memory, source = launch.gpu_memory_gb, "launch.gpu_memory_gb"
     if memory is None:
-        from dplaunch.environment_report import smallest_gpu_memory_gb
+        from dplaunch.planning.devices import smallest_gpu_memory_gb
 
         memory, source = smallest_gpu_memory_gb(), "nvidia-smi"
     if memory is None:

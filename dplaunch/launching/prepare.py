@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import socket
-import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -26,9 +25,16 @@ from dplaunch.cluster.slurm import (
 from dplaunch.config.load import dump_run_config, load_run_config
 from dplaunch.config.schema import LaunchConfig, ModelConfig, RunConfig, ScriptRunConfig
 from dplaunch.errors import UserError
-from dplaunch.launching.ports import claim_free_port, claim_port
+from dplaunch.launching.deepspeed_ops import check_ops_can_be_built, torch_extensions_dir
+from dplaunch.launching.ports import claim_free_port, claim_gpu, claim_port
 from dplaunch.planning.data_check import check_data
-from dplaunch.planning.devices import visible_gpu_count
+from dplaunch.planning.devices import (
+    Gpu,
+    local_gpus,
+    oldest_compute_capability,
+    smallest_gpu_memory_gb,
+    visible_keys,
+)
 from dplaunch.planning.model_facts import (
     ModelFacts,
     check_model_type,
@@ -147,6 +153,15 @@ def model_facts(model: ModelConfig) -> ModelFacts:
     return ModelFacts.from_config_dict(config_json)
 
 
+def local_machine(*, render_only: bool = False) -> tuple[Machine, list[Gpu]]:
+    """What the planner may know of this machine, and the GPUs this process may use."""
+    count, gpus = local_gpus()
+    machine = Machine(
+        visible_gpus=count, render_only=render_only, oldest_gpu=oldest_compute_capability(gpus)
+    )
+    return machine, gpus
+
+
 def check_master_addr(launch: LaunchConfig) -> None:
     """A rendezvous host name that does not resolve would leave every node waiting: refuse it."""
     address = launch.master_addr
@@ -236,13 +251,12 @@ def prepare_training_run(
             f"data.label_names: {', '.join(dataset_classes)} (the dataset's ClassLabel "
             f"{config.data.label_column!r}); model.num_labels {len(dataset_classes)}"
         )
-    machine = Machine(visible_gpus=visible_gpu_count(), render_only=render_only)
+    machine, gpus = local_machine(render_only=render_only)
     auto = None
     if config.parallel.auto:
-        from dplaunch.environment_report import smallest_gpu_memory_gb
         from dplaunch.planning.auto import resolve_auto_parallel
 
-        auto = resolve_auto_parallel(config, facts, machine, smallest_gpu_memory_gb)
+        auto = resolve_auto_parallel(config, facts, machine, lambda: smallest_gpu_memory_gb(gpus))
         config.parallel = auto.parallel
     plan = make_plan(
         config.launch, config.parallel, config.train, machine, facts, task=config.model.task
@@ -250,9 +264,15 @@ def prepare_training_run(
     if auto is not None:
         plan = replace(plan, notes=(*plan.notes, auto.note))
     plan = replace(plan, notes=(*plan.notes, *plan_notes))
+    if not render_only:  # files rendered for elsewhere are built there
+        check_ops_can_be_built(plan)
     plan = _settle_port(
         plan, explicit=config.launch.master_port is not None, render_only=render_only
     )
+    plan, gpu_env = _settle_gpus(
+        plan, gpus, shared=render_only or allocation is not None or bool(config.launch.hostfile)
+    )
+    plan, gloo_env = gloo_interface(plan)
     run_dir = out_dir or Path(config.output_dir or _default_run_dir(config.name or "run"))
     config.output_dir = str(run_dir)
     target = ["-m", "dplaunch.train", str(run_dir.absolute())]
@@ -262,7 +282,9 @@ def prepare_training_run(
         run_dir,
         target,
         max_grad_norm=config.train.max_grad_norm,
-        extra_env=cluster_environment(plan, allocation),
+        extra_env={**gpu_env, **gloo_env},
+        # `dplaunch slurm` plans another machine: the job decides its threads itself
+        threads=openmp_threads(plan, allocation) if use_allocation else None,
     )
 
 
@@ -280,7 +302,7 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
     )
     if not Path(script[0]).is_file():
         raise UserError("SCRIPT", f"{script[0]} does not exist", "give the path of a Python script")
-    machine = Machine(visible_gpus=visible_gpu_count())
+    machine, gpus = local_machine()
     plan = make_plan(config.launch, config.parallel, config.train, machine)
     plan = replace(plan, notes=(*plan.notes, *cluster_notes))
     if plan.engine == "pipeline":
@@ -298,7 +320,12 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
                 "kwargs_handlers=[InitProcessGroupKwargs(backend='gloo')] (dplaunch train does this)",
             ),
         )
+    check_ops_can_be_built(plan)
     plan = _settle_port(plan, explicit=config.launch.master_port is not None, render_only=False)
+    plan, gpu_env = _settle_gpus(
+        plan, gpus, shared=allocation is not None or bool(config.launch.hostfile)
+    )
+    plan, gloo_env = gloo_interface(plan)
     run_dir = Path(config.output_dir or _default_run_dir(Path(script[0]).stem))
     config.output_dir = str(run_dir)
     # each rank runs the script as `python SCRIPT ARGS…` would, and exits without gloo's teardown race
@@ -308,7 +335,8 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
         run_dir,
         ["-m", "dplaunch.train.script", *script],
         max_grad_norm=config.train.max_grad_norm,
-        extra_env=cluster_environment(plan, allocation),
+        extra_env={**gpu_env, **gloo_env},
+        threads=openmp_threads(plan, allocation),
     )
 
 
@@ -320,8 +348,17 @@ def render_files(
     *,
     max_grad_norm: float,
     extra_env: dict[str, str] | None = None,
+    threads: tuple[str, str] | None = None,
 ) -> PreparedRun:
-    """The files, argv and environment that start ``target`` on every rank of ``plan`` (writes nothing)."""
+    """The files, argv and environment that start ``target`` on every rank of ``plan`` (writes nothing).
+
+    ``threads``: openmp_threads' answer (None: the launcher's default, one thread per rank)."""
+    if threads is not None and plan.offload != "none":
+        note = (
+            f"offload: DeepSpeed's CPU Adam steps on {threads[0]} OpenMP thread(s) per rank "
+            f"(OMP_NUM_THREADS: {threads[1]})"
+        )
+        plan = replace(plan, notes=(*plan.notes, note))
     files: dict[str, str] = {}
     run_abs = run_dir.absolute()
     if plan.uses_deepspeed:
@@ -331,7 +368,7 @@ def render_files(
     files[accelerate_name] = render_accelerate_config(plan, str(run_abs / DEEPSPEED_CONFIG_NAME))
     files["run.yaml"] = dump_run_config(config)
     files["plan.json"] = json.dumps(plan.to_dict(), indent=2) + "\n"
-    env = {**rank_environment(plan), **(extra_env or {})}
+    env = {**rank_environment(plan, threads), **(extra_env or {})}
     if config.launch.hostfile:
         argv = hostfile_launch_argv(plan, Path(config.launch.hostfile), target, env)
     else:
@@ -340,8 +377,10 @@ def render_files(
     return PreparedRun(config=config, plan=plan, run_dir=run_dir, files=files, argv=argv, env=env)
 
 
-def rank_environment(plan: Plan) -> dict[str, str]:
-    """Variables dplaunch sets for the ranks on top of the user's environment (never secrets)."""
+def rank_environment(plan: Plan, threads: tuple[str, str] | None = None) -> dict[str, str]:
+    """Variables dplaunch sets for the ranks on top of the user's environment (never secrets).
+
+    ``threads`` is openmp_threads' answer: OMP_NUM_THREADS for each rank, and where it comes from."""
     env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     # launch.timeout_minutes, for scripts that build their own process group (dplaunch launch)
     env["DPLAUNCH_TIMEOUT_MINUTES"] = f"{plan.timeout_minutes:g}"
@@ -355,20 +394,40 @@ def rank_environment(plan: Plan) -> dict[str, str]:
             # an unmodified Accelerate script sees a real gloo world only with this (DESIGN.md); with
             # DeepSpeed it would make Accelerate drop the DeepSpeed plugin, so there gloo is asked for in code
             env["ACCELERATE_USE_CPU"] = "1"
-        cores = os.cpu_count() or 1
-        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(
-            max(1, cores // plan.processes_per_node)
-        )
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = threads[0]
     return env
 
 
-def torch_extensions_dir() -> Path:
-    """Where the ranks' DeepSpeed JIT-builds its ops: one folder per Python environment.
+def openmp_threads(
+    plan: Plan, allocation: SlurmAllocation | None, environ: Mapping[str, str] = os.environ
+) -> tuple[str, str] | None:
+    """OMP_NUM_THREADS for each rank and where it comes from; None leaves it to the launcher.
 
-    DeepSpeed's default is one shared folder: two installs (venvs) then rebuild each other's
-    ops, and a build killed halfway leaves a lock every later run waits on forever."""
-    digest = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
-    return Path.home() / ".cache" / "dplaunch" / "torch_extensions" / digest
+    `accelerate launch` and torchrun set 1 unless the variable is set: right for GPU ranks that
+    only feed kernels, wrong for CPU ranks and for ZeRO-Offload, whose CPU Adam is OpenMP."""
+    needs_cores = plan.target == "cpu" or plan.offload != "none"
+    given = environ.get("OMP_NUM_THREADS")
+    if given:
+        # ranks inherit it anyway; written into launch.sh where it matters
+        return (given, "set in this shell") if needs_cores else None
+    ranks = plan.processes_per_node
+    if allocation is not None:
+        threads = rank_threads(allocation, ranks)
+        if threads is not None:
+            return str(threads), f"SLURM's {allocation.cpus_per_task} CPUs per task ÷ {ranks} ranks"
+    if not needs_cores:
+        return None
+    cores = usable_cores()
+    return str(max(1, cores // ranks)), f"{cores} cores here ÷ {ranks} ranks per node"
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask: taskset, cgroups), else all."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def _settle_port(plan: Plan, *, explicit: bool, render_only: bool) -> Plan:
@@ -392,6 +451,68 @@ def _settle_port(plan: Plan, *, explicit: bool, render_only: bool) -> Plan:
         master_port=port,
         notes=(*plan.notes, f"port {plan.master_port} ({reason}) {why}: using free port {port}"),
     )
+
+
+def _settle_gpus(plan: Plan, gpus: list[Gpu], *, shared: bool) -> tuple[Plan, dict[str, str]]:
+    """Claim this node's GPUs, so that two runs on one machine take different ones (as ports).
+
+    Returns the plan with a note naming them, and CUDA_VISIBLE_DEVICES for the ranks. ``shared``:
+    someone else places the ranks (SLURM's own CUDA_VISIBLE_DEVICES, DeepSpeed's hostfile runner),
+    or the files are only rendered; nothing is claimed then."""
+    if plan.target != "gpu" or shared:
+        return plan, {}
+    candidates = visible_keys(gpus)
+    wanted = plan.processes_per_node
+    chosen: list[str] = []
+    held: list[str] = []
+    for name, key in candidates:
+        if len(chosen) == wanted:
+            break
+        (chosen if claim_gpu(key) else held).append(name)
+    if len(chosen) < wanted:
+        raise UserError(
+            "launch.gpus",
+            f"{wanted} GPU(s) wanted here, but GPU(s) {','.join(held)} of this machine's "
+            f"{len(candidates)} are held by another dplaunch run",
+            "wait for that run to end, or ask for fewer GPUs",
+        )
+    note = f"GPUs {','.join(chosen)} claimed for this run (CUDA_VISIBLE_DEVICES)"
+    if held:
+        note += f"; {','.join(held)} are held by another dplaunch run"
+    plan = replace(plan, notes=(*plan.notes, note))
+    return plan, {"CUDA_VISIBLE_DEVICES": ",".join(chosen)}
+
+
+def gloo_interface(
+    plan: Plan, environ: Mapping[str, str] = os.environ
+) -> tuple[Plan, dict[str, str]]:
+    """GLOO_SOCKET_IFNAME for the ranks of a multi-node run, and a plan note on it.
+
+    Besides NCCL the ranks talk over gloo (the side group that agrees on stops and saves), and gloo
+    binds the address of the host name unless GLOO_SOCKET_IFNAME names an interface: on clusters
+    that can be a network the other nodes do not reach. DeepSpeed's hostfile runner forwards
+    NCCL_* to the other hosts but not GLOO_*, so the variable travels with the ranks' own."""
+    if plan.num_nodes == 1:
+        return plan, {}
+    given = environ.get("GLOO_SOCKET_IFNAME")
+    if given:
+        return plan, {"GLOO_SOCKET_IFNAME": given}
+    nccl = environ.get("NCCL_SOCKET_IFNAME", "")
+    if not nccl:
+        return plan, {}
+    # NCCL reads prefixes ("eth" = eth0, eth1…), "^" exclusions and "=" exact names; gloo only exact
+    # names, so the value is reused only when it names interfaces this node has
+    names = nccl.removeprefix("=").split(",")
+    if not nccl.startswith("^") and set(names) <= {name for _, name in socket.if_nameindex()}:
+        note = (
+            f"GLOO_SOCKET_IFNAME={','.join(names)} (NCCL_SOCKET_IFNAME's) for the ranks' gloo group"
+        )
+        return replace(plan, notes=(*plan.notes, note)), {"GLOO_SOCKET_IFNAME": ",".join(names)}
+    note = (
+        f"NCCL_SOCKET_IFNAME={nccl} is set but GLOO_SOCKET_IFNAME is not: the ranks' gloo group "
+        "uses the host name's address; set GLOO_SOCKET_IFNAME to the interface's exact name"
+    )
+    return replace(plan, notes=(*plan.notes, note)), {}
 
 
 def _default_run_dir(name: str) -> str:
@@ -435,14 +556,6 @@ def launch_for_cluster(
         )
     absolute = str(Path(launch.hostfile).absolute())
     return resolved.model_copy(update={"hostfile": absolute}), notes
-
-
-def cluster_environment(plan: Plan, allocation: SlurmAllocation | None) -> dict[str, str]:
-    """Rank variables an allocation decides: threads per rank from SLURM's CPUs for this task."""
-    if allocation is None or "OMP_NUM_THREADS" in os.environ:
-        return {}
-    threads = rank_threads(allocation, plan.processes_per_node)
-    return {"OMP_NUM_THREADS": str(threads)} if threads is not None else {}
 
 
 def own_host_names() -> tuple[str, ...]:

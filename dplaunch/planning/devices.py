@@ -1,4 +1,8 @@
-"""Count the GPUs a process would see, without importing torch."""
+"""The GPUs this process may use: CUDA_VISIBLE_DEVICES and one nvidia-smi query, without torch.
+
+`dplaunch env`, the planner (count, memory, compute capability) and the GPU claims all read
+this one probe.
+"""
 
 from __future__ import annotations
 
@@ -6,33 +10,151 @@ import os
 import shutil
 import subprocess
 from collections.abc import Mapping
+from dataclasses import dataclass
+
+NVIDIA_SMI_TIMEOUT_S = 5
+# the name goes last: it may hold commas. compute_cap needs a 2021+ driver (asked again without it)
+QUERY_FIELDS = ("index", "uuid", "memory.total", "compute_cap", "name")
+# CUDA_VISIBLE_DEVICES values that hide every GPU
+HIDDEN = ("", "-1", "none", "NoDevFiles")
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU as nvidia-smi lists it."""
+
+    index: int
+    uuid: str
+    name: str
+    memory_mib: int | None
+    compute_capability: float | None  # 7.0 for a V100, 8.0 for an A100; None when not reported
+
+
+@dataclass(frozen=True)
+class GpuProbe:
+    """Every GPU of the machine (CUDA_VISIBLE_DEVICES not applied), and how the query went."""
+
+    gpus: tuple[Gpu, ...]
+    status: str  # "ok", or why there is no list
+
+
+def probe_gpus() -> GpuProbe:
+    """Ask nvidia-smi for the machine's GPUs (at most NVIDIA_SMI_TIMEOUT_S seconds)."""
+    if shutil.which("nvidia-smi") is None:
+        return GpuProbe((), "nvidia-smi not found")
+    fields = QUERY_FIELDS
+    for _attempt in range(2):
+        try:
+            result = subprocess.run(
+                ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=NVIDIA_SMI_TIMEOUT_S,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return GpuProbe((), f"nvidia-smi did not answer within {NVIDIA_SMI_TIMEOUT_S} s")
+        except OSError as exc:
+            return GpuProbe((), f"nvidia-smi failed: {exc}")
+        if result.returncode == 0:
+            return GpuProbe(tuple(_parse(result.stdout, fields)), "ok")
+        message = (result.stderr or result.stdout).strip()
+        if "compute_cap" not in message or "compute_cap" not in fields:
+            break
+        fields = tuple(name for name in fields if name != "compute_cap")  # an older driver
+    first = message.splitlines()[0] if message else ""
+    return GpuProbe((), f"nvidia-smi exit {result.returncode}: {first}".strip())
+
+
+def _parse(text: str, fields: tuple[str, ...]) -> list[Gpu]:
+    gpus = []
+    for line in text.strip().splitlines():
+        parts = [part.strip() for part in line.split(",", len(fields) - 1)]
+        if len(parts) != len(fields) or not parts[0].isdigit():
+            continue
+        row = dict(zip(fields, parts, strict=True))
+        memory = row["memory.total"].split()[0]  # "81559" (nounits), or "81559 MiB"
+        gpus.append(
+            Gpu(
+                index=int(row["index"]),
+                uuid=row["uuid"],
+                name=row["name"],
+                memory_mib=int(memory) if memory.isdigit() else None,
+                compute_capability=_number(row.get("compute_cap", "")),
+            )
+        )
+    return gpus
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:  # "[N/A]"
+        return None
+
+
+def visible_ids(env: Mapping[str, str] | None = None) -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES as a list (indices or UUIDs); None when unset, [] when it hides all."""
+    env = os.environ if env is None else env
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return None
+    if visible.strip() in HIDDEN:
+        return []
+    return [item.strip() for item in visible.split(",") if item.strip()]
+
+
+def visible_gpus(env: Mapping[str, str] | None = None, probe: GpuProbe | None = None) -> list[Gpu]:
+    """The probed GPUs CUDA_VISIBLE_DEVICES lets this process use, in its order."""
+    ids = visible_ids(env)
+    gpus = (probe or probe_gpus()).gpus
+    if ids is None:
+        return list(gpus)
+    return [gpu for wanted in ids for gpu in gpus if _names(gpu, wanted)]
+
+
+def visible_keys(gpus: list[Gpu], env: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+    """Each GPU this process may use as (its name for CUDA_VISIBLE_DEVICES, a machine-wide key).
+
+    The key is the GPU's UUID where nvidia-smi gave one: indices change with CUDA_VISIBLE_DEVICES."""
+    ids = visible_ids(env)
+    if ids is None:
+        return [(str(gpu.index), gpu.uuid or str(gpu.index)) for gpu in gpus]
+    return [
+        (wanted, next((gpu.uuid for gpu in gpus if _names(gpu, wanted) and gpu.uuid), wanted))
+        for wanted in ids
+    ]
+
+
+def _names(gpu: Gpu, wanted: str) -> bool:
+    # CUDA takes an index, a full UUID or a unique prefix of one ("GPU-8932f937")
+    return wanted == str(gpu.index) or (wanted.startswith("GPU-") and gpu.uuid.startswith(wanted))
 
 
 def visible_gpu_count(env: Mapping[str, str] | None = None) -> int:
     """GPUs visible to this process: CUDA_VISIBLE_DEVICES when set, else what nvidia-smi lists."""
-    env = os.environ if env is None else env
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        visible = visible.strip()
-        if visible in ("", "-1", "none", "NoDevFiles"):
-            return 0
-        return len([item for item in visible.split(",") if item.strip()])
-    return _nvidia_smi_count()
+    ids = visible_ids(env)
+    return len(ids) if ids is not None else len(probe_gpus().gpus)
 
 
-def _nvidia_smi_count() -> int:
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    if out.returncode != 0:
-        return 0
-    return len([line for line in out.stdout.splitlines() if line.strip()])
+def local_gpus(env: Mapping[str, str] | None = None) -> tuple[int, list[Gpu]]:
+    """How many GPUs this process may use, and those nvidia-smi describes (one query).
+
+    The count trusts CUDA_VISIBLE_DEVICES where it is set (nvidia-smi may be missing, or list
+    GPUs by indices the container renumbered)."""
+    ids = visible_ids(env)
+    probe = probe_gpus()
+    gpus = visible_gpus(env, probe)
+    return (len(ids) if ids is not None else len(probe.gpus)), gpus
+
+
+def smallest_gpu_memory_gb(gpus: list[Gpu] | None = None) -> float | None:
+    """GiB of the smallest of ``gpus`` (default: those this process may use); None when unknown."""
+    sizes = [gpu.memory_mib for gpu in (visible_gpus() if gpus is None else gpus) if gpu.memory_mib]
+    return min(sizes) / 1024 if sizes else None
+
+
+def oldest_compute_capability(gpus: list[Gpu]) -> tuple[float, str] | None:
+    """The lowest compute capability among ``gpus`` and that GPU's name; None when unknown."""
+    known = [(gpu.compute_capability, gpu.name) for gpu in gpus if gpu.compute_capability]
+    return min(known) if known else None

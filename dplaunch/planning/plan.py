@@ -140,6 +140,8 @@ class Machine:
     visible_gpus: int = 0
     # True for `dplaunch config`/`slurm`: render for the target the flags describe, GPUs need not be here
     render_only: bool = False
+    # the lowest compute capability among the visible GPUs and that GPU's name (None: not known)
+    oldest_gpu: tuple[float, str] | None = None
 
 
 def make_plan(
@@ -193,7 +195,7 @@ def make_plan(
             "rebuild the model's layers after it would compile them",
             "drop train.compile, or use tp 1 and pp 1",
         )
-    mixed_precision = _mixed_precision(train.mixed_precision, target)
+    mixed_precision = _mixed_precision(train.mixed_precision, target, machine)
     micro, accumulation = batch_math(
         train.global_batch_size, train.micro_batch_size, mesh.data_parallel_size
     )
@@ -336,12 +338,30 @@ def _check_parallel(
             )
 
 
-def _mixed_precision(requested: str, target: Target) -> str:
+# bf16 tensor cores (and bf16 in NCCL) start with Ampere; older GPUs emulate it slowly, or fail
+BF16_MIN_COMPUTE_CAPABILITY = 8.0
+
+
+def _mixed_precision(requested: str, target: Target, machine: Machine) -> str:
     if requested == "fp16" and target == "cpu":
         raise UserError(
             "train.mixed_precision",
             "fp16 needs GPUs (CPU ranks have no fp16 kernels)",
             "use bf16 or no on CPU",
+        )
+    oldest = machine.oldest_gpu
+    if (
+        requested == "bf16"
+        and target == "gpu"
+        and not machine.render_only
+        and oldest is not None
+        and oldest[0] < BF16_MIN_COMPUTE_CAPABILITY
+    ):
+        raise UserError(
+            "train.mixed_precision",
+            f"bf16 needs GPUs of compute capability {BF16_MIN_COMPUTE_CAPABILITY:.1f} (Ampere) or "
+            f"newer, and this machine's {oldest[1]} has {oldest[0]:.1f}",
+            "use --mixed-precision fp16 (loss-scaled) or no (fp32)",
         )
     return requested
 
