@@ -25,6 +25,7 @@ from dplaunch.launching.rundir import (
     check_run_dir,
     write_run_files,
 )
+from dplaunch.requirements import check_installed_versions
 
 # `dplaunch launch` runs Python scripts; a run file given to it is meant for `dplaunch train`
 RUN_FILE_SUFFIXES = (".yaml", ".yml", ".json")
@@ -40,6 +41,7 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
     """
     from dplaunch.train import checkpoint
 
+    check_installed_versions()
     prepared = prepare_training_run(flags)
     disk_line = check_run_dir(prepared.run_dir, resuming=resume is not None)
     relaunch = _srun_relaunch(prepared)
@@ -190,6 +192,7 @@ def run_config(flags: RunFlags, out: Path | None) -> int:
 def run_launch(flags: RunFlags, script: list[str], *, dry_run: bool) -> int:
     """Launch a user script with the same plan."""
     _check_script(Path(script[0]))
+    check_installed_versions()
     prepared = prepare_script_launch(flags, script)
     # a script's run directory holds only dplaunch's files: launching into it again is fine
     disk_line = check_run_dir(prepared.run_dir, resuming=True)
