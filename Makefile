@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint docs bench install clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt dplaunch/resources/requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned: an open range would pull a multi-GB CUDA build. TORCH_INDEX: where pip
 	# finds the CPU build when its configuration does not offer one (README, Install)

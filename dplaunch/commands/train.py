@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +28,7 @@ from dplaunch.launching.rundir import (
     write_run_files,
 )
 from dplaunch.requirements import check_installed_versions
+from dplaunch.train.metrics import PROGRESS_ENV
 
 # `dplaunch launch` runs Python scripts; a run file given to it is meant for `dplaunch train`
 RUN_FILE_SUFFIXES = (".yaml", ".yml", ".json")
@@ -241,6 +244,8 @@ def start(
     """
     write_run_files(prepared.run_dir, prepared.files)
     env = {**os.environ, **prepared.env}
+    if sys.stdout.isatty():  # rank 0 draws a live progress bar instead of a line per logged step
+        env.setdefault(PROGRESS_ENV, str(shutil.get_terminal_size().columns))
     watch = RankWatch(prepared.run_dir / ERRORS_DIR, timeout_minutes=prepared.plan.timeout_minutes)
     code = run_supervised(prepared.argv, env, watch=watch)
     if code != 0:
