@@ -100,6 +100,7 @@ def test_the_readme_run_file_and_one_liners_plan_for_16_gpus(tmp_path):
     assert block, "the README's complete run file starts with '# run.yaml'"
     run_file = tmp_path / "run.yaml"
     run_file.write_text(block.group(1))
+    assert block.group(0) in (REPO / "docs" / "run-file.md").read_text()  # the manual's copy
     assert len(block.group(1).splitlines()) <= 25
     home = tmp_path / "hf"
     repo = home / "hub" / "models--Qwen--Qwen2.5-0.5B"
