@@ -161,6 +161,9 @@ def test_accelerate_launch_of_a_cpu_run_needs_accelerate_use_cpu(tmp_path):
     docs = (REPO / "docs" / "training.md").read_text()
     assert '"Distributed\nenvironment: NO, Num processes: 1"' in docs
     assert "With `ACCELERATE_USE_CPU=1`, which `launch.sh` exports" in docs
+    readme = README.read_text()
+    assert '("Distributed environment: NO, Num processes: 1")' in readme
+    assert "only with `ACCELERATE_USE_CPU=1`, which `launch.sh` sets without DeepSpeed" in readme
     rendered = run_dplaunch(
         "config", REPO / "examples" / "tiny-llama.yaml", "--cpu", "--gpus", "2", "--out", tmp_path
     )
