@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt dplaunch/resources/requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned: an open range would pull a multi-GB CUDA build. TORCH_INDEX: where pip
-	# finds the CPU build when its configuration does not offer one (README, Install)
+	# finds the CPU build when its configuration does not offer one (README and docs/training.md, Install)
 	$(PY) -m pip install --quiet -c constraints.txt $(TORCH_INDEX) torch
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,docs]'
 	# an editable install compiles nothing, and with PYTHONDONTWRITEBYTECODE (containers, CI) no
