@@ -34,7 +34,7 @@ lint: $(STAMP)
 # the manual: regenerate the run-file reference from the schema, then build site/ (--strict: a broken
 # link or anchor fails, as in tests/test_docs.py)
 docs: $(STAMP)
-	$(PY) -m dplaunch.config.reference > docs/reference.md
+	$(PY) -m dplaunch.config.reference > docs/reference.md.tmp && mv docs/reference.md.tmp docs/reference.md
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # side-by-side benchmarks against the peers (8–11 min on 2 quiet cores); BENCH_ARGS=--quick, --only NAME, …
