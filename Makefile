@@ -4,14 +4,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench install clean
+.PHONY: demo test lint docs bench install clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt dplaunch/resources/requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned: an open range would pull a multi-GB CUDA build. TORCH_INDEX: where pip
-	# finds the CPU build when its configuration does not offer one (README, Install)
+	# finds the CPU build when its configuration does not offer one (README and docs/training.md, Install)
 	$(PY) -m pip install --quiet -c constraints.txt $(TORCH_INDEX) torch
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,docs]'
 	# an editable install compiles nothing, and with PYTHONDONTWRITEBYTECODE (containers, CI) no
 	# run ever writes bytecode: every command would compile dplaunch again (~50 ms before launch)
 	$(PY) -m compileall -q dplaunch benchmarks >/dev/null
@@ -31,10 +31,16 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dplaunch tests examples benchmarks
 
+# the manual: regenerate the run-file reference from the schema, then build site/ (--strict: a broken
+# link or anchor fails, as in tests/test_docs.py)
+docs: $(STAMP)
+	$(PY) -m dplaunch.config.reference > docs/reference.md.tmp && mv docs/reference.md.tmp docs/reference.md
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 # side-by-side benchmarks against the peers (8–11 min on 2 quiet cores); BENCH_ARGS=--quick, --only NAME, …
 bench: $(STAMP)
 	$(PY) -m compileall -q dplaunch benchmarks >/dev/null  # the peers run from pip-compiled bytecode too
 	OMP_NUM_THREADS=1 $(PY) -m benchmarks.run $(BENCH_ARGS)
 
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache site

@@ -7,7 +7,7 @@ steady-state tokens/s relative to eager (the same median-step window as the thro
 comparison, so compilation is outside it) and the seconds from the command to the first step's
 log line, which is where compiling shows. Each compiled run starts from an empty inductor cache
 (its own TORCHINDUCTOR_CACHE_DIR): what a user's first run pays, not a cached rerun.
-No goals: the README reports the effect of each flag.
+No goals: docs/performance.md reports the effect of each flag.
 """
 
 from __future__ import annotations

@@ -646,6 +646,16 @@ def slurm(
             rich_help_panel=_JOB,
         ),
     ] = None,
+    relative_paths: Annotated[
+        bool,
+        typer.Option(
+            "--relative-paths",
+            help="Name the run file, run directory and logs relative to this directory, and "
+            "python as 'python' unless --python: a script to share or commit, which works when "
+            "sbatch is run from the same directory.",
+            rich_help_panel=_JOB,
+        ),
+    ] = False,
 ) -> None:
     """Write an sbatch script that trains with this plan on SLURM nodes (one launcher per node)."""
     from dplaunch.commands.slurm import SlurmOptions, run_slurm
@@ -664,6 +674,7 @@ def slurm(
         out=out,
         submit=submit,
         python=python,
+        relative_paths=relative_paths,
     )
     raise typer.Exit(run_slurm(flags, options))
 

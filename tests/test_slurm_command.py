@@ -323,26 +323,64 @@ def test_the_committed_examples_are_what_the_generator_writes(tmp_path):
         ]
     )
 
-    def portable(text: str, out_dir: Path) -> str:
-        # the scripts hold this checkout's paths: compare them wherever the checkout lives
-        # the command in the header says RUNS as given (the committed ones: runs/); the rest
-        # has it absolute
-        header, rest = text.split("\n#   world size", 1)
-        header = header.replace(f"--output-dir {runs}/", "--output-dir runs/")
-        text = header + "\n#   world size" + rest.replace(str(runs), "<repo>/runs")
-        return text.replace(str(out_dir), "<slurm>").replace(str(REPO), "<repo>")
+    def portable(text: str) -> str:
+        # the scripts name paths relative to the checkout (--relative-paths); RUNS and the
+        # output folder of this run are elsewhere, so say them as the committed ones do
+        text = text.replace(f"--output-dir {runs}/", "--output-dir runs/")
+        text = text.replace(f"{os.path.relpath(runs, REPO)}/", "runs/")
+        return text.replace(f"--out {os.path.relpath(tmp_path, REPO)}/", "--out slurm/")
 
     for name in generated:
-        fresh = portable((tmp_path / name).read_text(), tmp_path)
+        fresh = portable((tmp_path / name).read_text())
         kept = (REPO / "slurm" / name).read_text()
-        kept_root = kept.split("#SBATCH --chdir=", 1)[1].split("\n", 1)[0]
-        kept = kept.replace(f"{kept_root}/slurm", "<slurm>").replace(kept_root, "<repo>")
         assert fresh == kept, f"slurm/{name} is stale: run bash slurm/generate.sh"
         options = sbatch_options(fresh)
         nodes, per_node = name.removesuffix(".sbatch").split("-")[-1].split("x")
         assert (options["nodes"], options["gres"]) == (nodes, f"gpu:{per_node}")
         assert os.access(tmp_path / name, os.R_OK)
         assert (runs / name.removesuffix(".sbatch") / "logs").is_dir()
+
+
+def test_no_committed_file_holds_this_checkouts_path():
+    listed = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True
+    ).stdout.split(b"\0")
+    checkout = str(REPO).encode()
+    holding = [
+        name.decode()
+        for name in listed
+        if name
+        and (REPO / name.decode()).is_file()
+        and checkout in (REPO / name.decode()).read_bytes()
+    ]
+    assert not holding, f"{holding} name {REPO}: use paths relative to the checkout"
+    for script in (REPO / "slurm").glob("*.sbatch"):
+        text = script.read_text()
+        assert "--chdir" not in text
+        assert not [word for word in srun_words(text) if word.startswith("/")], script.name
+        assert not sbatch_options(text)["output"].startswith("/"), script.name
+
+
+def test_relative_paths_name_the_run_file_run_and_logs_from_the_submit_directory(tmp_path):
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "run.yaml").write_text(TINY_LLAMA.read_text())
+    result = run_dplaunch(
+        "slurm", "configs/run.yaml", "--cpu", "--gpus", "2", "--relative-paths",
+        "-o", "runs/tiny", "--out", "job.sbatch", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    script = (tmp_path / "job.sbatch").read_text()
+    subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")], check=True)
+    assert str(tmp_path) not in script
+    assert "--chdir" not in script  # the job starts where sbatch is run
+    options = sbatch_options(script)
+    assert options["output"] == "runs/tiny/logs/%x-%j.out"
+    words = srun_words(script)
+    launcher = words[words.index("dplaunch-node") + 1 :]
+    assert launcher[:5] == ["python", "-m", "dplaunch", "train", "configs/run.yaml"]
+    assert launcher[launcher.index("--output-dir") + 1] == "runs/tiny"
+    assert (tmp_path / "runs" / "tiny" / "logs").is_dir()  # sbatch needs it, relative or not
+    assert "relative to the directory it is submitted from" in result.stdout
 
 
 # ---------------------------------------------------------------- inside an allocation

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +27,8 @@ from dplaunch.launching.rundir import (
     check_run_dir,
     write_run_files,
 )
+from dplaunch.requirements import check_installed_versions
+from dplaunch.train.metrics import PROGRESS_ENV
 
 # `dplaunch launch` runs Python scripts; a run file given to it is meant for `dplaunch train`
 RUN_FILE_SUFFIXES = (".yaml", ".yml", ".json")
@@ -40,6 +44,7 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
     """
     from dplaunch.train import checkpoint
 
+    check_installed_versions()
     prepared = prepare_training_run(flags)
     disk_line = check_run_dir(prepared.run_dir, resuming=resume is not None)
     relaunch = _srun_relaunch(prepared)
@@ -190,6 +195,7 @@ def run_config(flags: RunFlags, out: Path | None) -> int:
 def run_launch(flags: RunFlags, script: list[str], *, dry_run: bool) -> int:
     """Launch a user script with the same plan."""
     _check_script(Path(script[0]))
+    check_installed_versions()
     prepared = prepare_script_launch(flags, script)
     # a script's run directory holds only dplaunch's files: launching into it again is fine
     disk_line = check_run_dir(prepared.run_dir, resuming=True)
@@ -238,6 +244,8 @@ def start(
     """
     write_run_files(prepared.run_dir, prepared.files)
     env = {**os.environ, **prepared.env}
+    if sys.stdout.isatty():  # rank 0 draws a live progress bar instead of a line per logged step
+        env.setdefault(PROGRESS_ENV, str(shutil.get_terminal_size().columns))
     watch = RankWatch(prepared.run_dir / ERRORS_DIR, timeout_minutes=prepared.plan.timeout_minutes)
     code = run_supervised(prepared.argv, env, watch=watch)
     if code != 0:

@@ -38,20 +38,31 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    # hub id or local directory of a pretrained model
-    name_or_path: str | None = None
-    # a dict of HF config fields (with "model_type"): build a randomly initialised model instead
-    config: dict[str, Any] | None = None
-    # tokenizer id/dir; defaults to name_or_path; "byte-level" is a built-in 259-token tokenizer
-    tokenizer: str | None = None
-    task: Task = "causal-lm"
-    # number of classes for sequence-classification: labels are class numbers 0…num_labels-1
-    # (1, HF's regression, would train nothing under the loop's cross-entropy)
-    num_labels: int = Field(2, ge=2)
-    # executes code shipped with a hub model: off unless the user says so
-    trust_remote_code: bool = False
-    # activation (gradient) checkpointing in the model's blocks
-    gradient_checkpointing: bool = False
+    name_or_path: str | None = Field(
+        None,
+        description="Hub id or local Hugging Face folder of a pretrained model (set this or `model.config`).",
+    )
+    config: dict[str, Any] | None = Field(
+        None,
+        description="A dict of Hugging Face config fields with `model_type`: a randomly initialised model instead of a pretrained one.",
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="Tokenizer hub id or folder; unset: `model.name_or_path`. `byte-level` is a built-in 259-token tokenizer (no files).",
+    )
+    task: Task = Field("causal-lm", description="`causal-lm` or `sequence-classification`.")
+    num_labels: int = Field(
+        2,
+        ge=2,
+        description="Classes for sequence classification, 2 or more; follows `data.label_names` when that is set (1, HF's regression, would train nothing under the loop's cross-entropy).",
+    )
+    trust_remote_code: bool = Field(
+        False, description="Run Python code shipped with a hub model: off unless you say so."
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Activation (gradient) checkpointing in the model's blocks: less activation memory, more compute.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -67,30 +78,47 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    # hub id, or local file(s): .json/.jsonl/.csv/.txt/.parquet (a list for several files)
-    dataset: str | list[str]
-    # the configuration (subset) of a hub dataset, as load_dataset(dataset, dataset_config):
-    # glue needs sst2, wikitext needs wikitext-2-raw-v1, …
-    dataset_config: str | None = None
-    split: str = "train"
-    # a named split of the same (hub) dataset for evaluation ...
-    eval_split: str | None = None
-    # ... or separate local file(s) for evaluation ...
-    eval_dataset: str | list[str] | None = None
-    # ... or a fraction of the training split held out for evaluation
-    eval_fraction: float | None = Field(None, gt=0, lt=1)
-    text_column: str = "text"
-    # optional second text column for sentence-pair classification
-    text_pair_column: str | None = None
-    label_column: str = "label"
-    # sequence-classification: the classes' names in class-number order. Labels may then be
-    # names or numbers; model.num_labels follows, and the exported config gets id2label
-    label_names: list[str] | None = None
-    max_length: int = Field(128, ge=8)
-    # concatenate texts into full max_length blocks (causal-lm only); default on for causal-lm
-    packing: bool | None = None
-    # processes that tokenise the data when it is not cached yet (0: the rank itself)
-    num_workers: int = Field(0, ge=0)
+    dataset: str | list[str] = Field(
+        description="Hub id, local file(s) (`.json/.jsonl/.csv/.txt/.parquet`, a list for several), or a folder written by `save_to_disk` (a `Dataset`, or a `DatasetDict` whose split `data.split` picks)."
+    )
+    dataset_config: str | None = Field(
+        None,
+        description="A hub dataset's configuration (subset), as `load_dataset(dataset, dataset_config)`: `sst2` of `glue`, `wikitext-2-raw-v1` of `wikitext`.",
+    )
+    split: str = Field("train", description="Training split.")
+    eval_split: str | None = Field(
+        None,
+        description="Evaluation on a named split of the same hub dataset or saved `DatasetDict` (one of `eval_split`, `eval_dataset`, `eval_fraction`).",
+    )
+    eval_dataset: str | list[str] | None = Field(
+        None, description="Evaluation on separate local file(s), or a saved `Dataset` folder."
+    )
+    eval_fraction: float | None = Field(
+        None, gt=0, lt=1, description="Evaluation on this fraction of the training split, held out."
+    )
+    text_column: str = Field("text", description="Column holding the text.")
+    text_pair_column: str | None = Field(
+        None, description="Second text column, for sentence-pair classification."
+    )
+    label_column: str = Field(
+        "label", description="Column holding the label (sequence classification)."
+    )
+    label_names: list[str] | None = Field(
+        None,
+        description="Sequence classification: the classes' names in class order, e.g. `[negative, positive]`. Labels may then be names or class numbers; `model.num_labels` follows, and the exported model's `id2label` names them. Unset for a cached hub dataset: its `ClassLabel` names.",
+    )
+    max_length: int = Field(
+        128, ge=8, description="Tokens per sample (the block size when packing)."
+    )
+    packing: bool | None = Field(
+        None,
+        description="Concatenate texts into full `max_length` blocks (causal-lm only); unset: on for causal-lm.",
+    )
+    num_workers: int = Field(
+        0,
+        ge=0,
+        description="Processes that tokenise the data when it is not cached yet (0: the rank itself); the tokens are the same for any count.",
+    )
 
     @field_validator("label_names")
     @classmethod
@@ -123,32 +151,68 @@ class DataConfig(Section):
 
 
 class TrainConfig(Section):
-    # samples per optimizer step over all data-parallel ranks (kept when the GPU count changes)
-    global_batch_size: int = Field(32, ge=1)
-    # samples per forward pass per rank; derived when unset
-    micro_batch_size: int | None = Field(None, ge=1)
-    # optimizer steps; wins over epochs when both are set
-    max_steps: int | None = Field(None, ge=1)
-    epochs: float | None = Field(None, gt=0)
-    lr: float = Field(5e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    scheduler: Scheduler = "linear"
-    warmup_steps: int = Field(0, ge=0)
-    # 0 disables clipping
-    max_grad_norm: float = Field(1.0, ge=0)
-    mixed_precision: MixedPrecision = "no"
-    seed: int = 42
-    log_every: int = Field(10, ge=1)
-    # optimizer steps between evaluations; unset = evaluate at the end only
-    eval_every: int | None = Field(None, ge=1)
-    # steps between checkpoints; unset = no periodic checkpoint
-    checkpoint_every: int | None = Field(None, ge=1)
-    # newest checkpoints kept on disk
-    keep_last: int = Field(2, ge=1)
-    # stop (checkpoint, exit 0) at this step as if preempted; the schedule keeps max_steps
-    stop_after_steps: int | None = Field(None, ge=1)
-    # torch.compile the model (measured effect in the README's Performance section)
-    compile: bool = False
+    global_batch_size: int = Field(
+        32,
+        ge=1,
+        description="Samples per optimizer step over all data-parallel ranks, kept when the GPU count changes.",
+    )
+    micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Samples per forward pass per rank; unset: the largest divisor of the per-rank batch up to 8.",
+    )
+    max_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Optimizer steps; wins over `epochs`. Unset with `epochs` unset: one epoch.",
+    )
+    epochs: float | None = Field(
+        None, gt=0, description="Length of training in epochs (when `max_steps` is unset)."
+    )
+    lr: float = Field(5e-5, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW weight decay (not applied to biases and norms)."
+    )
+    scheduler: Scheduler = Field(
+        "linear", description="Learning-rate schedule, as `transformers.get_scheduler`."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Warm-up steps of the schedule.")
+    max_grad_norm: float = Field(
+        1.0, ge=0, description="Gradient clipping norm; 0 disables clipping."
+    )
+    mixed_precision: MixedPrecision = Field(
+        "no", description="`no`, `fp16` (GPU) or `bf16`: compute in 16 bits from fp32 weights."
+    )
+    seed: int = Field(42, description="Seed of the model initialisation and of the data order.")
+    log_every: int = Field(
+        10,
+        ge=1,
+        description="Optimizer steps between log lines (terminal, metrics.jsonl, TensorBoard).",
+    )
+    eval_every: int | None = Field(
+        None,
+        ge=1,
+        description="Optimizer steps between evaluations (plus one at step 0); unset: evaluate at the end only.",
+    )
+    checkpoint_every: int | None = Field(
+        None,
+        ge=1,
+        description="Steps between checkpoints; unset: a checkpoint only on a signal or at `stop_after_steps`.",
+    )
+    keep_last: int = Field(
+        2,
+        ge=1,
+        description="Complete checkpoints kept on disk; older ones are deleted only after a newer one is complete.",
+    )
+    stop_after_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Stop at this global step as if preempted (checkpoint, exit 0); the schedule still runs to `max_steps`.",
+    )
+    compile: bool = Field(
+        False,
+        description="`torch.compile` (inductor) the model; DDP and ZeRO only. Long runs: compiling costs time before the first step (see Performance).",
+    )
 
     @model_validator(mode="after")
     def _micro_fits(self) -> TrainConfig:
@@ -164,37 +228,59 @@ class TrainConfig(Section):
 
 
 class ParallelConfig(Section):
-    # 0 = plain DDP; 1/2/3 = DeepSpeed ZeRO stage
-    zero_stage: int = Field(0, ge=0, le=3)
-    # ZeRO offload to CPU: optimizer states, or optimizer states and parameters ("all", ZeRO-3)
-    offload: Offload = "none"
-    # tensor-parallel degree (DeepSpeed AutoTP)
-    tp: int = Field(1, ge=1)
-    # pipeline-parallel degree (DeepSpeed pipeline engine)
-    pp: int = Field(1, ge=1)
-    # let `dplaunch plan` pick zero_stage/offload/tp/pp (YAML: `parallel: auto`)
-    auto: bool = False
+    zero_stage: int = Field(
+        0, ge=0, le=3, description="0 = plain DDP; 1/2/3 = DeepSpeed ZeRO stage."
+    )
+    offload: Offload = Field(
+        "none",
+        description="ZeRO offload to CPU memory: `optimizer` states (ZeRO ≥ 1), or optimizer states and parameters (`all`, ZeRO-3).",
+    )
+    tp: int = Field(
+        1, ge=1, description="Tensor-parallel degree (DeepSpeed AutoTP), inside a node."
+    )
+    pp: int = Field(1, ge=1, description="Pipeline-parallel degree (DeepSpeed pipeline engine).")
+    auto: bool = Field(
+        False,
+        description="Let dplaunch pick `zero_stage`, `offload`, `tp` and `pp` from memory; in YAML write `parallel: auto`.",
+    )
 
 
 class LaunchConfig(Section):
-    # total GPUs (ranks) over all nodes; unset = every visible GPU (1 CPU rank without GPUs)
-    gpus: int | None = None
-    nodes: int = Field(1, ge=1)
-    # unset = gpus / nodes
-    gpus_per_node: int | None = Field(None, ge=1)
-    # this node's rank in a multi-node job
-    node_rank: int = Field(0, ge=0)
-    master_addr: str = "127.0.0.1"
-    # unset = 29500 if free (a free port otherwise) on one node; derived from the job id in SLURM
-    master_port: int | None = Field(None, ge=1024, le=65535)
-    # run ranks on CPU with gloo even when GPUs are visible
-    cpu: bool = False
-    # collective timeout: a rank stuck this long fails the job instead of hanging it
-    timeout_minutes: float = Field(30, gt=0)
-    # DeepSpeed hostfile ("host slots=G" lines) for multi-node launch over pdsh/ssh
-    hostfile: str | None = None
-    # GiB per GPU that `parallel: auto` plans for; unset = what nvidia-smi reports
-    gpu_memory_gb: float | None = Field(None, gt=0)
+    gpus: int | None = Field(
+        None,
+        description="Total GPUs (ranks) over all nodes; unset: every visible GPU (1 CPU rank without GPUs). Without GPUs, N CPU ranks on gloo.",
+    )
+    nodes: int = Field(1, ge=1, description="Number of nodes.")
+    gpus_per_node: int | None = Field(
+        None, ge=1, description="GPUs per node; unset: `gpus / nodes`."
+    )
+    node_rank: int = Field(
+        0, ge=0, description="This node's rank in a multi-node job without SLURM."
+    )
+    master_addr: str = Field("127.0.0.1", description="Head node address for the rendezvous.")
+    master_port: int | None = Field(
+        None,
+        ge=1024,
+        le=65535,
+        description="Rendezvous port; unset: 29500 if free (a free one otherwise) on one node, derived from the job id in SLURM.",
+    )
+    cpu: bool = Field(
+        False, description="Run the ranks on CPU with gloo even when GPUs are visible."
+    )
+    timeout_minutes: float = Field(
+        30,
+        gt=0,
+        description="Collective timeout: a rank stuck this long fails the job instead of hanging it.",
+    )
+    hostfile: str | None = Field(
+        None,
+        description="DeepSpeed hostfile (`host slots=G` lines): start every node from one command over pdsh/ssh.",
+    )
+    gpu_memory_gb: float | None = Field(
+        None,
+        gt=0,
+        description="GiB per GPU that `parallel: auto` and `dplaunch plan` plan for; unset: what nvidia-smi reports.",
+    )
 
     @field_validator("gpus")
     @classmethod
@@ -211,14 +297,21 @@ class LaunchConfig(Section):
 class RunConfig(Section):
     """One training run, as resolved from the YAML file, flags and --set overrides."""
 
-    name: str | None = None
+    name: str | None = Field(
+        None,
+        description="Run name: the default run directory is `runs/<name>-<timestamp>` "
+        "(`runs/run-<timestamp>` without one).",
+    )
     model: ModelConfig
     data: DataConfig
     train: TrainConfig = TrainConfig()
     parallel: ParallelConfig = ParallelConfig()
     launch: LaunchConfig = LaunchConfig()
-    # the run directory: resolved config, rendered files, metrics, checkpoints, exported model
-    output_dir: str | None = None
+    output_dir: str | None = Field(
+        None,
+        description="The run directory: resolved config, rendered files, metrics, checkpoints, "
+        "exported model; unset: `runs/<name>-<timestamp>`, relative to the working directory.",
+    )
 
     @model_validator(mode="after")
     def _classes(self) -> RunConfig:

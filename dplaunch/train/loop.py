@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +32,12 @@ from dplaunch.train.checkpoint import (
 )
 from dplaunch.train.data import Batcher, Sharding, load_splits, tokenize, tokenized_cache_file
 from dplaunch.train.engines import AccelerateEngine, StepEngine, build_optimizer
-from dplaunch.train.metrics import MetricsWriter
+from dplaunch.train.metrics import (
+    MetricsWriter,
+    RankPrinter,
+    library_progress,
+    progress_width,
+)
 from dplaunch.train.modeling import load_model, load_tokenizer
 
 # the stop reason of train.stop_after_steps (exit 0); signals give their name (exit 75)
@@ -146,7 +150,7 @@ def start_rank(
         raise RuntimeError(
             f"planned {expected_type} but Accelerate set up {accelerator.distributed_type.value}"
         )
-    say = _printer(place.is_main)
+    say = RankPrinter(place.is_main, width=progress_width())
     _quiet_libraries(place.is_main)
     say(
         f"[dplaunch] {plan.world_size} rank(s), {accelerator.distributed_type.value}, device {accelerator.device}"
@@ -307,7 +311,8 @@ def _tokenized(
     started = time.perf_counter()
     if cache_file is None:
         # nothing shared to wait for: every rank tokenises in memory at the same time
-        tokenized = tokenize(dataset, tokenizer, config.data, task)
+        with library_progress(say):
+            tokenized = tokenize(dataset, tokenizer, config.data, task)
         say(
             f"[dplaunch] {what} data: {len(tokenized)} samples tokenised in memory in "
             f"{time.perf_counter() - started:.2f} s (no cache for this dataset or tokenizer)"
@@ -316,7 +321,8 @@ def _tokenized(
     # a miss: each node's first rank tokenises and writes the file, the node's others then read it
     with accelerator.local_main_process_first():
         existed = cache_file.is_file()
-        tokenized = tokenize(dataset, tokenizer, config.data, task, cache_file)
+        with library_progress(say):
+            tokenized = tokenize(dataset, tokenizer, config.data, task, cache_file)
     done = "read from the tokenised cache" if existed else "tokenised and cached"
     say(
         f"[dplaunch] {what} data: {len(tokenized)} samples {done} in "
@@ -448,10 +454,7 @@ def _run_steps(
                 "memory_gb": _peak_memory_gb(device),
             }
             metrics.write("train", **record)
-            say(
-                f"step {step}/{total_steps}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-                f"tokens/s {record['tokens_per_s']:.0f}"
-            )
+            say.train_step(step, total_steps, record, start_step)
             interval.zero_()
             interval_steps = 0
             last_log, paused = now, 0.0
@@ -543,11 +546,3 @@ def _quiet_libraries(is_main: bool) -> None:
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_warning() if is_main else transformers.utils.logging.set_verbosity_error()
-
-
-def _printer(enabled: bool) -> Any:
-    def say(message: str) -> None:
-        if enabled:
-            print(message, file=sys.stdout, flush=True)
-
-    return say

@@ -1,12 +1,148 @@
-"""metrics.jsonl and TensorBoard events, written by rank 0 only."""
+"""metrics.jsonl and TensorBoard events, and the terminal output, written by rank 0 only."""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import io
 import json
+import os
+import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+# set by `dplaunch train` for its ranks when its own output is an interactive terminal: the
+# terminal's width in columns. Unset (a file, a pipe, a SLURM log): one line per logged step.
+PROGRESS_ENV = "DPLAUNCH_PROGRESS"
+# cursor to the line above, erased: the bar is redrawn as a whole line, so it passes through the
+# launcher's line-by-line relay of the ranks' output and still replaces itself on the terminal
+REDRAW = "\x1b[1A\x1b[2K"
+BAR_CELLS = 30
+
+
+def progress_width(environ: dict[str, str] | None = None) -> int | None:
+    """The terminal width dplaunch passed to the ranks, or None: no progress bar."""
+    value = (os.environ if environ is None else environ).get(PROGRESS_ENV, "")
+    return max(40, int(value)) if value.isdigit() else None
+
+
+class RankPrinter:
+    """Rank 0's terminal output. Messages are lines; a logged training step is a line too
+    (`step 20/60  loss …`), or, on an interactive terminal, a live progress bar redrawn in
+    place: step/total, loss, tokens/s, ETA, with messages printed above it."""
+
+    def __init__(self, enabled: bool, stream: IO[str] | None = None, width: int | None = None):
+        self.enabled = enabled
+        self.stream = stream
+        self.width = width
+        self._bar = ""  # the bar on the terminal's last line, "" when none
+
+    def __call__(self, message: str) -> None:
+        """Print one message (above the progress bar when one is shown)."""
+        if not self.enabled:
+            return
+        if self._bar:
+            self._write(f"{REDRAW}{message}\n{self._bar}\n")
+        else:
+            self._write(f"{message}\n")
+
+    def train_step(self, step: int, total_steps: int, record: dict[str, Any], start_step: int):
+        """A logged step: its line, or the progress bar on a terminal."""
+        if not self.enabled:
+            return
+        if self.width is None:
+            self._write(
+                f"step {step}/{total_steps}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+                f"tokens/s {record['tokens_per_s']:.0f}\n"
+            )
+            return
+        done = step - start_step
+        eta = record["elapsed_s"] / done * (total_steps - step) if done > 0 else 0.0
+        bar = progress_bar(
+            step, total_steps, record["loss"], record["tokens_per_s"], eta, self.width
+        )
+        self._write((REDRAW if self._bar else "") + bar + "\n")
+        # the last step's bar stays where it is: what follows (evaluation, export) goes below
+        self._bar = bar if step < total_steps else ""
+
+    def _write(self, text: str) -> None:
+        stream = self.stream or sys.stdout
+        stream.write(text)
+        stream.flush()
+
+
+@contextlib.contextmanager
+def library_progress(printer: RankPrinter):
+    """On a terminal, rank 0 shows the progress bars of `datasets` (tokenising, packing a large
+    corpus); elsewhere they stay off. tqdm redraws a bar with a carriage return, which the
+    launcher's line-by-line relay would hold until the bar ends: its redraws become lines."""
+    if not printer.enabled or printer.width is None:
+        yield
+        return
+    import datasets
+
+    real = sys.stderr
+    sys.stderr = RedrawnLines(real)  # tqdm looks its stream up when a bar starts
+    datasets.enable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.disable_progress_bars()
+        sys.stderr = real
+
+
+class RedrawnLines(io.TextIOBase):
+    """A stream for tqdm: each carriage-return redraw becomes a whole line that replaces the
+    previous one on the terminal (REDRAW), so it passes through a line-by-line relay."""
+
+    def __init__(self, stream: IO[str]):
+        self.stream = stream
+        self._shown = False  # the last line on the terminal is a bar being redrawn
+
+    def write(self, text: str) -> int:
+        out = []
+        for chunk in text.replace("\r\n", "\n").split("\r"):
+            *ended, last = chunk.split("\n")
+            for line in ended:  # a bar left standing, or an ordinary line
+                if line.strip():
+                    out.append((REDRAW if self._shown else "") + line.rstrip() + "\n")
+                self._shown = False
+            if last.strip():
+                out.append((REDRAW if self._shown else "") + last.rstrip() + "\n")
+                self._shown = True
+        if out:
+            self.stream.write("".join(out))
+            self.stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def progress_bar(
+    step: int, total_steps: int, loss: float, tokens_per_s: float, eta_s: float, width: int
+) -> str:
+    """One terminal line (ANSI colours, at most WIDTH cells): step/total, bar, loss, tokens/s, ETA."""
+    from rich.console import Console
+    from rich.text import Text
+
+    filled = round(BAR_CELLS * step / max(total_steps, 1))
+    eta = datetime.timedelta(seconds=round(eta_s))
+    line = Text.assemble(
+        (f"step {step}/{total_steps} ", "bold"),
+        ("━" * filled, "green"),
+        ("━" * (BAR_CELLS - filled), "bright_black"),
+        f" {100 * step / max(total_steps, 1):3.0f}%  loss {loss:.4f}  "
+        f"tokens/s {tokens_per_s:,.0f}  ETA {eta}",
+    )
+    console = Console(file=io.StringIO(), force_terminal=True, width=width, color_system="standard")
+    console.print(line, no_wrap=True, overflow="ellipsis", crop=True, end="")
+    return console.file.getvalue()
 
 
 class MetricsWriter:
