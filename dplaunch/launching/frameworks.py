@@ -92,19 +92,21 @@ def resolve_framework(choice: str, script: Path) -> str:
 
 
 def check_horovod() -> None:
-    """Refuse --framework horovod where Horovod cannot be imported (it builds from source)."""
+    """Refuse --framework horovod: where Horovod cannot be imported (its last release builds
+    from source and fails against torch >= 2.1's C++17 headers), and where it can, for dplaunch
+    has no Horovod launch it could test (docs: Horovod)."""
     if importlib.util.find_spec("horovod") is None:
         raise UserError(
             "--framework",
-            "horovod is not installed in this Python environment (its last release, 0.28.1, "
-            "builds from source and does not build against this torch)",
-            "port the script to torch.distributed (`dplaunch launch` runs DDP scripts as they are) "
-            "or install a Horovod that imports here",
+            "horovod cannot be imported here (Horovod 0.28.1, its last release, builds from "
+            "source and does not build against this torch: it compiles as C++14, torch needs C++17)",
+            "run the script with torch.distributed instead (`dplaunch launch` starts DDP scripts "
+            "as they are), or install a Horovod that imports and start it with horovodrun --gloo",
         )
     raise UserError(
         "--framework",
-        "horovod is installed but dplaunch does not start Horovod jobs yet",
-        "start it with horovodrun --gloo (its own launcher)",
+        "dplaunch does not start Horovod jobs (no Horovod builds against this stack to test one)",
+        "start it with Horovod's own launcher: horovodrun --gloo -np N python SCRIPT",
     )
 
 
