@@ -127,7 +127,12 @@ def prepare_tensorflow_launch(flags: RunFlags, script: list[str]) -> PreparedRun
     )
     _refuse_model_parallelism(plan)
     per_node = workers_per_node(plan)
-    ports, port_notes = _worker_ports(plan, per_node, explicit=config.launch.master_port)
+    # in the batch shell (a job, no step) dplaunch only reruns itself with srun: the ports are
+    # for the step's dplaunch to claim, and a claim held here would push it off them
+    relaunching = allocation is not None and not allocation.inside_step
+    ports, port_notes = _worker_ports(
+        plan, per_node, explicit=config.launch.master_port, claim=not relaunching
+    )
     layout = WorkerLayout(hosts, per_node, ports)
     run_dir = Path(config.output_dir or _default_run_dir(Path(script[0]).stem))
     config.output_dir = str(run_dir)
@@ -249,7 +254,7 @@ def _refuse_model_parallelism(plan: Plan) -> None:
 
 
 def _worker_ports(
-    plan: Plan, per_node: int, *, explicit: int | None
+    plan: Plan, per_node: int, *, explicit: int | None, claim: bool
 ) -> tuple[tuple[int, ...], list[str]]:
     # every worker listens on its own port: base, base+1, … (the same on every node, so every
     # node renders the same cluster); this node claims its own, as launching.ports describes
@@ -257,7 +262,7 @@ def _worker_ports(
     ports = list(default_worker_ports(plan.master_port, total))
     first = plan.node_rank * per_node
     notes: list[str] = []
-    for index in range(first, first + per_node):
+    for index in range(first, first + per_node) if claim else ():
         taken = claim_port(ports[index])
         if taken is None:
             continue
