@@ -108,6 +108,45 @@ def test_keras_weights_after_2_workers_equal_1_worker_on_the_same_global_batch(
         assert moved > 1000 * WEIGHT_TOLERANCE, moved
 
 
+# worker 1 stops taking part; worker 0's all-reduce gives up after launch.timeout_minutes, which
+# the script passes to the strategy as dplaunch's example does
+STALLS_ON_WORKER_1 = """
+import os, time
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+import tensorflow as tf
+timeout_s = float(os.environ["DPLAUNCH_TIMEOUT_MINUTES"]) * 60
+strategy = tf.distribute.MultiWorkerMirroredStrategy(
+    communication_options=tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout_s)
+)
+if strategy.cluster_resolver.task_id == 1:
+    time.sleep(300)
+@tf.function
+def step():
+    return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce("sum", tf.ones([1])))
+step()
+"""
+
+
+@needs_tensorflow
+@pytest.mark.multiprocess
+def test_a_stalled_worker_fails_the_job_at_the_collective_timeout(tmp_path):
+    script = tmp_path / "stalls.py"
+    script.write_text(STALLS_ON_WORKER_1)
+    started = time.monotonic()
+    result = run_dplaunch(
+        "launch", script, "--cpu", "--gpus", "2", "-o", tmp_path / "run",
+        "--set", "launch.timeout_minutes=0.1", env=tf_environment(), timeout=280,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    # worker 1 sleeps 300 s: ending before that means the timeout ended it
+    assert time.monotonic() - started < 250
+    assert "launch.timeout_minutes = 0.1 (6 s)" in result.stderr
+    assert last_line(result.stderr) == (
+        "[rank 0] Collective has timed out waiting for other workers."
+    ), result.stderr[-3000:]
+    assert run_processes(str(script)) == []
+
+
 # --- supervision: the same as for PyTorch ranks ----------------------------------------------------
 
 # looks like a worker of a TensorFlow job; imports nothing heavy, so the tests stay fast
