@@ -310,6 +310,30 @@ def test_two_nodes_on_loopback_render_one_cluster_of_4_workers(tmp_path):
     assert (tmp_path / "run" / "workers-node1.json").exists()
 
 
+def test_a_hostfile_run_on_each_node_renders_one_cluster_of_its_hosts(tmp_path):
+    # two names of this machine stand for two hosts; each node runs the same command
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    script = worker_script(tmp_path, "prints.py", PRINTS_TF_CONFIG)
+    runs = []
+    for rank in (0, 1):
+        args = (
+            "launch", script, "--framework", "tensorflow", "--cpu", "--hostfile", hostfile,
+            "--node-rank", rank, "--master-port", "29720", "-o", tmp_path / "run",
+        )  # fmt: skip
+        (tmp_path / f"node{rank}").mkdir()
+        runs.append(start_dplaunch(tmp_path / f"node{rank}", *args))
+    assert [run.wait(timeout=120) for run in runs] == [0, 0], output(tmp_path / "node1")[1]
+    configs = tf_configs("".join(output(tmp_path / f"node{rank}")[0] for rank in (0, 1)))
+    assert configs == [
+        {
+            "cluster": {"worker": ["localhost:29720", "127.0.0.1:29721"]},
+            "task": {"type": "worker", "index": index},
+        }
+        for index in (0, 1)
+    ]
+
+
 SLURM_2_NODES = {
     "SLURM_JOB_ID": "4242",
     "SLURM_JOB_NODELIST": "tf-node[1-2]",
