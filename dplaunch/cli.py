@@ -41,6 +41,14 @@ class ParallelChoice(str, Enum):
     auto = "auto"
 
 
+class Framework(str, Enum):
+    # launching.frameworks.FRAMEWORKS; auto: what the script imports
+    auto = "auto"
+    pytorch = "pytorch"
+    tensorflow = "tensorflow"
+    horovod = "horovod"
+
+
 class Precision(str, Enum):
     no = "no"
     fp16 = "fp16"
@@ -343,7 +351,8 @@ def config(
 def launch(
     flags: Any,
     script: Annotated[
-        Path, typer.Argument(help="Your Accelerate or torchrun-style Python script.")
+        Path,
+        typer.Argument(help="Your Accelerate, torchrun-style or TensorFlow Python script."),
     ],
     script_args: Annotated[
         list[str] | None, typer.Argument(help="Arguments for the script (after --).")
@@ -351,11 +360,19 @@ def launch(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the plan and launch command; start nothing.")
     ] = False,
+    framework: Annotated[
+        Framework,
+        typer.Option(
+            "--framework",
+            help="auto: what the script imports (TensorFlow/Keras: workers with TF_CONFIG).",
+        ),
+    ] = Framework.auto,
 ) -> None:
-    """Launch any Accelerate or plain PyTorch DDP script with the same plan: dplaunch launch SCRIPT [flags] -- ARGS."""
+    """Launch any Accelerate, PyTorch DDP or TensorFlow script with the same plan: dplaunch launch SCRIPT [flags] -- ARGS."""
     from dplaunch.commands.train import run_launch
 
-    raise typer.Exit(run_launch(flags, [str(script), *(script_args or [])], dry_run=dry_run))
+    argv = [str(script), *(script_args or [])]
+    raise typer.Exit(run_launch(flags, argv, dry_run=dry_run, framework=framework.value))
 
 
 class Task(str, Enum):

@@ -409,3 +409,33 @@ def test_dplaunch_train_in_a_batch_script_starts_its_own_step_with_one_task_per_
     assert "srun --nodes=1 --ntasks=1 --ntasks-per-node=1 --kill-on-bad-exit=1" in out
     assert f"SLURM job {job_id}: this is node 0 of 1" in out  # printed by the launcher in the step
     assert read_metrics(tmp_path / "run")[0]["world_size"] == 2
+
+
+def test_a_tensorflow_script_in_a_batch_script_gets_the_allocations_host_and_port(
+    slurm_cluster, tmp_path
+):
+    from dplaunch.cluster.slurm import MASTER_PORT_BASE, MASTER_PORT_SPAN
+    from tests.test_tensorflow_launch import PRINTS_TF_CONFIG, tf_configs, worker_script
+
+    # TF_CONFIG from SLURM's own variables: dplaunch starts the step, the node's 2 CPU workers
+    # listen on the job's port and the next one, on the node SLURM names
+    script = worker_script(tmp_path, "prints.py", PRINTS_TF_CONFIG)
+    batch = write_script(
+        tmp_path / "tf.sbatch",
+        f"""
+        #SBATCH --ntasks=1
+        #SBATCH --output=tf.out
+        #SBATCH --error=tf.err
+        {sys.executable} -m dplaunch launch {script} --framework tensorflow --cpu --gpus 2 -o run
+        """,
+    )
+    job_id = slurm_cluster.submit(batch, cwd=tmp_path)
+    state = slurm_cluster.wait(job_id, timeout=300)
+    out = (tmp_path / "tf.out").read_text()
+    assert state == "COMPLETED", out + (tmp_path / "tf.err").read_text()
+    port = MASTER_PORT_BASE + int(job_id) % MASTER_PORT_SPAN
+    cluster = [f"{slurm_cluster.hostname}:{port}", f"{slurm_cluster.hostname}:{port + 1}"]
+    assert tf_configs(out) == [
+        {"cluster": {"worker": cluster}, "task": {"type": "worker", "index": index}}
+        for index in (0, 1)
+    ]

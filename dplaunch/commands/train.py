@@ -192,11 +192,13 @@ def run_config(flags: RunFlags, out: Path | None) -> int:
     return 0
 
 
-def run_launch(flags: RunFlags, script: list[str], *, dry_run: bool) -> int:
-    """Launch a user script with the same plan."""
+def run_launch(
+    flags: RunFlags, script: list[str], *, dry_run: bool, framework: str = "auto"
+) -> int:
+    """Launch a user script with the same plan (TensorFlow scripts: workers with TF_CONFIG)."""
     _check_script(Path(script[0]))
     check_installed_versions()
-    prepared = prepare_script_launch(flags, script)
+    prepared = _prepare_launch(flags, script, framework)
     # a script's run directory holds only dplaunch's files: launching into it again is fine
     disk_line = check_run_dir(prepared.run_dir, resuming=True)
     relaunch = _srun_relaunch(prepared)
@@ -209,6 +211,17 @@ def run_launch(flags: RunFlags, script: list[str], *, dry_run: bool) -> int:
         return 0
     typer.echo(f"run directory: {prepared.run_dir} ({disk_line})")
     return start(prepared)
+
+
+def _prepare_launch(flags: RunFlags, script: list[str], framework: str) -> PreparedRun:
+    from dplaunch.launching import frameworks
+
+    chosen = frameworks.resolve_framework(framework, Path(script[0]))
+    if chosen == "tensorflow":
+        return frameworks.prepare_tensorflow_launch(flags, script)
+    if chosen == "horovod":
+        frameworks.check_horovod()
+    return prepare_script_launch(flags, script)
 
 
 def _check_script(script: Path) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import traceback
 
+from dplaunch.launching.workers import TRACEBACK_PREFIX_ENV
 from dplaunch.train.rank_process import begin_rank, exit_rank, status_of
 
 
@@ -29,9 +31,19 @@ def main(argv: list[str]) -> int:
         # through sys.excepthook, as Python does: torch's prefixes each line with "[rankN]: ",
         # which is how dplaunch's launcher finds the error of the rank that failed first
         trimmed = _from_script(error.__traceback__, script)
-        sys.excepthook(type(error), error.with_traceback(trimmed), trimmed)
+        if os.environ.get(TRACEBACK_PREFIX_ENV):  # a TensorFlow worker: no torch to prefix it
+            _print_prefixed(error.with_traceback(trimmed), os.environ.get("RANK", "0"))
+        else:
+            sys.excepthook(type(error), error.with_traceback(trimmed), trimmed)
         return 1
     return 0
+
+
+def _print_prefixed(error: BaseException, rank: str) -> None:
+    # one write, so that the lines of two workers failing together do not interleave
+    lines = "".join(traceback.format_exception(error)).rstrip("\n").split("\n")
+    sys.stderr.write("".join(f"[rank{rank}]: {line}\n" for line in lines))
+    sys.stderr.flush()
 
 
 def _from_script(tb, script: str):  # noqa: ANN001, ANN202 — traceback objects
