@@ -28,9 +28,9 @@ from dplaunch.launching.prepare import (
     PreparedRun,
     RunFlags,
     _default_run_dir,
-    cluster_environment,
     current_allocation,
     launch_for_cluster,
+    openmp_threads,
     own_host_names,
     rank_environment,
 )
@@ -146,7 +146,9 @@ def prepare_tensorflow_launch(flags: RunFlags, script: list[str]) -> PreparedRun
         notes=(*plan.notes, *notes, *port_notes, *_layout_notes(plan, layout, spec_name)),
     )
     argv = [sys.executable, "-m", "dplaunch.launching.workers", str(run_abs / spec_name)]
-    env = {**rank_environment(plan), **cluster_environment(plan, allocation)}
+    # threads per worker from SLURM's CPUs for this task; elsewhere the workers' own default
+    threads = openmp_threads(plan, allocation) if allocation is not None else None
+    env = {**rank_environment(plan), **({"OMP_NUM_THREADS": threads[0]} if threads else {})}
     files = {
         "run.yaml": dump_run_config(config),
         "plan.json": json.dumps(plan.to_dict(), indent=2) + "\n",
