@@ -70,7 +70,11 @@ def test_plan_for_a_7b_llama_on_16_x_80gb_recommends_zero1_and_says_why(tmp_path
     assert ddp.split()[-1] == "no"  # 100.4 GB of model states alone
     marked = [line for line in out.splitlines() if line.startswith("* ")]
     assert marked[0].startswith("* ZeRO-1 ") and marked[0].endswith("yes")
-    assert marked[1].startswith("* ZeRO-1 fits in 80 GB with 27% headroom")
+    # sdpa, transformers' pick for llama: no s×s scores (eager would leave 18%)
+    assert "sdpa attention, as transformers picks it" in out
+    assert marked[1].startswith("* ZeRO-1 fits in 80 GB with 48% headroom")
+    assert "memory of one GPU under ZeRO-1 (GiB):" in out
+    assert re.search(r"logits in the loss \(12 bytes each\) +0\.73\b", out)
 
     rows = json.loads(
         run_dplaunch(
@@ -82,7 +86,9 @@ def test_plan_for_a_7b_llama_on_16_x_80gb_recommends_zero1_and_says_why(tmp_path
             "--nodes",
             "4",
             "--gpu-memory",
-            "24",
+            "32",
+            "--attn-implementation",
+            "eager",
             "--json",
         ).stdout
     )
@@ -171,18 +177,19 @@ def test_auto_picks_a_plan_that_fits_when_ddp_does_not(tmp_path):
         llama_7b_run_file(tmp_path / "7b.yaml"),
         "launch.gpus=16",
         "launch.nodes=4",
-        "launch.gpu_memory_gb=24",
+        "launch.gpu_memory_gb=32",
+        "model.attn_implementation=eager",
     )
     facts = ModelFacts.from_config_dict(LLAMA_7B)
     choice = resolve_auto_parallel(config, facts, Machine(visible_gpus=4))
     ddp = next(c for c in choice.candidates if c.name == "DDP")
     assert not ddp.fits
     picked = next(c for c in choice.candidates if c.recommended)
-    assert picked.fits and picked.total_gb <= 24 * 0.9
+    assert picked.fits and picked.total_gb <= 32 * 0.9
     p = choice.parallel
     assert (p.zero_stage, p.offload, p.tp, p.pp, p.auto) == (1, "none", 4, 1, False)
-    assert choice.note.startswith("parallel: auto → ZeRO-1 with tp 4 fits in 24 GB")
-    assert "(24 GB per GPU from launch.gpu_memory_gb)" in choice.note
+    assert choice.note.startswith("parallel: auto → ZeRO-1 with tp 4 fits in 32 GB")
+    assert "(32 GB per GPU from launch.gpu_memory_gb)" in choice.note
 
 
 def test_auto_picks_ddp_when_ddp_fits():
@@ -243,7 +250,9 @@ def test_auto_dry_run_runs_the_recommended_plan_and_prints_why(tmp_path):
         "--nodes",
         "4",
         "--set",
-        "launch.gpu_memory_gb=24",
+        "launch.gpu_memory_gb=32",
+        "--set",
+        "model.attn_implementation=eager",
         "--master-port",
         "29677",
         "--dry-run",
@@ -253,7 +262,7 @@ def test_auto_dry_run_runs_the_recommended_plan_and_prints_why(tmp_path):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "mesh: dp 4 × tp 4 × pp 1 = 16 ranks" in out and "ZeRO stage 1" in out
-    assert "note: parallel: auto → ZeRO-1 with tp 4 fits in 24 GB" in out
+    assert "note: parallel: auto → ZeRO-1 with tp 4 fits in 32 GB" in out
     resolved = yaml.safe_load(out.split("run.yaml\n", 1)[1].split("\n---", 1)[0])
     assert resolved["parallel"] == {
         "zero_stage": 1,
@@ -523,3 +532,56 @@ def test_env_shows_versions_gpus_port_and_deepspeed_ops():
     assert re.search(r"^  cpu_adam\s+(compatible|NOT compatible)", out, re.M)
     fast = run_dplaunch("env", "--no-ops", "--json")
     assert json.loads(fast.stdout)["deepspeed_ops"] is None
+
+
+# -- one estimate for the plan, `parallel: auto` and the GPU benchmark ---------------------------
+
+
+def test_the_gpu_benchmark_checks_the_estimate_the_planner_makes(tmp_path):
+    from benchmarks.gpu_report import run_estimate
+    from dplaunch.planning.auto import plan_candidates, run_workload
+
+    run = yaml.safe_load((REPO / "benchmarks" / "configs" / "llama-1b.yaml").read_text())
+    config = build_run_config(run)
+    facts = ModelFacts.from_config_dict(config.model.config)
+    table = plan_candidates(facts, run_workload(config), gpus=1, gpus_per_node=1, gpu_memory_gb=141)
+    ddp = next(c for c in table if c.name == "DDP")
+    assert run_estimate(run) == ddp.memory
+    assert ddp.memory.attn_implementation == "sdpa"  # what transformers runs for llama
+    run["model"]["attn_implementation"] = "eager"
+    eager = run_estimate(run)
+    assert eager.attn_implementation == "eager"
+    assert eager.activations_gb > 2 * ddp.activations_gb  # 32 heads × 2048² scores per layer
+
+
+def test_plan_flag_and_run_file_key_name_the_same_attention_kernels():
+    from typing import get_args
+
+    from dplaunch.cli import AttentionKernel
+    from dplaunch.config.schema import AttentionImplementation
+
+    assert [k.value for k in AttentionKernel] == list(get_args(AttentionImplementation))
+    eager = run_dplaunch(
+        "plan",
+        TINY_LLAMA,
+        "--gpus",
+        "2",
+        "--gpu-memory",
+        "16",
+        "--set",
+        "model.attn_implementation=eager",
+    )
+    assert eager.returncode == 0, eager.stderr
+    assert "eager attention (keeps the s×s attention scores)" in eager.stdout
+    wrong = run_dplaunch(
+        "plan",
+        TINY_LLAMA,
+        "--gpus",
+        "2",
+        "--gpu-memory",
+        "16",
+        "--set",
+        "model.attn_implementation=fast",
+    )
+    assert wrong.returncode == 2
+    assert wrong.stderr.startswith("dplaunch: error: model.attn_implementation:")

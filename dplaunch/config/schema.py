@@ -12,6 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 Task = Literal["causal-lm", "sequence-classification"]
 MixedPrecision = Literal["no", "fp16", "bf16"]
 Offload = Literal["none", "optimizer", "all"]
+# attention kernels transformers runs (from_pretrained/from_config attn_implementation)
+AttentionImplementation = Literal[
+    "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"
+]
 Scheduler = Literal[
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"
 ]
@@ -52,6 +56,9 @@ class ModelConfig(Section):
     trust_remote_code: bool = False
     # activation (gradient) checkpointing in the model's blocks
     gradient_checkpointing: bool = False
+    # attention kernel: eager keeps every head's s×s score matrix for backward, the others never
+    # build it; unset = what transformers picks (sdpa where the model supports it, else eager)
+    attn_implementation: AttentionImplementation | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
