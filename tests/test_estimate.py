@@ -546,3 +546,69 @@ def test_eager_keeps_the_score_bytes_the_estimate_counts_and_sdpa_none(mixed_pre
     )
     # 8 heads × 256 × 256 × 2 per layer: 6 bytes each in bf16, 4 in fp32
     assert measured == pytest.approx(count.num_layers * scores, rel=0.02)
+
+
+def peak_bytes_of(step) -> int:
+    """Peak bytes of the tensors ``step()`` creates and holds at once (storages, CPU)."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class LiveStorages(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live = self.peak = 0
+            self.seen: set[int] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in tree_flatten(out)[0]:
+                if not isinstance(tensor, torch.Tensor):
+                    continue
+                storage = tensor.untyped_storage()
+                key, size = storage.data_ptr(), storage.nbytes()
+                if key in self.seen or size == 0:
+                    continue
+                self.seen.add(key)
+                self.live += size
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self.free, key, size)
+            return out
+
+        def free(self, key: int, size: int) -> None:
+            self.seen.discard(key)
+            self.live -= size
+
+    with LiveStorages() as mode:
+        step()
+    return mode.peak
+
+
+@pytest.mark.parametrize("mixed_precision", ["bf16", "no"])
+def test_hf_loss_peaks_at_the_bytes_per_logit_the_estimate_counts(mixed_precision):
+    import torch
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from dplaunch.planning.estimate import LOSS_BYTES_PER_LOGIT
+
+    batch, seq, hidden, vocab = 2, 128, 8, 4096
+    dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
+    states = torch.randn(batch, seq, hidden, requires_grad=True)
+    head = torch.randn(vocab, hidden, requires_grad=True)
+    labels = torch.randint(0, vocab, (batch, seq))
+
+    def loss_and_backward():
+        # as the loop does: model(**batch).loss, the output (and its logits) dropped at once
+        logits = torch.nn.functional.linear(states.to(dtype), head.to(dtype))
+        loss = ForCausalLMLoss(logits, labels, vocab)
+        del logits
+        loss.backward()
+
+    per_logit = peak_bytes_of(loss_and_backward) / (batch * seq * vocab)
+    # the head's copies and gradient add hidden·(2 or 4)/(batch·seq) ≤ 0.13 bytes per logit
+    assert per_logit == pytest.approx(LOSS_BYTES_PER_LOGIT, abs=0.2)
+    count = count_parameters(facts(**TINY_LLAMA))
+    memory = estimate_memory(facts(**TINY_LLAMA), micro_batch=batch, seq_len=seq)
+    assert memory.logits_gb * GIB == batch * seq * count.vocab_size * LOSS_BYTES_PER_LOGIT

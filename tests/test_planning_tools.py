@@ -19,7 +19,14 @@ from dplaunch.planning.estimate import GIB, estimate_memory, model_state_bytes
 from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.planning.plan import Machine
 from tests.conftest import COMPARISON_FLAGS
-from tests.helpers import REPO, TINY_LLAMA, child_environment, run_dplaunch, train_losses
+from tests.helpers import (
+    REPO,
+    TINY_LLAMA,
+    child_environment,
+    refusal_line,
+    run_dplaunch,
+    train_losses,
+)
 
 LLAMA_7B = dict(
     model_type="llama",
@@ -585,3 +592,90 @@ def test_plan_flag_and_run_file_key_name_the_same_attention_kernels():
     )
     assert wrong.returncode == 2
     assert wrong.stderr.startswith("dplaunch: error: model.attn_implementation:")
+
+
+# -- host RAM: every rank of a node loads the model at once ------------------------------------
+
+
+def test_eight_ranks_that_each_load_a_fp32_7b_are_refused_on_a_128_gib_node():
+    from dplaunch.config.schema import LaunchConfig, ParallelConfig, TrainConfig
+    from dplaunch.planning.plan import make_plan
+
+    facts = ModelFacts.from_config_dict(LLAMA_7B)
+    node = Machine(visible_gpus=8, host_memory_gb=128)
+    bf16 = TrainConfig(mixed_precision="bf16", global_batch_size=64)
+
+    def plan(machine: Machine = node, **parallel: object):
+        return make_plan(LaunchConfig(gpus=8), ParallelConfig(**parallel), bf16, machine, facts)
+
+    with pytest.raises(UserError) as refused:
+        plan(zero_stage=2)
+    # 8 × 4 bytes × 6.74 B parameters = 200.8 GiB
+    assert str(refused.value).startswith(
+        "launch.gpus_per_node: host RAM: 8 rank(s) per node × 25.1 GiB (the fp32 model at load) "
+        "= 200.8 GiB of this node's 128.0 GiB"
+    )
+    assert "use ZeRO-3" in str(refused.value)
+    assert not any("host RAM" in note for note in plan(zero_stage=3).notes)  # 8 × 3.1 GiB
+    # offloading all of ZeRO-3's states keeps 18 bytes × Ψ/8 per rank in host RAM: a note
+    offloaded = plan(zero_stage=3, offload="all")
+    assert any(
+        note.startswith("host RAM: 8 rank(s) per node × 14.1 GiB") for note in offloaded.notes
+    )
+    plan(Machine(visible_gpus=8), zero_stage=2)  # RAM unknown: nothing to check
+    plan(Machine(visible_gpus=8, render_only=True, host_memory_gb=128), zero_stage=2)  # elsewhere
+
+
+def test_a_78b_on_two_gpus_is_refused_before_launch_in_one_line(tmp_path):
+    path = llama_7b_run_file(tmp_path / "78b.yaml", parallel={"zero_stage": 0})
+    data = yaml.safe_load(path.read_text())
+    data["model"]["config"].update(hidden_size=8192, num_hidden_layers=80, intermediate_size=28672)
+    path.write_text(yaml.safe_dump(data))
+    two_gpus = child_environment(CUDA_VISIBLE_DEVICES="0,1")  # the planner counts them from here
+    run = ("train", path, "--gpus", "2", "--dry-run", "-o", tmp_path / "run")
+    # 2 × 4 bytes × 78 B parameters: no machine this runs on has 584 GiB
+    refused = run_dplaunch(*run, env=two_gpus)
+    refusal_line(
+        refused, "launch.gpus_per_node: host RAM: 2 rank(s) per node × 292.0 GiB", "ZeRO-3"
+    )
+    assert not (tmp_path / "run").exists()
+    # CPU ranks rehearse GPU plans: the same plan is noted, not refused
+    rehearsal = run_dplaunch(*run, "--cpu")
+    assert rehearsal.returncode == 0, rehearsal.stderr
+    assert "note: host RAM: 2 rank(s) per node × 292.0 GiB" in rehearsal.stdout
+    assert "more than it has (CPU ranks: not refused" in rehearsal.stdout
+
+
+def test_host_memory_is_the_slurm_jobs_share_when_it_was_given_one():
+    from dplaunch.planning.devices import host_memory_gb
+
+    machine = host_memory_gb({})
+    assert machine is not None and machine > 0
+    assert host_memory_gb({"SLURM_MEM_PER_NODE": "2048"}) == min(machine, 2.0)
+
+
+def test_flash_attention_on_cpu_ranks_is_refused_before_launch(tmp_path):
+    result = run_dplaunch(
+        "train",
+        TINY_LLAMA,
+        "--cpu",
+        "--gpus",
+        "2",
+        "--set",
+        "model.attn_implementation=flash_attention_2",
+        "--dry-run",
+        "-o",
+        tmp_path / "run",
+    )
+    refusal_line(result, "model.attn_implementation: flash_attention_2 runs on CUDA GPUs only")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_resumes_under_another_attention_kernel():
+    # the kernels compute the same sums: switching to sdpa to save memory keeps the training
+    from dplaunch.train.checkpoint import CheckpointInfo, _check_same_training
+
+    config = run_config(TINY_LLAMA, "model.attn_implementation=eager")
+    saved = config.model_dump(mode="json")
+    del saved["model"]["attn_implementation"]  # a run file from before the key existed
+    _check_same_training(saved, config, CheckpointInfo(Path("step-1"), {"step": 1}))

@@ -17,7 +17,7 @@ from dplaunch.errors import UserError
 from dplaunch.planning.arrow_datasets import hub_offline
 from dplaunch.planning.auto import Workload, plan_candidates, run_workload
 from dplaunch.planning.candidates import Candidate, format_table, to_json_rows
-from dplaunch.planning.estimate import count_parameters
+from dplaunch.planning.estimate import MemoryEstimate, count_parameters
 from dplaunch.planning.model_facts import (
     ModelFacts,
     attention_implementation,
@@ -251,4 +251,14 @@ def run_plan(options: PlanOptions) -> int:
         typer.echo(f"memory of one GPU under {shown.layout} (GiB):")
         for line in shown.memory.breakdown_lines():
             typer.echo(line)
+        typer.echo(host_memory_line(shown.memory, setting.gpus_per_node))
     return 0
+
+
+def host_memory_line(memory: MemoryEstimate, ranks_per_node: int) -> str:
+    """Host RAM per node the plan needs (every rank loads the model at once), beside this node's."""
+    from dplaunch.planning.devices import host_memory_gb
+
+    here = host_memory_gb()
+    known = f"; this node has {here:.0f} GiB" if here is not None else ""
+    return f"host RAM: {memory.host_line(ranks_per_node)}{known}"

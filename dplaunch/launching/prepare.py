@@ -28,7 +28,7 @@ from dplaunch.config.schema import LaunchConfig, ModelConfig, RunConfig, ScriptR
 from dplaunch.errors import UserError
 from dplaunch.launching.ports import claim_free_port, claim_port
 from dplaunch.planning.data_check import check_data
-from dplaunch.planning.devices import visible_gpu_count
+from dplaunch.planning.devices import host_memory_gb, visible_gpu_count
 from dplaunch.planning.model_facts import (
     ModelFacts,
     check_model_type,
@@ -236,7 +236,9 @@ def prepare_training_run(
             f"data.label_names: {', '.join(dataset_classes)} (the dataset's ClassLabel "
             f"{config.data.label_column!r}); model.num_labels {len(dataset_classes)}"
         )
-    machine = Machine(visible_gpus=visible_gpu_count(), render_only=render_only)
+    machine = Machine(
+        visible_gpus=visible_gpu_count(), render_only=render_only, host_memory_gb=host_memory_gb()
+    )
     auto = None
     if config.parallel.auto:
         from dplaunch.environment_report import smallest_gpu_memory_gb
@@ -245,7 +247,13 @@ def prepare_training_run(
         auto = resolve_auto_parallel(config, facts, machine, smallest_gpu_memory_gb)
         config.parallel = auto.parallel
     plan = make_plan(
-        config.launch, config.parallel, config.train, machine, facts, task=config.model.task
+        config.launch,
+        config.parallel,
+        config.train,
+        machine,
+        facts,
+        task=config.model.task,
+        attn_implementation=config.model.attn_implementation,
     )
     if auto is not None:
         plan = replace(plan, notes=(*plan.notes, auto.note))

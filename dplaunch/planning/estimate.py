@@ -435,6 +435,14 @@ class MemoryEstimate:
         """Host RAM one rank needs at its peak: loading, or the offloaded states while training."""
         return max(self.host_load_gb, self.cpu_gb)
 
+    def host_line(self, ranks_per_node: int) -> str:
+        """Host RAM of a node whose ranks all hold :attr:`host_gb` at once, in words."""
+        what = "offloaded states" if self.cpu_gb > self.host_load_gb else "the fp32 model at load"
+        return (
+            f"{ranks_per_node} rank(s) per node × {self.host_gb:.1f} GiB ({what}) = "
+            f"{ranks_per_node * self.host_gb:.1f} GiB"
+        )
+
     def breakdown(self) -> list[tuple[str, float]]:
         """(name, GiB) of every line the total is made of, in the order they add up."""
         return [
