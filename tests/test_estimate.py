@@ -212,8 +212,9 @@ def test_estimate_memory_for_7b_zero1_on_16_gpus_line_by_line():
         attn_implementation="eager",
     )
     assert memory.model_states_gb == pytest.approx((4 + 12 / 16) * psi / GIB)
-    # eager keeps the scores: fp32 softmax + its bf16 copy, 6 bytes × a·s·s·b per layer
-    per_layer = s * b * h * 34 + a * s * s * b * 6
+    # a llama layer in 16-bit: 24 + 8·i/h = 45.5 bytes per s·b·h; eager keeps the scores too:
+    # fp32 softmax + its bf16 copy, 6 bytes × a·s·s·b
+    per_layer = s * b * h * 45.5 + a * s * s * b * 6
     assert memory.activations_gb == pytest.approx(32 * per_layer / GIB)
     # HF's loss: 12 bytes per logit at its peak (not the 4 of one fp32 tensor)
     assert memory.logits_gb == pytest.approx(b * s * v * 12 / GIB)
@@ -272,30 +273,47 @@ def test_activation_formula_with_tensor_parallel_checkpointing_and_fp32():
     count = count_parameters(facts(**LLAMA_7B))
     s, h, a = 2048, 4096, 32
     scores = a * s * s * 6
-    assert activation_bytes_per_layer(count, micro_batch=1, seq_len=s) == s * h * 34 + scores
+    width = 11008 / 4096  # 2.6875: the MLP's share is 8 × that per s·b·h
+    assert activation_bytes_per_layer(count, micro_batch=1, seq_len=s) == (
+        s * h * (24 + 8 * width) + scores
+    )
     assert activation_bytes_per_layer(count, micro_batch=1, seq_len=s, tp=4) == (
-        s * h * (10 + 6) + scores / 4
+        s * h * (12 + (12 + 8 * width) / 4) + scores / 4
     )
-    # fp32: everything doubles but the scores, one fp32 softmax output (4 bytes)
+    # DDP's autocast keeps the fp32 residual stream and norms: 10 more
+    assert activation_bytes_per_layer(
+        count, micro_batch=1, seq_len=s, attention_scores=False, autocast=True
+    ) == s * h * (34 + 8 * width)
+    # fp32: one fp32 softmax output (4 bytes) for the scores
     assert activation_bytes_per_layer(count, micro_batch=2, seq_len=s, mixed_precision="no") == (
-        2 * 2 * s * h * 34 + 2 * a * s * s * 4
+        2 * s * h * (40 + 16 * width) + 2 * a * s * s * 4
     )
-    assert activation_bytes_per_layer(count, micro_batch=1, seq_len=s, attention_scores=False) == (
-        s * h * 34
+    # a GPT-2 layer: Korthikanti's 34·s·b·h (10 + 24/t), doubled in fp32
+    gpt2 = count_parameters(facts(model_type="gpt2", n_embd=1600, n_layer=48, n_head=25))
+    s_b_h = 1024 * 1600
+    assert activation_bytes_per_layer(
+        gpt2, micro_batch=1, seq_len=1024, tp=2, attention_scores=False
+    ) == s_b_h * (10 + 12)
+    assert (
+        activation_bytes_per_layer(
+            gpt2, micro_batch=1, seq_len=1024, mixed_precision="no", attention_scores=False
+        )
+        == s_b_h * 68
     )
     eager = dict(seq_len=s, attn_implementation="eager")
     plain = estimate_memory(facts(**LLAMA_7B), dp=16, zero_stage=3, **eager)
     checkpointed = estimate_memory(
         facts(**LLAMA_7B), dp=16, zero_stage=3, activation_checkpointing=True, **eager
     )
-    expected = 32 * 2 * s * h + s * h * 34 + scores
+    expected = 32 * 2 * s * h + s * h * (24 + 8 * width) + scores
     assert checkpointed.activations_gb == pytest.approx(expected / GIB)
     assert checkpointed.activations_gb < plain.activations_gb / 10
 
 
 def test_first_pipeline_stage_keeps_pp_micro_batches_in_flight():
     llama = facts(**LLAMA_7B)
-    one_stage = estimate_memory(llama, dp=1, pp=1)
+    # the pipeline engine holds 16-bit weights, as DeepSpeed's ZeRO does (DDP: fp32 + autocast)
+    one_stage = estimate_memory(llama, dp=1, pp=1, zero_stage=1)
     four_stages = estimate_memory(llama, dp=1, pp=4)
     # 1F1B: stage 0 holds 4 micro-batches of 8 layers = the activations of 32 layers
     assert four_stages.stage == 0 and four_stages.layers_per_gpu == 8
@@ -358,8 +376,9 @@ def test_7b_on_16_x_80gb_recommends_zero1_because_ddp_does_not_fit():
     assert (best.name, best.tp, best.pp, best.dp) == ("ZeRO-1", 1, 1, 16)
     assert best.fits and best.total_gb <= 72
     assert best.comm_gb_per_step == pytest.approx(ddp.comm_gb_per_step)
-    # 27% before the CUDA context, NCCL, buckets and the loss's 12 bytes per logit were counted
-    assert best.why.startswith("ZeRO-1 fits in 80 GB with 18% headroom")
+    # 27% before llama's measured layer bytes, the CUDA context, NCCL, buckets and the loss's 12
+    # bytes per logit were counted
+    assert best.why.startswith("ZeRO-1 fits in 80 GB with 15% headroom")
 
 
 def test_7b_on_16_x_32gb_recommends_tensor_parallel_4_when_no_data_parallel_plan_fits():
@@ -480,12 +499,12 @@ def test_7b_on_8_x_80gb_micro_4_fits_with_sdpa_the_kernel_transformers_picks():
     best = only_recommended(candidate_plans(facts(**LLAMA_7B), **plans))
     assert (best.tp, best.pp, best.offload) == (1, 1, "none")  # plain data parallelism fits
     assert best.memory.attn_implementation == "sdpa"
-    sdpa_layers = 32 * 2048 * 4 * 4096 * 34
-    assert best.activations_gb == pytest.approx(sdpa_layers / GIB)  # 34 GiB
+    sdpa_layers = 32 * 2048 * 4 * 4096 * 45.5  # llama's 24 + 8·i/h bytes per s·b·h
+    assert best.activations_gb == pytest.approx(sdpa_layers / GIB)  # 45.5 GiB
     eager = candidate_plans(facts(**LLAMA_7B), attn_implementation="eager", **plans)
     same = next(c for c in eager if (c.name, c.tp, c.pp) == (best.name, 1, 1))
     scores = 32 * 32 * 2048 * 2048 * 4 * 6
-    assert same.activations_gb == pytest.approx((sdpa_layers + scores) / GIB)  # eager: 130 GiB
+    assert same.activations_gb == pytest.approx((sdpa_layers + scores) / GIB)  # eager: 141.5 GiB
     assert not same.fits
     assert only_recommended(eager).tp * only_recommended(eager).pp > 1
 
@@ -509,29 +528,56 @@ def test_transformers_default_kernel_and_the_families_that_run_sdpa():
     assert tiny.config._attn_implementation == attention_implementation("llama") == "sdpa"
 
 
-def saved_for_backward(attn_implementation: str, mixed_precision: str) -> int:
-    """Bytes a tiny Llama's forward keeps for backward (distinct storages), on CPU."""
+def saved_for_backward(attn_implementation: str, weights: str, **config) -> int:
+    """Bytes a tiny Llama's forward keeps for backward on CPU (distinct storages; the weights
+    and their autocast copies left out). ``weights``: "16-bit" (DeepSpeed's bf16 model),
+    "autocast" (DDP: fp32 weights, bf16 autocast) or "fp32"."""
     import torch
     import transformers
     from torch.autograd.graph import saved_tensors_hooks
 
     torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(**{**TINY_LLAMA, "num_key_value_heads": 8})
+    config = {**TINY_LLAMA, "num_key_value_heads": 8, **config}
+    config["num_key_value_heads"] = config["num_attention_heads"]  # no GQA: k, v as big as q
+    config = transformers.AutoConfig.for_model(**config)
     model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation=attn_implementation
     )
+    if weights == "16-bit":
+        model = model.to(torch.bfloat16)
+    weight_shapes = {tuple(p.shape) for p in model.parameters()}
     ids = torch.randint(0, TINY_LLAMA["vocab_size"], (2, 256))
     storages: dict[int, int] = {}
 
     def keep(tensor):
-        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        if tuple(tensor.shape) not in weight_shapes:
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return tensor
 
-    bf16 = mixed_precision == "bf16"
     with saved_tensors_hooks(keep, lambda tensor: tensor):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=weights == "autocast"):
             model(input_ids=ids, labels=ids)
     return sum(storages.values())
+
+
+@pytest.mark.parametrize("weights", ["16-bit", "autocast", "fp32"])
+def test_a_llama_layer_keeps_the_bytes_the_estimate_counts(weights):
+    # Llama-2-7B's MLP width ratio (11008 / 4096), sdpa: everything but the scores
+    shape = dict(hidden_size=128, intermediate_size=344, num_attention_heads=4)
+    per_layer = saved_for_backward("sdpa", weights, num_hidden_layers=3, **shape) - (
+        saved_for_backward("sdpa", weights, num_hidden_layers=2, **shape)
+    )
+    count = count_parameters(facts(**{**TINY_LLAMA, **shape, "num_key_value_heads": 4}))
+    estimated = activation_bytes_per_layer(
+        count,
+        micro_batch=2,
+        seq_len=256,
+        mixed_precision="no" if weights == "fp32" else "bf16",
+        attention_scores=False,
+        autocast=weights == "autocast",
+    )
+    # 45.5, 55.5 and 83 bytes per s·b·h (Korthikanti's GPT layer: 34 and 68)
+    assert per_layer == pytest.approx(estimated, rel=0.02)
 
 
 @pytest.mark.parametrize("mixed_precision", ["bf16", "no"])
@@ -541,9 +587,8 @@ def test_eager_keeps_the_score_bytes_the_estimate_counts_and_sdpa_none(mixed_pre
     scores = activation_bytes_per_layer(count, **shape) - activation_bytes_per_layer(
         count, attention_scores=False, **shape
     )
-    measured = saved_for_backward("eager", mixed_precision) - saved_for_backward(
-        "sdpa", mixed_precision
-    )
+    weights = "16-bit" if mixed_precision == "bf16" else "fp32"
+    measured = saved_for_backward("eager", weights) - saved_for_backward("sdpa", weights)
     # 8 heads × 256 × 256 × 2 per layer: 6 bytes each in bf16, 4 in fp32
     assert measured == pytest.approx(count.num_layers * scores, rel=0.02)
 

@@ -116,6 +116,8 @@ class ParameterCount:
     num_heads: int = 1
     num_kv_heads: int = 1
     vocab_size: int = 0
+    # the gated MLP's width (llama-like families; 0 = not one), for the activation formula
+    intermediate_size: int = 0
     note: str = ""
 
     @property
@@ -203,6 +205,7 @@ def _llama_like(family: str, get: Any, classify: bool, labels: int) -> Parameter
         num_heads=heads,
         num_kv_heads=kv_heads,
         vocab_size=vocab,
+        intermediate_size=inter,
     )
 
 
@@ -535,6 +538,15 @@ def model_state_bytes(
     return weights, gradients, optimizer, cpu
 
 
+# bytes per s·b·h one llama-like decoder layer keeps for backward besides the attention scores
+# (SwiGLU MLP of width i, RMSNorms), measured on CPU with saved-tensor hooks (tests/test_estimate.py):
+# (replicated on every TP rank, split over TP, × i/h split over TP) for the three ways ranks
+# hold weights — 16-bit weights (DeepSpeed bf16/fp16), fp32 weights under autocast (DDP: the
+# residual stream and the norms stay fp32), fp32. The split of the first two is read from the
+# graph (the two RMSNorms' fp32 input and 16-bit output are replicated), the sums are measured.
+LLAMA_LAYER_BYTES = {"16-bit": (12, 12, 8), "autocast": (22, 12, 8), "fp32": (16, 24, 16)}
+
+
 def activation_bytes_per_layer(
     count: ParameterCount,
     *,
@@ -543,12 +555,17 @@ def activation_bytes_per_layer(
     tp: int = 1,
     mixed_precision: str = "bf16",
     attention_scores: bool = True,
+    autocast: bool = False,
 ) -> float:
-    """Activations one transformer layer keeps for backward (Korthikanti et al. 2022, eq. 1-2).
+    """Activations one transformer layer keeps for backward.
 
-    16-bit: s·b·h·34 bytes for everything but the attention scores; with tensor parallelism (no
-    sequence parallelism) s·b·h·(10 + 24/t) — the 10 (layer-norm inputs, dropout masks of the
-    residual) is replicated on every TP rank, the rest is split. fp32 doubles it.
+    GPT/BERT-style layers (Korthikanti et al. 2022, eq. 1-2): 16-bit s·b·h·34 bytes besides the
+    attention scores; with tensor parallelism (no sequence parallelism) s·b·h·(10 + 24/t) — the
+    10 (layer-norm inputs, dropout masks of the residual) is replicated on every TP rank, the
+    rest is split. fp32 doubles it. Llama-like layers (llama, mistral, qwen2, qwen3):
+    s·b·h·(R + (S + M·i/h)/t) with (R, S, M) from :data:`LLAMA_LAYER_BYTES` — 16-bit weights
+    (24 + 8·i/h at t = 1: 45.5 for Llama-2-7B, not 34), ``autocast`` = fp32 weights under
+    autocast (DDP; 34 + 8·i/h), fp32 (40 + 16·i/h).
     ``attention_scores`` (eager attention) adds the score matrices, a/t heads × s × s × b elements
     at :data:`EAGER_SCORE_BYTES` each: HF's eager attention keeps the fp32 softmax output and, in
     16-bit, its 16-bit copy (6 bytes; the paper's 5 assumed a 16-bit softmax and a dropout mask).
@@ -556,8 +573,13 @@ def activation_bytes_per_layer(
     """
     s, b, h, a = seq_len, micro_batch, count.hidden_size, count.num_heads
     sixteen_bit = mixed_precision in ("bf16", "fp16")
-    scale = 1 if sixteen_bit else 2
-    layer = s * b * h * (10 + 24 / tp) * scale
+    if count.family in LLAMA_LIKE and count.intermediate_size:
+        kind = ("autocast" if autocast else "16-bit") if sixteen_bit else "fp32"
+        replicated, split, per_width = LLAMA_LAYER_BYTES[kind]
+        width = count.intermediate_size / h
+        layer = s * b * h * (replicated + (split + per_width * width) / tp)
+    else:
+        layer = s * b * h * (10 + 24 / tp) * (1 if sixteen_bit else 2)
     if attention_scores:
         layer += (a / tp) * s * s * b * EAGER_SCORE_BYTES["16-bit" if sixteen_bit else "fp32"]
     return layer
@@ -590,7 +612,8 @@ def estimate_memory(
     Activations per GPU: L_stage layers × :func:`activation_bytes_per_layer` × in-flight
     micro-batches; the score matrices count only for eager attention (``attn_implementation``,
     unset = transformers' pick, :func:`attention_implementation`). With activation checkpointing
-    a layer keeps only its input, 2·s·b·h bytes (4 in fp32; not split by TP), plus one layer's full
+    a layer keeps only its input, 2·s·b·h bytes (4 in fp32 or under DDP's autocast; not split by
+    TP), plus one layer's full
     activations while it is recomputed. Pipeline stage k of DeepSpeed's 1F1B schedule holds
     min(pp − k, micro-batches) micro-batches in flight (``gradient_accumulation_steps``; unset =
     pp), so stage 0 holds as many activations as the whole unsplit model: PP does not shrink
@@ -622,6 +645,9 @@ def estimate_memory(
         )
     implementation = attention_implementation(facts.model_type, attn_implementation)
     in_flight_cap = gradient_accumulation_steps if gradient_accumulation_steps else pp
+    sixteen_bit = mixed_precision in ("bf16", "fp16")
+    # DDP keeps fp32 weights and computes under autocast; DeepSpeed holds 16-bit weights
+    ddp = zero_stage == 0 and tp == 1 and pp == 1
     layer_full = activation_bytes_per_layer(
         count,
         micro_batch=micro_batch,
@@ -629,10 +655,11 @@ def estimate_memory(
         tp=tp,
         mixed_precision=mixed_precision,
         attention_scores=implementation == "eager",
+        autocast=ddp and sixteen_bit,
     )
-    sixteen_bit = mixed_precision in ("bf16", "fp16")
     element = 2 if sixteen_bit else 4
-    checkpoint = element * seq_len * micro_batch * count.hidden_size
+    # a checkpointed layer keeps its input: the residual stream, fp32 under DDP's autocast
+    checkpoint = (4 if ddp else element) * seq_len * micro_batch * count.hidden_size
     if task == "sequence-classification":
         labels = int(num_labels if num_labels is not None else facts.raw.get("num_labels") or 2)
         logits = micro_batch * labels * LOSS_BYTES_PER_LOGIT
@@ -641,7 +668,6 @@ def estimate_memory(
     layer_params = count.per_layer - count.per_layer_sharded + count.per_layer_sharded // tp
     head_params = count.head - count.head_sharded + count.head_sharded // tp
     largest_unit = max(layer_params, count.embedding, head_params)
-    ddp = zero_stage == 0 and tp == 1 and pp == 1
     autocast = 2 * (count.total - count.embedding + count.tied_params) if ddp and sixteen_bit else 0
     buckets = 0
     if zero_stage in (1, 2):
@@ -793,6 +819,7 @@ __all__ = [
     "CUDA_CONTEXT_BYTES",
     "EAGER_SCORE_BYTES",
     "GIB",
+    "LLAMA_LAYER_BYTES",
     "LOSS_BYTES_PER_LOGIT",
     "NCCL_BYTES_PER_COMMUNICATOR",
     "CommunicationEstimate",
