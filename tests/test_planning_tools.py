@@ -104,6 +104,10 @@ def test_plan_for_a_7b_llama_on_16_x_80gb_recommends_zero1_and_says_why(tmp_path
     assert all("total_gb" in r and "fits" in r and "recommended" in r for r in rows)
     [best] = [r for r in rows if r["recommended"]]
     assert (best["zero_stage"], best["tp"], best["pp"], best["dp"]) == (1, 4, 1, 4)
+    assert best["attn_implementation"] == "eager"
+    assert sum(best["memory_gb"].values()) - best["memory_gb"]["step_gb"] == pytest.approx(
+        best["total_gb"], abs=0.01
+    )
     assert not any(r["fits"] for r in rows if r["tp"] == 1 and r["pp"] == 1)
     # dplaunch cannot run AutoTP inside the pipeline engine: such layouts are not offered
     assert not any(r["tp"] > 1 and r["pp"] > 1 for r in rows)

@@ -392,7 +392,9 @@ def to_json_rows(candidates: list[Candidate]) -> list[dict]:
         flat = {k: round(row[k], 3) if isinstance(row[k], float) else row[k] for k in ROW_KEYS}
         if candidate.memory is not None:
             flat["attn_implementation"] = candidate.memory.attn_implementation
-            flat["memory_gb"] = {name: round(gib, 3) for name, gib in candidate.memory.breakdown()}
+            flat["memory_gb"] = {
+                name: round(gib, 3) for name, _, gib in candidate.memory.breakdown()
+            }
             flat["host_gb_per_rank"] = round(candidate.memory.host_gb, 3)
         rows.append(flat)
     return rows

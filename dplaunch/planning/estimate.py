@@ -446,28 +446,27 @@ class MemoryEstimate:
             f"{ranks_per_node * self.host_gb:.1f} GiB"
         )
 
-    def breakdown(self) -> list[tuple[str, float]]:
-        """(name, GiB) of every line the total is made of, in the order they add up."""
-        return [
-            ("weights", self.weights_gb),
-            ("gradients", self.gradients_gb),
-            ("optimizer states (Adam)", self.optimizer_gb),
-            (
-                f"activations ({self.layers_per_gpu} layers, {self.attn_implementation} attention)",
-                self.activations_gb,
-            ),
-            (f"logits in the loss ({LOSS_BYTES_PER_LOGIT} bytes each)", self.logits_gb),
-            ("autocast 16-bit weight copies (DDP)", self.autocast_gb),
-            ("ZeRO-3 gathered layer", self.gathered_gb),
-            ("DeepSpeed reduce/prefetch buckets", self.buckets_gb),
-            ("fp32 gradient partition at the step", self.step_gb),
-            ("NCCL buffers", self.nccl_gb),
-            ("CUDA context", self.cuda_context_gb),
-        ]
+    def breakdown(self) -> list[tuple[str, str, float]]:
+        """(field, words, GiB) of every line the total is made of, in the order they add up."""
+        words = {
+            "weights_gb": "weights",
+            "gradients_gb": "gradients",
+            "optimizer_gb": "optimizer states (Adam)",
+            "activations_gb": f"activations ({self.layers_per_gpu} layers, "
+            f"{self.attn_implementation} attention)",
+            "logits_gb": f"logits in the loss ({LOSS_BYTES_PER_LOGIT} bytes each)",
+            "autocast_gb": "autocast 16-bit weight copies (DDP)",
+            "gathered_gb": "ZeRO-3 gathered layer",
+            "buckets_gb": "DeepSpeed reduce/prefetch buckets",
+            "step_gb": "fp32 gradient partition at the step",
+            "nccl_gb": "NCCL buffers",
+            "cuda_context_gb": "CUDA context",
+        }
+        return [(name, text, getattr(self, name)) for name, text in words.items()]
 
     def breakdown_lines(self) -> list[str]:
         """The breakdown as text, then how the lines make the total."""
-        lines = [f"  {name:<48}{gib:>9.2f}" for name, gib in self.breakdown() if gib]
+        lines = [f"  {text:<48}{gib:>9.2f}" for _, text, gib in self.breakdown() if gib]
         peak = "optimizer step" if self.step_gb > self.forward_backward_gb else "forward/backward"
         lines.append(f"  {'total (peak: ' + peak + ')':<48}{self.total_gb:>9.2f}")
         return lines
