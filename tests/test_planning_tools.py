@@ -81,6 +81,8 @@ def test_plan_for_a_7b_llama_on_16_x_80gb_recommends_zero1_and_says_why(tmp_path
     assert "sdpa attention, as transformers picks it" in out
     assert marked[1].startswith("* ZeRO-1 fits in 80 GB with 45% headroom")
     assert "memory of one GPU under ZeRO-1 (GiB):" in out
+    # every rank of a node loads the whole fp32 model: 4 × 4 bytes × 6.74 B parameters
+    assert "host RAM: 4 rank(s) per node × 25.1 GiB (the fp32 model at load) = 100.4 GiB" in out
     assert re.search(r"logits in the loss \(12 bytes each\) +0\.73\b", out)
 
     rows = json.loads(
