@@ -20,7 +20,9 @@ from typing import Any
 import yaml
 
 from benchmarks.common import bar_chart, machine_facts, read_jsonl
-from dplaunch.planning.estimate import GIB, count_parameters, estimate_memory
+from dplaunch.config.load import build_run_config
+from dplaunch.planning.auto import run_workload, workload_memory
+from dplaunch.planning.estimate import GIB, MemoryEstimate, count_parameters
 from dplaunch.planning.model_facts import ModelFacts
 
 # NVIDIA H200 SXM datasheet, dense (no sparsity) bf16 tensor-core FLOP/s
@@ -29,11 +31,11 @@ MATMUL_PEAK_FILE = "matmul_peak.json"
 MFU_GOAL = 0.45
 # steady state: the steps after WARMUP up to the last one (both are log steps of the run file)
 WARMUP = 10
-# the dplaunch runs gpu.sh makes: directory → (label, ZeRO stage, activation checkpointing)
+# the dplaunch runs gpu.sh makes: directory → label (each run's run.yaml says its layout)
 RUNS = {
-    "ddp1": ("dplaunch DDP-1", 0, False),
-    "zero2": ("dplaunch ZeRO-2", 2, False),
-    "ddp1-checkpointing": ("dplaunch DDP-1 + activation checkpointing", 0, True),
+    "ddp1": "dplaunch DDP-1",
+    "zero2": "dplaunch ZeRO-2",
+    "ddp1-checkpointing": "dplaunch DDP-1 + activation checkpointing",
 }
 HAND = ("hand", "hand-written Accelerate loop DDP-1")
 
@@ -65,6 +67,20 @@ def measured_matmul_peak(out: Path) -> float | None:
     return json.loads(path.read_text())["matmul_bf16_flops"] if path.exists() else None
 
 
+def run_estimate(run: dict[str, Any]) -> MemoryEstimate:
+    """The planner's estimate for a run's resolved run.yaml (one GPU): the workload as
+    `parallel: auto` reads it (run_workload: micro batch, sequence, precision, checkpointing,
+    model.attn_implementation or transformers' pick) and the run's own ZeRO stage."""
+    config = build_run_config(run)
+    facts = ModelFacts.from_config_dict(config.model.config)
+    return workload_memory(
+        facts,
+        run_workload(config),
+        zero_stage=config.parallel.zero_stage,
+        offload=config.parallel.offload,
+    )
+
+
 def steady_tokens_per_s(times: dict[int, float], tokens_per_step: int) -> float:
     last = max(times)
     return (last - WARMUP) * tokens_per_step / (times[last] - times[WARMUP])
@@ -74,10 +90,9 @@ def main(work: Path, out: Path) -> int:
     run = yaml.safe_load((work / "ddp1" / "run.yaml").read_text())
     per_token, matmul_params, total_params = flops_per_token(run)
     tokens_per_step = run["train"]["global_batch_size"] * run["data"]["max_length"]
-    facts = ModelFacts.from_config_dict(run["model"]["config"])
     measured_peak = measured_matmul_peak(out)
     results: dict[str, dict[str, Any]] = {}
-    for directory, (label, zero_stage, checkpointing) in RUNS.items():
+    for directory, label in RUNS.items():
         metrics = work / directory / "metrics.jsonl"
         if not metrics.exists():
             print(f"{label}: no metrics (the run failed or was skipped; see its log)")
@@ -85,24 +100,18 @@ def main(work: Path, out: Path) -> int:
         records = [r for r in read_jsonl(metrics) if r["type"] == "train"]
         times = {r["step"]: r["elapsed_s"] for r in records}
         tokens_per_s = steady_tokens_per_s(times, tokens_per_step)
-        estimate = estimate_memory(
-            facts,
-            dp=1,
-            zero_stage=zero_stage,
-            mixed_precision=run["train"]["mixed_precision"],
-            micro_batch=run["train"]["micro_batch_size"],
-            seq_len=run["data"]["max_length"],
-            activation_checkpointing=checkpointing,
-            task=run["model"]["task"],
-            attention_scores=False,  # SDPA's flash kernel never materialises the scores
-        )
+        estimate = run_estimate(yaml.safe_load((work / directory / "run.yaml").read_text()))
+        # max_memory_allocated sees neither the CUDA context nor NCCL's buffers
+        allocated = estimate.total_gb - estimate.cuda_context_gb - estimate.nccl_gb
         peak_gib = max(r["memory_gb"] for r in records) * 1e9 / GIB
         results[label] = {
             "tokens_per_s": round(tokens_per_s, 1),
             **utilisation(tokens_per_s, per_token, measured_peak),
             "peak_memory_gib": round(peak_gib, 2),
-            "estimated_memory_gib": round(estimate.total_gb, 2),
-            "measured_over_estimate": round(peak_gib / estimate.total_gb, 3),
+            "estimated_memory_gib": round(allocated, 2),
+            "estimated_total_gib": round(estimate.total_gb, 2),
+            "attn_implementation": estimate.attn_implementation,
+            "measured_over_estimate": round(peak_gib / allocated, 3),
         }
     hand_times = work / HAND[0] / "times.jsonl"
     if hand_times.exists():
@@ -114,14 +123,14 @@ def main(work: Path, out: Path) -> int:
         }
 
     ratios: dict[str, float] = {}
-    ddp = results.get(RUNS["ddp1"][0])
+    ddp = results.get(RUNS["ddp1"])
     if ddp and HAND[1] in results:
         ratios["dplaunch DDP-1 / hand-written loop (tokens/s)"] = round(
             ddp["tokens_per_s"] / results[HAND[1]]["tokens_per_s"], 4
         )
     for label, entry in results.items():
         ratios[f"{label}: MFU / {MFU_GOAL:.0%} goal"] = round(entry["mfu"] / MFU_GOAL, 4)
-        if ddp and label != RUNS["ddp1"][0] and label.startswith("dplaunch"):
+        if ddp and label != RUNS["ddp1"] and label.startswith("dplaunch"):
             ratios[f"{label} / DDP-1 (tokens/s)"] = round(
                 entry["tokens_per_s"] / ddp["tokens_per_s"], 4
             )

@@ -383,6 +383,16 @@ class Task(str, Enum):
 _WORKLOAD = "Workload"
 
 
+class AttentionKernel(str, Enum):
+    """model.attn_implementation's values (schema.AttentionImplementation; a test keeps them equal)."""
+
+    eager = "eager"
+    sdpa = "sdpa"
+    flash_attention_2 = "flash_attention_2"
+    flash_attention_3 = "flash_attention_3"
+    flex_attention = "flex_attention"
+
+
 @app.command()
 def plan(
     config: Annotated[
@@ -455,6 +465,15 @@ def plan(
             rich_help_panel=_WORKLOAD,
         ),
     ] = False,
+    attn_implementation: Annotated[
+        AttentionKernel | None,
+        typer.Option(
+            "--attn-implementation",
+            help="Attention kernel (default: model.attn_implementation, else what transformers "
+            "picks: sdpa where supported). Only eager keeps the s×s scores.",
+            rich_help_panel=_WORKLOAD,
+        ),
+    ] = None,
     task: Annotated[
         Task | None, typer.Option("--task", help="The model's head.", rich_help_panel=_WORKLOAD)
     ] = None,
@@ -484,6 +503,7 @@ def plan(
         seq_len=seq_len,
         mixed_precision=mixed_precision.value if mixed_precision else None,
         activation_checkpointing=activation_checkpointing,
+        attn_implementation=attn_implementation.value if attn_implementation else None,
         task=task.value if task else None,
         safety_margin=safety_margin,
         as_json=as_json,

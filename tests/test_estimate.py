@@ -198,53 +198,132 @@ def test_impossible_offloads_are_user_errors(stage, offload):
         model_state_bytes(1, dp=2, zero_stage=stage, offload=offload)
 
 
-def test_estimate_memory_for_7b_zero1_on_16_gpus():
+def test_estimate_memory_for_7b_zero1_on_16_gpus_line_by_line():
     llama = facts(**LLAMA_7B)
     psi = 6_738_415_616
+    s, b, h, a, v = 2048, 1, 4096, 32, 32000
     memory = estimate_memory(
-        llama, dp=16, zero_stage=1, mixed_precision="bf16", micro_batch=1, seq_len=2048
+        llama,
+        dp=16,
+        zero_stage=1,
+        mixed_precision="bf16",
+        micro_batch=b,
+        seq_len=s,
+        attn_implementation="eager",
     )
     assert memory.model_states_gb == pytest.approx((4 + 12 / 16) * psi / GIB)
-    per_layer = 2048 * 1 * 4096 * (34 + 5 * 32 * 2048 / 4096)
-    logits = 2048 * 32000 * 4
-    assert memory.activations_gb == pytest.approx((32 * per_layer + logits) / GIB)
-    assert memory.total_gb == pytest.approx(memory.model_states_gb + memory.activations_gb)
+    # a llama layer in 16-bit: 24 + 8·i/h = 45.5 bytes per s·b·h; eager keeps the scores too:
+    # fp32 softmax + its bf16 copy, 6 bytes × a·s·s·b
+    per_layer = s * b * h * 45.5 + a * s * s * b * 6
+    assert memory.activations_gb == pytest.approx(32 * per_layer / GIB)
+    # HF's loss: 12 bytes per logit at its peak (not the 4 of one fp32 tensor)
+    assert memory.logits_gb == pytest.approx(b * s * v * 12 / GIB)
+    # ZeRO-1 on GPUs: two reduce buckets of BUCKET_SIZE (200M) bf16 elements (overlap_comm)
+    assert memory.buckets_gb == pytest.approx(2 * 200_000_000 * 2 / GIB)
+    # the optimizer step builds the fp32 gradient partition
+    assert memory.step_gb == pytest.approx(4 * psi / 16 / GIB)
+    assert (memory.nccl_gb, memory.cuda_context_gb, memory.autocast_gb) == (0.5, 1.0, 0.0)
+    forward_backward = memory.activations_gb + memory.logits_gb + memory.buckets_gb
+    assert memory.forward_backward_gb == pytest.approx(forward_backward)
+    assert memory.total_gb == pytest.approx(memory.model_states_gb + 1.5 + forward_backward)
+    lines = memory.breakdown()
+    assert sum(gib for _, _, gib in lines) - memory.step_gb == pytest.approx(memory.total_gb)
+    assert ("activations_gb", "activations (32 layers, eager attention)") in [
+        (name, text) for name, text, _ in lines
+    ]
+
+
+def test_ddp_in_bf16_holds_autocast_copies_of_every_matrix():
+    psi = 6_738_415_616
+    ddp = estimate_memory(facts(**LLAMA_7B), dp=8, zero_stage=0, mixed_precision="bf16")
+    # fp32 master weights stay; autocast caches a bf16 copy of all but the input embedding
+    assert ddp.autocast_gb == pytest.approx(2 * (psi - 32000 * 4096) / GIB)
+    assert (ddp.buckets_gb, ddp.step_gb) == (0, 0)  # gradient_as_bucket_view; torch's AdamW
+    assert estimate_memory(facts(**LLAMA_7B), dp=8, mixed_precision="no").autocast_gb == 0
+    assert estimate_memory(facts(**LLAMA_7B), dp=8, zero_stage=2).autocast_gb == 0
+    tied = count_parameters(facts(**{**LLAMA_7B, "tie_word_embeddings": True}))
+    tied_ddp = estimate_memory(facts(**{**LLAMA_7B, "tie_word_embeddings": True}), dp=8)
+    # the tied head's product casts the shared matrix too
+    assert tied_ddp.autocast_gb == pytest.approx(2 * tied.total / GIB)
+
+
+def test_zero3_buckets_nccl_per_axis_and_the_step_peak():
+    llama = facts(**LLAMA_7B)
+    psi = 6_738_415_616
+    zero3 = estimate_memory(llama, dp=8, zero_stage=3, micro_batch=4)
+    # one reduce bucket + a prefetch bucket of BUCKET_SIZE/4, bf16
+    assert zero3.buckets_gb == pytest.approx((200_000_000 + 50_000_000) * 2 / GIB)
+    assert zero3.step_gb == pytest.approx(4 * psi / 8 / GIB)
+    # one communicator per axis of degree > 1
+    assert estimate_memory(llama, dp=4, tp=2, zero_stage=1).nccl_gb == 1.0
+    assert estimate_memory(llama, dp=1).nccl_gb == 0
+    # offloaded, the fp32 gradient partition lives in host memory with the optimizer states
+    offloaded = estimate_memory(llama, dp=8, zero_stage=2, offload="optimizer")
+    assert offloaded.step_gb == 0
+    assert offloaded.cpu_gb == pytest.approx((12 + 4) * psi / 8 / GIB)
+    # a tiny activation load: the step's fp32 partition is the peak, activations are freed by then
+    step_bound = estimate_memory(llama, dp=2, zero_stage=1, seq_len=8, micro_batch=1)
+    assert step_bound.step_gb > step_bound.forward_backward_gb
+    assert step_bound.total_gb == pytest.approx(
+        step_bound.model_states_gb + 1.5 + step_bound.step_gb
+    )
 
 
 def test_activation_formula_with_tensor_parallel_checkpointing_and_fp32():
     count = count_parameters(facts(**LLAMA_7B))
-    s, h = 2048, 4096
-    assert activation_bytes_per_layer(count, micro_batch=1, seq_len=s) == s * h * 114
-    assert activation_bytes_per_layer(count, micro_batch=1, seq_len=s, tp=4) == s * h * (
-        10 + 6 + 20
+    s, h, a = 2048, 4096, 32
+    scores = a * s * s * 6
+    width = 11008 / 4096  # 2.6875: the MLP's share is 8 × that per s·b·h
+    assert activation_bytes_per_layer(count, micro_batch=1, seq_len=s) == (
+        s * h * (24 + 8 * width) + scores
     )
+    assert activation_bytes_per_layer(count, micro_batch=1, seq_len=s, tp=4) == (
+        s * h * (12 + (12 + 8 * width) / 4) + scores / 4
+    )
+    # DDP's autocast keeps the fp32 residual stream and norms: 10 more
+    assert activation_bytes_per_layer(
+        count, micro_batch=1, seq_len=s, attention_scores=False, autocast=True
+    ) == s * h * (34 + 8 * width)
+    # fp32: one fp32 softmax output (4 bytes) for the scores
     assert activation_bytes_per_layer(count, micro_batch=2, seq_len=s, mixed_precision="no") == (
-        4 * s * h * 114
+        2 * s * h * (40 + 16 * width) + 2 * a * s * s * 4
     )
-    plain = estimate_memory(facts(**LLAMA_7B), dp=16, zero_stage=3, seq_len=s)
+    # a GPT-2 layer: Korthikanti's 34·s·b·h (10 + 24/t), doubled in fp32
+    gpt2 = count_parameters(facts(model_type="gpt2", n_embd=1600, n_layer=48, n_head=25))
+    s_b_h = 1024 * 1600
+    assert activation_bytes_per_layer(
+        gpt2, micro_batch=1, seq_len=1024, tp=2, attention_scores=False
+    ) == s_b_h * (10 + 12)
+    assert (
+        activation_bytes_per_layer(
+            gpt2, micro_batch=1, seq_len=1024, mixed_precision="no", attention_scores=False
+        )
+        == s_b_h * 68
+    )
+    eager = dict(seq_len=s, attn_implementation="eager")
+    plain = estimate_memory(facts(**LLAMA_7B), dp=16, zero_stage=3, **eager)
     checkpointed = estimate_memory(
-        facts(**LLAMA_7B), dp=16, zero_stage=3, seq_len=s, activation_checkpointing=True
+        facts(**LLAMA_7B), dp=16, zero_stage=3, activation_checkpointing=True, **eager
     )
-    expected = 32 * 2 * s * h + s * h * 114 + s * 32000 * 4
+    expected = 32 * 2 * s * h + s * h * (24 + 8 * width) + scores
     assert checkpointed.activations_gb == pytest.approx(expected / GIB)
     assert checkpointed.activations_gb < plain.activations_gb / 10
 
 
 def test_first_pipeline_stage_keeps_pp_micro_batches_in_flight():
     llama = facts(**LLAMA_7B)
-    one_stage = estimate_memory(llama, dp=1, pp=1)
+    # the pipeline engine holds 16-bit weights, as DeepSpeed's ZeRO does (DDP: fp32 + autocast)
+    one_stage = estimate_memory(llama, dp=1, pp=1, zero_stage=1)
     four_stages = estimate_memory(llama, dp=1, pp=4)
     # 1F1B: stage 0 holds 4 micro-batches of 8 layers = the activations of 32 layers
     assert four_stages.stage == 0 and four_stages.layers_per_gpu == 8
-    assert four_stages.activations_gb == pytest.approx(
-        one_stage.activations_gb - 2048 * 32000 * 4 / GIB
-    )
+    assert four_stages.activations_gb == pytest.approx(one_stage.activations_gb)
+    assert four_stages.logits_gb == 0  # the head is on the last stage
     # one micro-batch per step: nothing queues, the last stage (8 layers + logits) is the busiest
     single = estimate_memory(llama, dp=1, pp=4, gradient_accumulation_steps=1)
     assert single.stage == 3
-    assert single.activations_gb == pytest.approx(
-        one_stage.activations_gb / 4 + 0.75 * 2048 * 32000 * 4 / GIB
-    )
+    assert single.activations_gb == pytest.approx(one_stage.activations_gb / 4)
+    assert single.logits_gb == pytest.approx(one_stage.logits_gb)
 
 
 def test_communication_per_step():
@@ -268,6 +347,7 @@ def test_communication_per_step():
 
 
 def plans_for_7b(gpu_memory_gb: float):
+    # eager attention: the s×s scores make data parallelism alone too big on 24 GB GPUs
     return candidate_plans(
         facts(**LLAMA_7B),
         gpus=16,
@@ -276,6 +356,7 @@ def plans_for_7b(gpu_memory_gb: float):
         micro_batch=1,
         seq_len=2048,
         mixed_precision="bf16",
+        attn_implementation="eager",
     )
 
 
@@ -295,11 +376,13 @@ def test_7b_on_16_x_80gb_recommends_zero1_because_ddp_does_not_fit():
     assert (best.name, best.tp, best.pp, best.dp) == ("ZeRO-1", 1, 1, 16)
     assert best.fits and best.total_gb <= 72
     assert best.comm_gb_per_step == pytest.approx(ddp.comm_gb_per_step)
-    assert best.why.startswith("ZeRO-1 fits in 80 GB with 27% headroom")
+    # 27% before llama's measured layer bytes, the CUDA context, NCCL, buckets and the loss's 12
+    # bytes per logit were counted
+    assert best.why.startswith("ZeRO-1 fits in 80 GB with 15% headroom")
 
 
-def test_7b_on_16_x_24gb_recommends_tensor_parallel_4_when_no_data_parallel_plan_fits():
-    cands = plans_for_7b(24)
+def test_7b_on_16_x_32gb_recommends_tensor_parallel_4_when_no_data_parallel_plan_fits():
+    cands = plans_for_7b(32)
     assert not any(c.fits for c in cands if c.tp == 1 and c.pp == 1)
     best = only_recommended(cands)
     assert best.fits
@@ -355,7 +438,8 @@ def test_a_tiny_model_gets_ddp():
     )
     best = only_recommended(cands)
     assert best.name == "DDP"
-    assert best.why.startswith("DDP fits in 16 GB with 100% headroom")
+    # a tiny model still pays the CUDA context (1 GiB) and NCCL buffers (0.5 GiB)
+    assert best.why.startswith("DDP fits in 16 GB with 91% headroom")
 
 
 def test_when_nothing_fits_nothing_is_recommended_and_the_line_says_what_to_do():
@@ -397,3 +481,179 @@ def test_planning_modules_do_not_import_torch():
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- the attention kernel the ranks run (model.attn_implementation) -----------------------------
+
+
+def test_7b_on_8_x_80gb_micro_4_fits_with_sdpa_the_kernel_transformers_picks():
+    # Llama-2-7B, bf16, micro batch 4 × 2048: eager's scores made it 115 GiB of activations
+    plans = dict(
+        gpus=8,
+        gpus_per_node=8,
+        gpu_memory_gb=80,
+        micro_batch=4,
+        seq_len=2048,
+        mixed_precision="bf16",
+    )
+    best = only_recommended(candidate_plans(facts(**LLAMA_7B), **plans))
+    assert (best.tp, best.pp, best.offload) == (1, 1, "none")  # plain data parallelism fits
+    assert best.memory.attn_implementation == "sdpa"
+    sdpa_layers = 32 * 2048 * 4 * 4096 * 45.5  # llama's 24 + 8·i/h bytes per s·b·h
+    assert best.activations_gb == pytest.approx(sdpa_layers / GIB)  # 45.5 GiB
+    eager = candidate_plans(facts(**LLAMA_7B), attn_implementation="eager", **plans)
+    same = next(c for c in eager if (c.name, c.tp, c.pp) == (best.name, 1, 1))
+    scores = 32 * 32 * 2048 * 2048 * 4 * 6
+    assert same.activations_gb == pytest.approx((sdpa_layers + scores) / GIB)  # eager: 141.5 GiB
+    assert not same.fits
+    assert only_recommended(eager).tp * only_recommended(eager).pp > 1
+
+
+def test_transformers_default_kernel_and_the_families_that_run_sdpa():
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from dplaunch.planning.model_facts import SDPA_FAMILIES, attention_implementation
+
+    for family in SDPA_FAMILIES:
+        model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family])
+        assert model_class._supports_sdpa, family
+    assert not transformers.BloomForCausalLM._supports_sdpa
+    assert attention_implementation("bloom") == "eager"
+    assert attention_implementation("somethingnew") == "eager"  # unknown: the memory-heavy case
+    assert attention_implementation("llama", "eager") == "eager"
+    tiny = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**TINY_LLAMA)
+    )
+    assert tiny.config._attn_implementation == attention_implementation("llama") == "sdpa"
+
+
+def saved_for_backward(attn_implementation: str, weights: str, **config) -> int:
+    """Bytes a tiny Llama's forward keeps for backward on CPU (distinct storages; the weights
+    and their autocast copies left out). ``weights``: "16-bit" (DeepSpeed's bf16 model),
+    "autocast" (DDP: fp32 weights, bf16 autocast) or "fp32"."""
+    import torch
+    import transformers
+    from torch.autograd.graph import saved_tensors_hooks
+
+    torch.manual_seed(0)
+    config = {**TINY_LLAMA, "num_key_value_heads": 8, **config}
+    config["num_key_value_heads"] = config["num_attention_heads"]  # no GQA: k, v as big as q
+    config = transformers.AutoConfig.for_model(**config)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=attn_implementation
+    )
+    if weights == "16-bit":
+        model = model.to(torch.bfloat16)
+    weight_shapes = {tuple(p.shape) for p in model.parameters()}
+    ids = torch.randint(0, TINY_LLAMA["vocab_size"], (2, 256))
+    storages: dict[int, int] = {}
+
+    def keep(tensor):
+        if tuple(tensor.shape) not in weight_shapes:
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with saved_tensors_hooks(keep, lambda tensor: tensor):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=weights == "autocast"):
+            model(input_ids=ids, labels=ids)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("weights", ["16-bit", "autocast", "fp32"])
+def test_a_llama_layer_keeps_the_bytes_the_estimate_counts(weights):
+    # Llama-2-7B's MLP width ratio (11008 / 4096), sdpa: everything but the scores
+    shape = dict(hidden_size=128, intermediate_size=344, num_attention_heads=4)
+    per_layer = saved_for_backward("sdpa", weights, num_hidden_layers=3, **shape) - (
+        saved_for_backward("sdpa", weights, num_hidden_layers=2, **shape)
+    )
+    count = count_parameters(facts(**{**TINY_LLAMA, **shape, "num_key_value_heads": 4}))
+    estimated = activation_bytes_per_layer(
+        count,
+        micro_batch=2,
+        seq_len=256,
+        mixed_precision="no" if weights == "fp32" else "bf16",
+        attention_scores=False,
+        autocast=weights == "autocast",
+    )
+    # 45.5, 55.5 and 83 bytes per s·b·h (Korthikanti's GPT layer: 34 and 68)
+    assert per_layer == pytest.approx(estimated, rel=0.02)
+
+
+@pytest.mark.parametrize("mixed_precision", ["bf16", "no"])
+def test_eager_keeps_the_score_bytes_the_estimate_counts_and_sdpa_none(mixed_precision):
+    count = count_parameters(facts(**{**TINY_LLAMA, "num_key_value_heads": 8}))
+    shape = dict(micro_batch=2, seq_len=256, mixed_precision=mixed_precision)
+    scores = activation_bytes_per_layer(count, **shape) - activation_bytes_per_layer(
+        count, attention_scores=False, **shape
+    )
+    weights = "16-bit" if mixed_precision == "bf16" else "fp32"
+    measured = saved_for_backward("eager", weights) - saved_for_backward("sdpa", weights)
+    # 8 heads × 256 × 256 × 2 per layer: 6 bytes each in bf16, 4 in fp32
+    assert measured == pytest.approx(count.num_layers * scores, rel=0.02)
+
+
+def peak_bytes_of(step) -> int:
+    """Peak bytes of the tensors ``step()`` creates and holds at once (storages, CPU)."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class LiveStorages(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live = self.peak = 0
+            self.seen: set[int] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in tree_flatten(out)[0]:
+                if not isinstance(tensor, torch.Tensor):
+                    continue
+                storage = tensor.untyped_storage()
+                key, size = storage.data_ptr(), storage.nbytes()
+                if key in self.seen or size == 0:
+                    continue
+                self.seen.add(key)
+                self.live += size
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self.free, key, size)
+            return out
+
+        def free(self, key: int, size: int) -> None:
+            self.seen.discard(key)
+            self.live -= size
+
+    with LiveStorages() as mode:
+        step()
+    return mode.peak
+
+
+@pytest.mark.parametrize("mixed_precision", ["bf16", "no"])
+def test_hf_loss_peaks_at_the_bytes_per_logit_the_estimate_counts(mixed_precision):
+    import torch
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from dplaunch.planning.estimate import LOSS_BYTES_PER_LOGIT
+
+    batch, seq, hidden, vocab = 2, 128, 8, 4096
+    dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
+    states = torch.randn(batch, seq, hidden, requires_grad=True)
+    head = torch.randn(vocab, hidden, requires_grad=True)
+    labels = torch.randint(0, vocab, (batch, seq))
+
+    def loss_and_backward():
+        # as the loop does: model(**batch).loss, the output (and its logits) dropped at once
+        logits = torch.nn.functional.linear(states.to(dtype), head.to(dtype))
+        loss = ForCausalLMLoss(logits, labels, vocab)
+        del logits
+        loss.backward()
+
+    per_logit = peak_bytes_of(loss_and_backward) / (batch * seq * vocab)
+    # the head's copies and gradient add hidden·(2 or 4)/(batch·seq) ≤ 0.13 bytes per logit
+    assert per_logit == pytest.approx(LOSS_BYTES_PER_LOGIT, abs=0.2)
+    count = count_parameters(facts(**TINY_LLAMA))
+    memory = estimate_memory(facts(**TINY_LLAMA), micro_batch=batch, seq_len=seq)
+    assert memory.logits_gb * GIB == batch * seq * count.vocab_size * LOSS_BYTES_PER_LOGIT

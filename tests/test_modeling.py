@@ -102,3 +102,20 @@ def test_zero3_keeps_weight_decay_on_a_pretrained_models_partitioned_weights(tmp
     assert result.returncode == 0, result.stderr[-3000:]
     groups = json.loads(result.stdout.strip().splitlines()[-1])
     assert groups["whole"][0] > 0 and groups["zero3"] == groups["whole"], groups
+
+
+def test_the_run_files_attention_kernel_reaches_the_model(tmp_path):
+    # the planner's estimate counts the s×s scores only for eager: the ranks must run that kernel
+    spec = ModelConfig(config=TINY_LLAMA_FIELDS, tokenizer="byte-level")
+    tokenizer = load_tokenizer(spec)
+    assert load_model(spec, tokenizer, seed=1).config._attn_implementation == "sdpa"
+    eager = ModelConfig(
+        config=TINY_LLAMA_FIELDS, tokenizer="byte-level", attn_implementation="eager"
+    )
+    model = load_model(eager, tokenizer, seed=1)
+    assert model.config._attn_implementation == "eager"
+    model.save_pretrained(tmp_path)
+    pretrained = ModelConfig(
+        name_or_path=str(tmp_path), tokenizer="byte-level", attn_implementation="eager"
+    )
+    assert load_model(pretrained, tokenizer, seed=1).config._attn_implementation == "eager"

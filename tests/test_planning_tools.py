@@ -24,6 +24,7 @@ from tests.helpers import (
     TINY_LLAMA,
     child_environment,
     fake_nvidia_smi,
+    refusal_line,
     run_dplaunch,
     train_losses,
 )
@@ -77,7 +78,13 @@ def test_plan_for_a_7b_llama_on_16_x_80gb_recommends_zero1_and_says_why(tmp_path
     assert ddp.split()[-1] == "no"  # 100.4 GB of model states alone
     marked = [line for line in out.splitlines() if line.startswith("* ")]
     assert marked[0].startswith("* ZeRO-1 ") and marked[0].endswith("yes")
-    assert marked[1].startswith("* ZeRO-1 fits in 80 GB with 27% headroom")
+    # sdpa, transformers' pick for llama: no s×s scores (eager would leave 15%)
+    assert "sdpa attention, as transformers picks it" in out
+    assert marked[1].startswith("* ZeRO-1 fits in 80 GB with 45% headroom")
+    assert "memory of one GPU under ZeRO-1 (GiB):" in out
+    # every rank of a node loads the whole fp32 model: 4 × 4 bytes × 6.74 B parameters
+    assert "host RAM: 4 rank(s) per node × 25.1 GiB (the fp32 model at load) = 100.4 GiB" in out
+    assert re.search(r"logits in the loss \(12 bytes each\) +0\.73\b", out)
 
     rows = json.loads(
         run_dplaunch(
@@ -89,7 +96,9 @@ def test_plan_for_a_7b_llama_on_16_x_80gb_recommends_zero1_and_says_why(tmp_path
             "--nodes",
             "4",
             "--gpu-memory",
-            "24",
+            "32",
+            "--attn-implementation",
+            "eager",
             "--json",
         ).stdout
     )
@@ -98,6 +107,10 @@ def test_plan_for_a_7b_llama_on_16_x_80gb_recommends_zero1_and_says_why(tmp_path
     assert all("total_gb" in r and "fits" in r and "recommended" in r for r in rows)
     [best] = [r for r in rows if r["recommended"]]
     assert (best["zero_stage"], best["tp"], best["pp"], best["dp"]) == (1, 4, 1, 4)
+    assert best["attn_implementation"] == "eager"
+    assert sum(best["memory_gb"].values()) - best["memory_gb"]["step_gb"] == pytest.approx(
+        best["total_gb"], abs=0.01
+    )
     assert not any(r["fits"] for r in rows if r["tp"] == 1 and r["pp"] == 1)
     # dplaunch cannot run AutoTP inside the pipeline engine: such layouts are not offered
     assert not any(r["tp"] > 1 and r["pp"] > 1 for r in rows)
@@ -176,18 +189,19 @@ def test_auto_picks_a_plan_that_fits_when_ddp_does_not(tmp_path):
         llama_7b_run_file(tmp_path / "7b.yaml"),
         "launch.gpus=16",
         "launch.nodes=4",
-        "launch.gpu_memory_gb=24",
+        "launch.gpu_memory_gb=32",
+        "model.attn_implementation=eager",
     )
     facts = ModelFacts.from_config_dict(LLAMA_7B)
     choice = resolve_auto_parallel(config, facts, Machine(visible_gpus=4))
     ddp = next(c for c in choice.candidates if c.name == "DDP")
     assert not ddp.fits
     picked = next(c for c in choice.candidates if c.recommended)
-    assert picked.fits and picked.total_gb <= 24 * 0.9
+    assert picked.fits and picked.total_gb <= 32 * 0.9
     p = choice.parallel
     assert (p.zero_stage, p.offload, p.tp, p.pp, p.auto) == (1, "none", 4, 1, False)
-    assert choice.note.startswith("parallel: auto → ZeRO-1 with tp 4 fits in 24 GB")
-    assert "(24 GB per GPU from launch.gpu_memory_gb)" in choice.note
+    assert choice.note.startswith("parallel: auto → ZeRO-1 with tp 4 fits in 32 GB")
+    assert "(32 GB per GPU from launch.gpu_memory_gb)" in choice.note
 
 
 def test_auto_picks_ddp_when_ddp_fits():
@@ -248,7 +262,9 @@ def test_auto_dry_run_runs_the_recommended_plan_and_prints_why(tmp_path):
         "--nodes",
         "4",
         "--set",
-        "launch.gpu_memory_gb=24",
+        "launch.gpu_memory_gb=32",
+        "--set",
+        "model.attn_implementation=eager",
         "--master-port",
         "29677",
         "--dry-run",
@@ -258,7 +274,7 @@ def test_auto_dry_run_runs_the_recommended_plan_and_prints_why(tmp_path):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "mesh: dp 4 × tp 4 × pp 1 = 16 ranks" in out and "ZeRO stage 1" in out
-    assert "note: parallel: auto → ZeRO-1 with tp 4 fits in 24 GB" in out
+    assert "note: parallel: auto → ZeRO-1 with tp 4 fits in 32 GB" in out
     resolved = yaml.safe_load(out.split("run.yaml\n", 1)[1].split("\n---", 1)[0])
     assert resolved["parallel"] == {
         "zero_stage": 1,
@@ -528,3 +544,143 @@ def test_env_shows_versions_gpus_port_and_deepspeed_ops():
     assert re.search(r"^  cpu_adam\s+(compatible|NOT compatible)", out, re.M)
     fast = run_dplaunch("env", "--no-ops", "--json")
     assert json.loads(fast.stdout)["deepspeed_ops"] is None
+
+
+# -- one estimate for the plan, `parallel: auto` and the GPU benchmark ---------------------------
+
+
+def test_the_gpu_benchmark_checks_the_estimate_the_planner_makes(tmp_path):
+    from benchmarks.gpu_report import run_estimate
+    from dplaunch.planning.auto import plan_candidates, run_workload
+
+    run = yaml.safe_load((REPO / "benchmarks" / "configs" / "llama-1b.yaml").read_text())
+    config = build_run_config(run)
+    facts = ModelFacts.from_config_dict(config.model.config)
+    table = plan_candidates(facts, run_workload(config), gpus=1, gpus_per_node=1, gpu_memory_gb=141)
+    ddp = next(c for c in table if c.name == "DDP")
+    assert run_estimate(run) == ddp.memory
+    assert ddp.memory.attn_implementation == "sdpa"  # what transformers runs for llama
+    run["model"]["attn_implementation"] = "eager"
+    eager = run_estimate(run)
+    assert eager.attn_implementation == "eager"
+    assert eager.activations_gb > 2 * ddp.activations_gb  # 32 heads × 2048² scores per layer
+
+
+def test_plan_flag_and_run_file_key_name_the_same_attention_kernels():
+    from typing import get_args
+
+    from dplaunch.cli import AttentionKernel
+    from dplaunch.config.schema import AttentionImplementation
+
+    assert [k.value for k in AttentionKernel] == list(get_args(AttentionImplementation))
+    eager = run_dplaunch(
+        "plan",
+        TINY_LLAMA,
+        "--gpus",
+        "2",
+        "--gpu-memory",
+        "16",
+        "--set",
+        "model.attn_implementation=eager",
+    )
+    assert eager.returncode == 0, eager.stderr
+    assert "eager attention (keeps the s×s attention scores)" in eager.stdout
+    wrong = run_dplaunch(
+        "plan",
+        TINY_LLAMA,
+        "--gpus",
+        "2",
+        "--gpu-memory",
+        "16",
+        "--set",
+        "model.attn_implementation=fast",
+    )
+    assert wrong.returncode == 2
+    assert wrong.stderr.startswith("dplaunch: error: model.attn_implementation:")
+
+
+# -- host RAM: every rank of a node loads the model at once ------------------------------------
+
+
+def test_eight_ranks_that_each_load_a_fp32_7b_are_refused_on_a_128_gib_node():
+    from dplaunch.config.schema import LaunchConfig, ParallelConfig, TrainConfig
+    from dplaunch.planning.plan import make_plan
+
+    facts = ModelFacts.from_config_dict(LLAMA_7B)
+    node = Machine(visible_gpus=8, host_memory_gb=128)
+    bf16 = TrainConfig(mixed_precision="bf16", global_batch_size=64)
+
+    def plan(machine: Machine = node, **parallel: object):
+        return make_plan(LaunchConfig(gpus=8), ParallelConfig(**parallel), bf16, machine, facts)
+
+    with pytest.raises(UserError) as refused:
+        plan(zero_stage=2)
+    # 8 × 4 bytes × 6.74 B parameters = 200.8 GiB
+    assert str(refused.value).startswith(
+        "launch.gpus_per_node: host RAM: 8 rank(s) per node × 25.1 GiB (the fp32 model at load) "
+        "= 200.8 GiB of this node's 128.0 GiB"
+    )
+    assert "use ZeRO-3" in str(refused.value)
+    assert not any("host RAM" in note for note in plan(zero_stage=3).notes)  # 8 × 3.1 GiB
+    # offloading all of ZeRO-3's states keeps 18 bytes × Ψ/8 per rank in host RAM: a note
+    offloaded = plan(zero_stage=3, offload="all")
+    assert any(
+        note.startswith("host RAM: 8 rank(s) per node × 14.1 GiB") for note in offloaded.notes
+    )
+    plan(Machine(visible_gpus=8), zero_stage=2)  # RAM unknown: nothing to check
+    plan(Machine(visible_gpus=8, render_only=True, host_memory_gb=128), zero_stage=2)  # elsewhere
+
+
+def test_a_78b_on_two_gpus_is_refused_before_launch_in_one_line(tmp_path):
+    path = llama_7b_run_file(tmp_path / "78b.yaml", parallel={"zero_stage": 0})
+    data = yaml.safe_load(path.read_text())
+    data["model"]["config"].update(hidden_size=8192, num_hidden_layers=80, intermediate_size=28672)
+    path.write_text(yaml.safe_dump(data))
+    two_gpus = child_environment(CUDA_VISIBLE_DEVICES="0,1")  # the planner counts them from here
+    run = ("train", path, "--gpus", "2", "--dry-run", "-o", tmp_path / "run")
+    # 2 × 4 bytes × 78 B parameters: no machine this runs on has 584 GiB
+    refused = run_dplaunch(*run, env=two_gpus)
+    refusal_line(
+        refused, "launch.gpus_per_node: host RAM: 2 rank(s) per node × 292.0 GiB", "ZeRO-3"
+    )
+    assert not (tmp_path / "run").exists()
+    # CPU ranks rehearse GPU plans: the same plan is noted, not refused
+    rehearsal = run_dplaunch(*run, "--cpu")
+    assert rehearsal.returncode == 0, rehearsal.stderr
+    assert "note: host RAM: 2 rank(s) per node × 292.0 GiB" in rehearsal.stdout
+    assert "more than it has (CPU ranks: not refused" in rehearsal.stdout
+
+
+def test_host_memory_is_the_slurm_jobs_share_when_it_was_given_one():
+    from dplaunch.planning.devices import host_memory_gb
+
+    machine = host_memory_gb({})
+    assert machine is not None and machine > 0
+    assert host_memory_gb({"SLURM_MEM_PER_NODE": "2048"}) == min(machine, 2.0)
+
+
+def test_flash_attention_on_cpu_ranks_is_refused_before_launch(tmp_path):
+    result = run_dplaunch(
+        "train",
+        TINY_LLAMA,
+        "--cpu",
+        "--gpus",
+        "2",
+        "--set",
+        "model.attn_implementation=flash_attention_2",
+        "--dry-run",
+        "-o",
+        tmp_path / "run",
+    )
+    refusal_line(result, "model.attn_implementation: flash_attention_2 runs on CUDA GPUs only")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_resumes_under_another_attention_kernel():
+    # the kernels compute the same sums: switching to sdpa to save memory keeps the training
+    from dplaunch.train.checkpoint import CheckpointInfo, _check_same_training
+
+    config = run_config(TINY_LLAMA, "model.attn_implementation=eager")
+    saved = config.model_dump(mode="json")
+    del saved["model"]["attn_implementation"]  # a run file from before the key existed
+    _check_same_training(saved, config, CheckpointInfo(Path("step-1"), {"step": 1}))

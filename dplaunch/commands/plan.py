@@ -17,8 +17,13 @@ from dplaunch.errors import UserError
 from dplaunch.planning.arrow_datasets import hub_offline
 from dplaunch.planning.auto import Workload, plan_candidates, run_workload
 from dplaunch.planning.candidates import Candidate, format_table, to_json_rows
-from dplaunch.planning.estimate import count_parameters
-from dplaunch.planning.model_facts import ModelFacts, load_config_json, looks_like_path
+from dplaunch.planning.estimate import MemoryEstimate, count_parameters
+from dplaunch.planning.model_facts import (
+    ModelFacts,
+    attention_implementation,
+    load_config_json,
+    looks_like_path,
+)
 from dplaunch.planning.plan import _nodes
 
 # what a bare `--model` plans for, when no run file says otherwise
@@ -41,6 +46,7 @@ class PlanOptions:
     seq_len: int | None = None
     mixed_precision: str | None = None
     activation_checkpointing: bool = False
+    attn_implementation: str | None = None
     task: str | None = None
     safety_margin: float = 0.1
     as_json: bool = False
@@ -75,6 +81,7 @@ def _from_run_file(options: PlanOptions) -> tuple[ModelFacts, str, Workload, Any
         "train.mixed_precision": options.mixed_precision,
         "data.max_length": options.seq_len,
         "model.gradient_checkpointing": options.activation_checkpointing or None,
+        "model.attn_implementation": options.attn_implementation,
         "model.task": options.task,
     }
     config = load_run_config(options.config, overrides=overrides, assignments=options.assignments)
@@ -128,6 +135,7 @@ def _from_model(options: PlanOptions) -> tuple[ModelFacts, str, Workload]:
         num_labels=None,
         global_batch_size=options.global_batch,
         fixed_micro_batch=options.micro_batch or 1,
+        attn_implementation=options.attn_implementation,
     )
     return facts, str(options.model), workload
 
@@ -189,6 +197,9 @@ def describe(setting: PlanSetting, safety_margin: float) -> list[str]:
     exact = "exact count from the config" if count.exact else "APPROXIMATE: " + count.note
     usable = setting.gpu_memory_gb * (1 - safety_margin)
     batch = f", global batch {work.global_batch_size}" if work.global_batch_size else ""
+    attention = attention_implementation(setting.facts.model_type, work.attn_implementation)
+    picked = "" if work.attn_implementation else ", as transformers picks it"
+    scores = "keeps" if attention == "eager" else "never builds"
     micro = str(work.micro_batch)
     if work.fixed_micro_batch is None:
         micro += " (the largest one dplaunch would derive; set train.micro_batch_size)"
@@ -197,11 +208,13 @@ def describe(setting: PlanSetting, safety_margin: float) -> list[str]:
         f"{count.total:,} parameters ({_short(count.total)}; {exact})",
         f"per GPU: micro batch {micro} × sequence {work.seq_len}{batch}, "
         f"{work.mixed_precision if work.mixed_precision != 'no' else 'fp32'}, activation "
-        f"checkpointing {'on' if work.activation_checkpointing else 'off'}",
+        f"checkpointing {'on' if work.activation_checkpointing else 'off'}, {attention} "
+        f"attention{picked} ({scores} the s×s attention scores)",
         f"{setting.gpus} GPUs ({setting.nodes} node(s) × {setting.gpus_per_node}), "
         f"{setting.gpu_memory_gb:g} GB each (from {setting.memory_source}); a plan fits in "
         f"{usable:.1f} GB ({safety_margin:.0%} kept free)",
-        "states = weights + gradients + optimizer (Adam), busiest GPU; activ = activations; "
+        "states = weights + gradients + optimizer (Adam), busiest GPU; activ = the layers' "
+        "activations; other = logits, buffers, CUDA context (the breakdown below); "
         "comm/step = GB each GPU sends per optimizer step; cpu = host memory for offload",
     ]
 
@@ -230,4 +243,22 @@ def run_plan(options: PlanOptions) -> int:
         typer.echo(line)
     typer.echo("")
     typer.echo(format_table(candidates))
+    shown = next((c for c in candidates if c.recommended), None) or next(
+        (c for c in candidates if c.why), None
+    )
+    if shown is not None and shown.memory is not None:
+        typer.echo("")
+        typer.echo(f"memory of one GPU under {shown.layout} (GiB):")
+        for line in shown.memory.breakdown_lines():
+            typer.echo(line)
+        typer.echo(host_memory_line(shown.memory, setting.gpus_per_node))
     return 0
+
+
+def host_memory_line(memory: MemoryEstimate, ranks_per_node: int) -> str:
+    """Host RAM per node the plan needs (every rank loads the model at once), beside this node's."""
+    from dplaunch.planning.devices import host_memory_gb
+
+    here = host_memory_gb()
+    known = f"; this node has {here:.0f} GiB" if here is not None else ""
+    return f"host RAM: {memory.host_line(ranks_per_node)}{known}"

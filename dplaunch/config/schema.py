@@ -12,6 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 Task = Literal["causal-lm", "sequence-classification"]
 MixedPrecision = Literal["no", "fp16", "bf16"]
 Offload = Literal["none", "optimizer", "all"]
+# attention kernels transformers runs (from_pretrained/from_config attn_implementation)
+AttentionImplementation = Literal[
+    "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"
+]
 Scheduler = Literal[
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"
 ]
@@ -62,6 +66,10 @@ class ModelConfig(Section):
     gradient_checkpointing: bool = Field(
         False,
         description="Activation (gradient) checkpointing in the model's blocks: less activation memory, more compute.",
+    )
+    attn_implementation: AttentionImplementation | None = Field(
+        None,
+        description="Attention kernel: `eager` keeps every head's s×s score matrix for the backward, the others never build it; unset: what transformers picks (`sdpa` where the model supports it, else `eager`). `flash_attention_*` runs on CUDA GPUs only.",
     )
 
     @model_validator(mode="after")

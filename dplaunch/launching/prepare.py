@@ -30,6 +30,7 @@ from dplaunch.launching.ports import claim_free_port, claim_gpu, claim_port
 from dplaunch.planning.data_check import check_data
 from dplaunch.planning.devices import (
     Gpu,
+    host_memory_gb,
     local_gpus,
     oldest_compute_capability,
     smallest_gpu_memory_gb,
@@ -157,7 +158,10 @@ def local_machine(*, render_only: bool = False) -> tuple[Machine, list[Gpu]]:
     """What the planner may know of this machine, and the GPUs this process may use."""
     count, gpus = local_gpus()
     machine = Machine(
-        visible_gpus=count, render_only=render_only, oldest_gpu=oldest_compute_capability(gpus)
+        visible_gpus=count,
+        render_only=render_only,
+        oldest_gpu=oldest_compute_capability(gpus),
+        host_memory_gb=host_memory_gb(),
     )
     return machine, gpus
 
@@ -259,7 +263,13 @@ def prepare_training_run(
         auto = resolve_auto_parallel(config, facts, machine, lambda: smallest_gpu_memory_gb(gpus))
         config.parallel = auto.parallel
     plan = make_plan(
-        config.launch, config.parallel, config.train, machine, facts, task=config.model.task
+        config.launch,
+        config.parallel,
+        config.train,
+        machine,
+        facts,
+        task=config.model.task,
+        attn_implementation=config.model.attn_implementation,
     )
     if auto is not None:
         plan = replace(plan, notes=(*plan.notes, auto.note))

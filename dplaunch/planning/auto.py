@@ -10,7 +10,9 @@ What the estimate assumes for the run (the same inputs `dplaunch plan CONFIG` us
   for any layout (≤ 8 and dividing the global batch; an upper bound, so the estimate errs on
   the side of memory);
 - sequence length ``data.max_length``, ``train.mixed_precision``, activation checkpointing from
-  ``model.gradient_checkpointing``, the model's task and labels.
+  ``model.gradient_checkpointing``, the attention kernel from ``model.attn_implementation``
+  (unset: transformers' own pick, sdpa for the families that support it), the model's task and
+  labels.
 
 On CPU ranks there is no GPU memory to plan for: auto keeps DDP there and says so, unless
 ``launch.gpu_memory_gb`` gives a memory per rank, in which case the same rule picks as on GPUs
@@ -24,25 +26,15 @@ from dataclasses import dataclass
 
 from dplaunch.config.schema import ParallelConfig, RunConfig, TrainConfig
 from dplaunch.errors import UserError
-from dplaunch.planning.candidates import Candidate, candidate_plans, recommendation_line
+from dplaunch.planning.candidates import (
+    Candidate,
+    Workload,
+    candidate_plans,
+    recommendation_line,
+    workload_memory,
+)
 from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.planning.plan import DEFAULT_MAX_MICRO_BATCH, Machine, _devices, _nodes, batch_math
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What one GPU computes per micro-batch: the inputs of the activation and traffic estimates."""
-
-    micro_batch: int
-    seq_len: int
-    mixed_precision: str
-    activation_checkpointing: bool = False
-    task: str = "causal-lm"
-    num_labels: int | None = None
-    # samples per optimizer step; None = unknown (one micro-batch per step for traffic)
-    global_batch_size: int | None = None
-    # the configured micro batch (None = derived per layout): decides which layouts can split the batch
-    fixed_micro_batch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +65,7 @@ def run_workload(config: RunConfig) -> Workload:
         num_labels=config.model.num_labels,
         global_batch_size=config.train.global_batch_size,
         fixed_micro_batch=config.train.micro_batch_size,
+        attn_implementation=config.model.attn_implementation,
     )
 
 
@@ -114,6 +107,7 @@ def plan_candidates(
         num_labels=workload.num_labels,
         global_batch_size=workload.global_batch_size,
         feasible=_splits_the_batch(workload),
+        attn_implementation=workload.attn_implementation,
     )
 
 
@@ -166,3 +160,14 @@ def resolve_auto_parallel(
     source = "launch.gpu_memory_gb" if launch.gpu_memory_gb is not None else "nvidia-smi"
     note = f"parallel: auto → {chosen.why} ({memory:g} GB per GPU from {source})"
     return AutoChoice(parallel, note, tuple(candidates))
+
+
+# the workload and its estimate live with the plan table; `dplaunch plan` and the benchmark take them from here
+__all__ = [
+    "AutoChoice",
+    "Workload",
+    "plan_candidates",
+    "resolve_auto_parallel",
+    "run_workload",
+    "workload_memory",
+]

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 from dplaunch.errors import UserError
 from dplaunch.planning.estimate import (
     GIB,
+    MemoryEstimate,
+    ParameterCount,
     count_parameters,
     estimate_communication,
     estimate_memory,
@@ -61,6 +63,13 @@ class Candidate:
     recommended: bool = False
     # one line: why this plan is recommended, or why nothing fits (on the smallest plan)
     why: str = ""
+    # every line the total is made of (MemoryEstimate.breakdown), for `dplaunch plan`
+    memory: MemoryEstimate | None = None
+
+    @property
+    def other_gb(self) -> float:
+        """What the total holds besides model states and the layers' activations."""
+        return self.total_gb - self.model_states_gb - self.activations_gb
 
     @property
     def name(self) -> str:
@@ -83,6 +92,59 @@ class Candidate:
         """The plan in words: "ZeRO-1 with tp 4 and pp 2"."""
         degrees = [f"{axis} {n}" for axis, n in (("tp", self.tp), ("pp", self.pp)) if n > 1]
         return self.name + (" with " + " and ".join(degrees) if degrees else "")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one GPU computes per micro-batch: the inputs of the activation and traffic estimates."""
+
+    micro_batch: int
+    seq_len: int
+    mixed_precision: str
+    activation_checkpointing: bool = False
+    task: str = "causal-lm"
+    num_labels: int | None = None
+    # samples per optimizer step; None = unknown (one micro-batch per step for traffic)
+    global_batch_size: int | None = None
+    # the configured micro batch (None = derived per layout): decides which layouts can split the batch
+    fixed_micro_batch: int | None = None
+    # model.attn_implementation; None = what transformers picks (attention_implementation)
+    attn_implementation: str | None = None
+
+
+def workload_memory(
+    facts: ModelFacts,
+    workload: Workload,
+    *,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    zero_stage: int = 0,
+    offload: str = "none",
+    count: ParameterCount | None = None,
+) -> MemoryEstimate:
+    """The memory estimate the plan table makes for one layout of this workload (the benchmark
+    compares it with the peaks a run measured: one estimate for both)."""
+    steps = None
+    if workload.global_batch_size is not None:
+        steps = max(1, -(-workload.global_batch_size // (workload.micro_batch * dp)))
+    return estimate_memory(
+        facts,
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        zero_stage=zero_stage,
+        offload=offload,
+        mixed_precision=workload.mixed_precision,
+        micro_batch=workload.micro_batch,
+        seq_len=workload.seq_len,
+        activation_checkpointing=workload.activation_checkpointing,
+        task=workload.task,
+        num_labels=workload.num_labels,
+        gradient_accumulation_steps=steps,
+        attn_implementation=workload.attn_implementation,
+        count=count,
+    )
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -151,6 +213,7 @@ def candidate_plans(
     num_labels: int | None = None,
     global_batch_size: int | None = None,
     feasible: Callable[[Candidate], bool] | None = None,
+    attn_implementation: str | None = None,
 ) -> list[Candidate]:
     """Every layout for ``gpus`` GPUs with its memory per GPU and traffic per step; one recommended.
 
@@ -159,7 +222,8 @@ def candidate_plans(
     and cap the pipeline's in-flight micro-batches; unset = one micro-batch per step for traffic,
     pp in flight for memory. ``feasible`` (optional) rules plans out of the recommendation that
     fit but cannot run as configured (e.g. a global batch that dp does not divide); they stay
-    in the table.
+    in the table. ``attn_implementation``: the run's model.attn_implementation (unset = what
+    transformers picks for the model; only eager keeps the attention scores).
     """
     if gpus < 1:
         raise UserError("launch.gpus", f"{gpus} GPUs", "plan for at least 1 GPU")
@@ -169,6 +233,16 @@ def candidate_plans(
         raise UserError("safety_margin", f"{safety_margin} is not in [0, 1)")
     count = count_parameters(facts, task, num_labels)
     usable = gpu_memory_gb * (1 - safety_margin)
+    workload = Workload(
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        mixed_precision=mixed_precision,
+        activation_checkpointing=activation_checkpointing,
+        task=task,
+        num_labels=num_labels,
+        global_batch_size=global_batch_size,
+        attn_implementation=attn_implementation,
+    )
     candidates: list[Candidate] = []
     for tp, pp in _layouts(facts, count, gpus, gpus_per_node, task):
         dp = gpus // (tp * pp)
@@ -189,11 +263,8 @@ def candidate_plans(
                 num_labels=num_labels,
                 count=count,
             )
-            memory = estimate_memory(
-                facts,
-                activation_checkpointing=activation_checkpointing,
-                gradient_accumulation_steps=steps,
-                **shape,
+            memory = workload_memory(
+                facts, workload, dp=dp, tp=tp, pp=pp, zero_stage=stage, offload=offload, count=count
             )
             traffic = estimate_communication(facts, gradient_accumulation_steps=steps or 1, **shape)
             candidate = Candidate(
@@ -215,6 +286,7 @@ def candidate_plans(
                 gpu_memory_gb=gpu_memory_gb,
                 usable_gb=usable,
                 fits=memory.total_gb <= usable,
+                memory=memory,
             )
             candidates.append(candidate)
     _recommend(candidates, feasible)
@@ -297,6 +369,7 @@ ROW_KEYS = (
     "optimizer_gb",
     "model_states_gb",
     "activations_gb",
+    "other_gb",
     "total_gb",
     "cpu_gb",
     "comm_gb_per_step",
@@ -315,16 +388,22 @@ def to_json_rows(candidates: list[Candidate]) -> list[dict]:
     for candidate in candidates:
         row = asdict(candidate)
         row["name"] = candidate.name
-        rows.append(
-            {k: round(row[k], 3) if isinstance(row[k], float) else row[k] for k in ROW_KEYS}
-        )
+        row["other_gb"] = candidate.other_gb
+        flat = {k: round(row[k], 3) if isinstance(row[k], float) else row[k] for k in ROW_KEYS}
+        if candidate.memory is not None:
+            flat["attn_implementation"] = candidate.memory.attn_implementation
+            flat["memory_gb"] = {
+                name: round(gib, 3) for name, _, gib in candidate.memory.breakdown()
+            }
+            flat["host_gb_per_rank"] = round(candidate.memory.host_gb, 3)
+        rows.append(flat)
     return rows
 
 
 def format_table(candidates: list[Candidate]) -> str:
     """Fixed-width text table, the recommended row marked ``*``, then the recommendation line."""
     header = (
-        f"  {'plan':<26}{'tp':>3}{'pp':>4}{'dp':>5}{'states':>9}{'activ':>8}{'total':>8}"
+        f"  {'plan':<26}{'tp':>3}{'pp':>4}{'dp':>5}{'states':>9}{'activ':>8}{'other':>8}{'total':>8}"
         f"{'cpu':>8}{'comm/step':>11}{'fits':>6}"
     )
     lines = [header, "  " + "-" * (len(header) - 2)]
@@ -335,7 +414,7 @@ def format_table(candidates: list[Candidate]) -> str:
         mark = "*" if c.recommended else " "
         lines.append(
             f"{mark} {c.name:<26}{c.tp:>3}{c.pp:>4}{c.dp:>5}{c.model_states_gb:>9.{d}f}"
-            f"{c.activations_gb:>8.{d}f}{c.total_gb:>8.{d}f}{c.cpu_gb:>8.{d}f}"
+            f"{c.activations_gb:>8.{d}f}{c.other_gb:>8.{d}f}{c.total_gb:>8.{d}f}{c.cpu_gb:>8.{d}f}"
             f"{c.comm_gb_per_step:>11.{d}f}{'yes' if c.fits else 'no':>6}"
         )
     if candidates:

@@ -158,3 +158,19 @@ def oldest_compute_capability(gpus: list[Gpu]) -> tuple[float, str] | None:
     """The lowest compute capability among ``gpus`` and that GPU's name; None when unknown."""
     known = [(gpu.compute_capability, gpu.name) for gpu in gpus if gpu.compute_capability]
     return min(known) if known else None
+
+
+def host_memory_gb(env: Mapping[str, str] | None = None) -> float | None:
+    """GiB of RAM the ranks of this node may use: the machine's (psutil), or less when a SLURM
+    job was given less (SLURM_MEM_PER_NODE, MiB); None when it cannot be read."""
+    env = os.environ if env is None else env
+    try:
+        import psutil  # accelerate requires it; light (no torch)
+
+        total = psutil.virtual_memory().total / 2**30
+    except (ImportError, OSError):
+        return None
+    granted = env.get("SLURM_MEM_PER_NODE", "")
+    if granted.isdigit() and int(granted) > 0:
+        total = min(total, int(granted) / 1024)
+    return total

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dplaunch.errors import UserError
-from dplaunch.planning.model_facts import ModelFacts
+from dplaunch.planning.model_facts import ModelFacts, attention_implementation
+from dplaunch.rendering.deepspeed_config import BUCKET_SIZE
 
 GIB = 2**30
 
@@ -115,6 +116,8 @@ class ParameterCount:
     num_heads: int = 1
     num_kv_heads: int = 1
     vocab_size: int = 0
+    # the gated MLP's width (llama-like families; 0 = not one), for the activation formula
+    intermediate_size: int = 0
     note: str = ""
 
     @property
@@ -202,6 +205,7 @@ def _llama_like(family: str, get: Any, classify: bool, labels: int) -> Parameter
         num_heads=heads,
         num_kv_heads=kv_heads,
         vocab_size=vocab,
+        intermediate_size=inter,
     )
 
 
@@ -357,9 +361,35 @@ def stage_shares(count: ParameterCount, *, tp: int = 1, pp: int = 1) -> list[Sta
     return shares
 
 
+# what a GPU holds besides model states and activations; each is a named line of the breakdown
+# (MemoryEstimate.breakdown, printed by `dplaunch plan`)
+#
+# CUDA context, loaded kernels and cuBLAS/cuDNN workspaces of one torch process: nvidia-smi shows
+# about 0.5–1 GiB per process on A100/H100-class GPUs before any tensor exists (lazy module
+# loading); the top of that range, since none of it shows in max_memory_allocated
+CUDA_CONTEXT_BYTES = GIB
+# one NCCL communicator's buffers: NCCL_BUFFSIZE (4 MiB) per channel and protocol, up to 32
+# channels on NVLink, send and receive sides: about 0.5 GiB for each group a rank reduces in
+NCCL_BYTES_PER_COMMUNICATOR = GIB // 2
+# bytes per logit element in HF's causal-LM loss (transformers loss_utils.ForCausalLMLoss, with
+# the loop's `model(**batch).loss`): forward holds the model's logits (2 or 4) + their fp32 upcast
+# (4) + log_softmax's fp32 output (4, saved); backward holds that saved output + its gradient +
+# the logits' fp32 gradient (4 each) = 12, the peak in 16-bit and fp32 alike
+LOSS_BYTES_PER_LOGIT = 12
+# bytes per element of the attention probabilities HF's eager attention keeps for backward: the
+# fp32 softmax output (eager upcasts the softmax) + its 16-bit copy under mixed precision
+# (fp32: the one fp32 tensor). Measured on CPU: tests/test_estimate.py
+EAGER_SCORE_BYTES = {"16-bit": 6, "fp32": 4}
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Memory of the busiest GPU of a plan (the pipeline stage with the largest total)."""
+    """Memory of the busiest GPU of a plan (the pipeline stage with the largest total), in GiB.
+
+    ``total_gb`` = model states + CUDA context + NCCL buffers + the larger of the two peaks:
+    forward/backward (activations, logits, autocast copies, ZeRO-3 gathered layer, reduce buckets)
+    and the optimizer step (the fp32 gradient partition; activations are freed by then).
+    """
 
     # parameters this GPU's share of the model has before ZeRO partitions it (after TP and PP)
     params_per_gpu: int
@@ -369,13 +399,77 @@ class MemoryEstimate:
     gradients_gb: float
     optimizer_gb: float
     model_states_gb: float
+    # the decoder layers' activations (all in-flight micro-batches), without the logits
     activations_gb: float
     # ZeRO-3 gathers one full layer (or the embedding / lm_head) at a time to compute it
     gathered_gb: float
     total_gb: float
-    # host memory this GPU's process needs for offloaded states
+    # host memory this GPU's process needs for offloaded states (and their fp32 gradients)
     cpu_gb: float
     exact_parameters: bool
+    # the attention kernel the estimate assumes (model.attn_implementation or transformers' pick)
+    attn_implementation: str = "eager"
+    # logits in the loss: micro-batch × sequence × vocabulary × LOSS_BYTES_PER_LOGIT
+    logits_gb: float = 0.0
+    # DDP under autocast: the 16-bit copy of every matrix, cached for the forward, kept for backward
+    autocast_gb: float = 0.0
+    # DeepSpeed's reduce buckets (and ZeRO-3's prefetch bucket), fixed by BUCKET_SIZE
+    buckets_gb: float = 0.0
+    # the fp32 gradient partition DeepSpeed's ZeRO optimizer builds for the step
+    step_gb: float = 0.0
+    nccl_gb: float = 0.0
+    cuda_context_gb: float = 0.0
+    # host RAM one rank holds while loading the model (the fp32 model, whole or partitioned)
+    host_load_gb: float = 0.0
+
+    @property
+    def forward_backward_gb(self) -> float:
+        """The forward/backward peak beyond the model states."""
+        return (
+            self.activations_gb
+            + self.logits_gb
+            + self.autocast_gb
+            + self.gathered_gb
+            + self.buckets_gb
+        )
+
+    @property
+    def host_gb(self) -> float:
+        """Host RAM one rank needs at its peak: loading, or the offloaded states while training."""
+        return max(self.host_load_gb, self.cpu_gb)
+
+    def host_line(self, ranks_per_node: int) -> str:
+        """Host RAM of a node whose ranks all hold :attr:`host_gb` at once, in words."""
+        what = "offloaded states" if self.cpu_gb > self.host_load_gb else "the fp32 model at load"
+        return (
+            f"{ranks_per_node} rank(s) per node × {self.host_gb:.1f} GiB ({what}) = "
+            f"{ranks_per_node * self.host_gb:.1f} GiB"
+        )
+
+    def breakdown(self) -> list[tuple[str, str, float]]:
+        """(field, words, GiB) of every line the total is made of, in the order they add up."""
+        words = {
+            "weights_gb": "weights",
+            "gradients_gb": "gradients",
+            "optimizer_gb": "optimizer states (Adam)",
+            "activations_gb": f"activations ({self.layers_per_gpu} layers, "
+            f"{self.attn_implementation} attention)",
+            "logits_gb": f"logits in the loss ({LOSS_BYTES_PER_LOGIT} bytes each)",
+            "autocast_gb": "autocast 16-bit weight copies (DDP)",
+            "gathered_gb": "ZeRO-3 gathered layer",
+            "buckets_gb": "DeepSpeed reduce/prefetch buckets",
+            "step_gb": "fp32 gradient partition at the step",
+            "nccl_gb": "NCCL buffers",
+            "cuda_context_gb": "CUDA context",
+        }
+        return [(name, text, getattr(self, name)) for name, text in words.items()]
+
+    def breakdown_lines(self) -> list[str]:
+        """The breakdown as text, then how the lines make the total."""
+        lines = [f"  {text:<48}{gib:>9.2f}" for _, text, gib in self.breakdown() if gib]
+        peak = "optimizer step" if self.step_gb > self.forward_backward_gb else "forward/backward"
+        lines.append(f"  {'total (peak: ' + peak + ')':<48}{self.total_gb:>9.2f}")
+        return lines
 
 
 def _bytes_per_param(mixed_precision: str, zero_stage: int = 0) -> tuple[int, int, int]:
@@ -443,6 +537,15 @@ def model_state_bytes(
     return weights, gradients, optimizer, cpu
 
 
+# bytes per s·b·h one llama-like decoder layer keeps for backward besides the attention scores
+# (SwiGLU MLP of width i, RMSNorms), measured on CPU with saved-tensor hooks (tests/test_estimate.py):
+# (replicated on every TP rank, split over TP, × i/h split over TP) for the three ways ranks
+# hold weights — 16-bit weights (DeepSpeed bf16/fp16), fp32 weights under autocast (DDP: the
+# residual stream and the norms stay fp32), fp32. The split of the first two is read from the
+# graph (the two RMSNorms' fp32 input and 16-bit output are replicated), the sums are measured.
+LLAMA_LAYER_BYTES = {"16-bit": (12, 12, 8), "autocast": (22, 12, 8), "fp32": (16, 24, 16)}
+
+
 def activation_bytes_per_layer(
     count: ParameterCount,
     *,
@@ -451,19 +554,34 @@ def activation_bytes_per_layer(
     tp: int = 1,
     mixed_precision: str = "bf16",
     attention_scores: bool = True,
+    autocast: bool = False,
 ) -> float:
-    """Activations one transformer layer keeps for backward (Korthikanti et al. 2022, eq. 1-2).
+    """Activations one transformer layer keeps for backward.
 
-    16-bit: s·b·h·(34 + 5·a·s/h) bytes; with tensor parallelism (no sequence parallelism)
-    s·b·h·(10 + 24/t + 5·a·s/(h·t)) — the 10 (layer-norm inputs, dropout masks of the residual)
-    is replicated on every TP rank, the rest is split. fp32 doubles it. ``attention_scores=False``
-    drops the 5·a·s/h term, which flash/memory-efficient SDPA kernels never materialise; the
-    default keeps it (eager attention, the conservative case).
+    GPT/BERT-style layers (Korthikanti et al. 2022, eq. 1-2): 16-bit s·b·h·34 bytes besides the
+    attention scores; with tensor parallelism (no sequence parallelism) s·b·h·(10 + 24/t) — the
+    10 (layer-norm inputs, dropout masks of the residual) is replicated on every TP rank, the
+    rest is split. fp32 doubles it. Llama-like layers (llama, mistral, qwen2, qwen3):
+    s·b·h·(R + (S + M·i/h)/t) with (R, S, M) from :data:`LLAMA_LAYER_BYTES` — 16-bit weights
+    (24 + 8·i/h at t = 1: 45.5 for Llama-2-7B, not 34), ``autocast`` = fp32 weights under
+    autocast (DDP; 34 + 8·i/h), fp32 (40 + 16·i/h).
+    ``attention_scores`` (eager attention) adds the score matrices, a/t heads × s × s × b elements
+    at :data:`EAGER_SCORE_BYTES` each: HF's eager attention keeps the fp32 softmax output and, in
+    16-bit, its 16-bit copy (6 bytes; the paper's 5 assumed a 16-bit softmax and a dropout mask).
+    SDPA, flash and flex attention never build the matrix: no such term.
     """
     s, b, h, a = seq_len, micro_batch, count.hidden_size, count.num_heads
-    per_token = 10 + 24 / tp + (5 * a * s / (h * tp) if attention_scores else 0)
-    scale = 1 if mixed_precision in ("bf16", "fp16") else 2
-    return s * b * h * per_token * scale
+    sixteen_bit = mixed_precision in ("bf16", "fp16")
+    if count.family in LLAMA_LIKE and count.intermediate_size:
+        kind = ("autocast" if autocast else "16-bit") if sixteen_bit else "fp32"
+        replicated, split, per_width = LLAMA_LAYER_BYTES[kind]
+        width = count.intermediate_size / h
+        layer = s * b * h * (replicated + (split + per_width * width) / tp)
+    else:
+        layer = s * b * h * (10 + 24 / tp) * (1 if sixteen_bit else 2)
+    if attention_scores:
+        layer += (a / tp) * s * s * b * EAGER_SCORE_BYTES["16-bit" if sixteen_bit else "fp32"]
+    return layer
 
 
 def estimate_memory(
@@ -481,23 +599,41 @@ def estimate_memory(
     task: str = "causal-lm",
     num_labels: int | None = None,
     gradient_accumulation_steps: int | None = None,
-    attention_scores: bool = True,
+    attn_implementation: str | None = None,
     count: ParameterCount | None = None,
 ) -> MemoryEstimate:
-    """Memory on the busiest GPU of a dp × tp × pp plan.
+    """Memory on the busiest GPU of a dp × tp × pp plan, as the ranks will run it on GPUs.
 
     Model states: :func:`model_state_bytes` of the parameters this GPU holds (:func:`stage_shares`).
     ZeRO-3 also needs the largest unit it gathers at once (a layer, the embedding or the head) in
     16-bit: ``gathered_gb``.
 
     Activations per GPU: L_stage layers × :func:`activation_bytes_per_layer` × in-flight
-    micro-batches. With activation checkpointing a layer keeps only its input, 2·s·b·h bytes
-    (4 in fp32; not split by TP), plus one layer's full activations while it is recomputed.
-    Pipeline stage k of DeepSpeed's 1F1B schedule holds min(pp − k, micro-batches) micro-batches
-    in flight (``gradient_accumulation_steps``; unset = pp), so stage 0 holds as many activations as
-    the whole unsplit model: PP does not shrink activation memory on the first stage.
-    The last stage adds the logits kept for the loss: b·s·V·4 bytes (fp32) for causal-lm,
-    b·labels·4 for classification. Embedding outputs and communication buckets are not counted.
+    micro-batches; the score matrices count only for eager attention (``attn_implementation``,
+    unset = transformers' pick, :func:`attention_implementation`). With activation checkpointing
+    a layer keeps only its input, 2·s·b·h bytes (4 in fp32 or under DDP's autocast; not split by
+    TP), plus one layer's full
+    activations while it is recomputed. Pipeline stage k of DeepSpeed's 1F1B schedule holds
+    min(pp − k, micro-batches) micro-batches in flight (``gradient_accumulation_steps``; unset =
+    pp), so stage 0 holds as many activations as the whole unsplit model: PP does not shrink
+    activation memory on the first stage.
+
+    The rest, each a line of :meth:`MemoryEstimate.breakdown`:
+
+    - logits (last stage): b·s·V × :data:`LOSS_BYTES_PER_LOGIT` for causal-lm, b·labels × the
+      same for classification;
+    - autocast copies (DDP in bf16/fp16, whose weights stay fp32): 2 bytes × every parameter that
+      enters a matrix product (all but the input embedding; a tied head reuses it);
+    - DeepSpeed buckets (rendered with reduce_bucket_size = BUCKET_SIZE elements, overlap_comm on
+      GPUs): ZeRO-1/2 two reduce buffers of BUCKET_SIZE gradient elements; ZeRO-3 one, plus its
+      prefetch bucket of BUCKET_SIZE/4 16-bit parameters;
+    - the step (ZeRO ≥ 1, not offloaded): the fp32 gradient partition, 4·Ψ/Nd bytes, while
+      activations are freed — so the total takes the larger of the two peaks;
+    - NCCL buffers, one communicator per parallel axis of degree > 1; the CUDA context.
+
+    ``host_load_gb``: host RAM a rank holds while it builds or loads the model, the whole fp32
+    model (4 bytes × all parameters: TP and PP cut it afterwards) — except ZeRO-3, where
+    ``zero.Init`` builds each rank's partition only (4·Ψ/Nd).
     """
     if dp < 1 or tp < 1 or pp < 1:
         raise UserError("parallel", f"dp={dp}, tp={tp}, pp={pp}: every degree must be at least 1")
@@ -506,26 +642,42 @@ def estimate_memory(
         raise UserError(
             "parallel.pp", f"{pp} stages for {count.num_layers} layers", "use pp ≤ layers"
         )
+    implementation = attention_implementation(facts.model_type, attn_implementation)
     in_flight_cap = gradient_accumulation_steps if gradient_accumulation_steps else pp
+    sixteen_bit = mixed_precision in ("bf16", "fp16")
+    # DDP keeps fp32 weights and computes under autocast; DeepSpeed holds 16-bit weights
+    ddp = zero_stage == 0 and tp == 1 and pp == 1
     layer_full = activation_bytes_per_layer(
         count,
         micro_batch=micro_batch,
         seq_len=seq_len,
         tp=tp,
         mixed_precision=mixed_precision,
-        attention_scores=attention_scores,
+        attention_scores=implementation == "eager",
+        autocast=ddp and sixteen_bit,
     )
-    element = 2 if mixed_precision in ("bf16", "fp16") else 4
-    checkpoint = element * seq_len * micro_batch * count.hidden_size
+    element = 2 if sixteen_bit else 4
+    # a checkpointed layer keeps its input: the residual stream, fp32 under DDP's autocast
+    checkpoint = (4 if ddp else element) * seq_len * micro_batch * count.hidden_size
     if task == "sequence-classification":
         labels = int(num_labels if num_labels is not None else facts.raw.get("num_labels") or 2)
-        logits = micro_batch * labels * 4
+        logits = micro_batch * labels * LOSS_BYTES_PER_LOGIT
     else:
-        logits = micro_batch * seq_len * count.vocab_size * 4
-    w16 = 2 if mixed_precision in ("bf16", "fp16") else 4
+        logits = micro_batch * seq_len * count.vocab_size * LOSS_BYTES_PER_LOGIT
     layer_params = count.per_layer - count.per_layer_sharded + count.per_layer_sharded // tp
     head_params = count.head - count.head_sharded + count.head_sharded // tp
     largest_unit = max(layer_params, count.embedding, head_params)
+    autocast = 2 * (count.total - count.embedding + count.tied_params) if ddp and sixteen_bit else 0
+    buckets = 0
+    if zero_stage in (1, 2):
+        buckets = 2 * BUCKET_SIZE * element
+    elif zero_stage == 3:
+        buckets = BUCKET_SIZE * element + BUCKET_SIZE // 4 * element
+    nccl = NCCL_BYTES_PER_COMMUNICATOR * sum(degree > 1 for degree in (dp, tp, pp))
+    if zero_stage == 3:
+        host_load = 4 * count.total / dp
+    else:
+        host_load = 4 * count.total
 
     best: MemoryEstimate | None = None
     for share in stage_shares(count, tp=tp, pp=pp):
@@ -536,7 +688,7 @@ def estimate_memory(
             )
         else:
             activations = share.layers * layer_full * in_flight
-        activations += logits if share.holds_head else 0
+        stage_logits = logits if share.holds_head else 0
         weights, gradients, optimizer, cpu = model_state_bytes(
             share.params,
             dp=dp,
@@ -544,9 +696,13 @@ def estimate_memory(
             offload=offload,
             mixed_precision=mixed_precision,
         )
-        gathered = w16 * largest_unit if zero_stage == 3 else 0
+        fp32_partition = 4 * share.params / dp if zero_stage >= 1 else 0
+        step = fp32_partition if offload == "none" else 0
+        cpu += fp32_partition if offload != "none" else 0
+        gathered = element * largest_unit if zero_stage == 3 else 0
         states = weights + gradients + optimizer
-        total = states + activations + gathered
+        forward_backward = activations + stage_logits + autocast + gathered + buckets
+        total = states + CUDA_CONTEXT_BYTES + nccl + max(forward_backward, step)
         estimate = MemoryEstimate(
             params_per_gpu=share.params,
             stage=share.stage,
@@ -560,6 +716,14 @@ def estimate_memory(
             total_gb=total / GIB,
             cpu_gb=cpu / GIB,
             exact_parameters=count.exact,
+            attn_implementation=implementation,
+            logits_gb=stage_logits / GIB,
+            autocast_gb=autocast / GIB,
+            buckets_gb=buckets / GIB,
+            step_gb=step / GIB,
+            nccl_gb=nccl / GIB,
+            cuda_context_gb=CUDA_CONTEXT_BYTES / GIB,
+            host_load_gb=host_load / GIB,
         )
         if best is None or estimate.total_gb > best.total_gb:
             best = estimate
@@ -651,7 +815,12 @@ def estimate_communication(
 
 
 __all__ = [
+    "CUDA_CONTEXT_BYTES",
+    "EAGER_SCORE_BYTES",
     "GIB",
+    "LLAMA_LAYER_BYTES",
+    "LOSS_BYTES_PER_LOGIT",
+    "NCCL_BYTES_PER_COMMUNICATOR",
     "CommunicationEstimate",
     "MemoryEstimate",
     "ParameterCount",

@@ -33,6 +33,24 @@ AUTOTP_FAMILIES = (
 )
 # families dplaunch can cut into pipeline stages (dplaunch/train/pipeline.py)
 PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
+# families whose HF classes run SDPA (transformers 5 ``_supports_sdpa``, checked by
+# tests/test_estimate.py): transformers picks sdpa for them on CPU and GPU unless told otherwise
+SDPA_FAMILIES = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "gpt2",
+    "gptj",
+    "gpt_neox",
+    "bert",
+    "opt",
+    "falcon",
+    "phi",
+    "phi3",
+    "gemma",
+)
 
 # HF config field names differ per family; first match wins
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
@@ -82,6 +100,16 @@ class ModelFacts:
             tied_embeddings=bool(config.get("tie_word_embeddings", model_type in ("gpt2", "bert"))),
             raw=dict(config),
         )
+
+
+def attention_implementation(model_type: str, requested: str | None = None) -> str:
+    """The attention kernel the ranks run: ``requested`` (model.attn_implementation), else what
+    transformers 5 picks when given none (``get_correct_attn_implementation``): sdpa where the
+    model class supports it, eager otherwise. A family dplaunch does not know counts as eager,
+    the case that needs the most memory."""
+    if requested is not None:
+        return requested
+    return "sdpa" if model_type in SDPA_FAMILIES else "eager"
 
 
 # files that make a folder (or a hub snapshot) a tokenizer AutoTokenizer can load

@@ -142,6 +142,8 @@ class Machine:
     render_only: bool = False
     # the lowest compute capability among the visible GPUs and that GPU's name (None: not known)
     oldest_gpu: tuple[float, str] | None = None
+    # GiB of RAM on this node (devices.host_memory_gb); None = unknown, not checked
+    host_memory_gb: float | None = None
 
 
 def make_plan(
@@ -151,10 +153,12 @@ def make_plan(
     machine: Machine,
     model: ModelFacts | None = None,
     task: str = "causal-lm",
+    attn_implementation: str | None = None,
 ) -> Plan:
     """Decide the whole layout of a run; raise UserError for anything that cannot work.
 
-    ``task`` is the run file's model.task (the pipeline engine trains causal LMs only).
+    ``task`` is the run file's model.task (the pipeline engine trains causal LMs only);
+    ``attn_implementation`` its model.attn_implementation (flash kernels need GPUs).
     """
     notes: list[str] = []
     target, total = _devices(launch, machine, notes)
@@ -196,10 +200,29 @@ def make_plan(
             "drop train.compile, or use tp 1 and pp 1",
         )
     mixed_precision = _mixed_precision(train.mixed_precision, target, machine)
+    if target == "cpu" and (attn_implementation or "").startswith("flash_attention"):
+        raise UserError(
+            "model.attn_implementation",
+            f"{attn_implementation} runs on CUDA GPUs only, and this plan runs CPU ranks",
+            "use sdpa (what transformers picks when the key is unset) or eager",
+        )
     micro, accumulation = batch_math(
         train.global_batch_size, train.micro_batch_size, mesh.data_parallel_size
     )
     stage_layers = tuple(pipeline_stage_names(model, mesh.pipeline_parallel_size)) if model else ()
+    if model is not None and machine.host_memory_gb is not None and not machine.render_only:
+        note = check_host_memory(
+            model,
+            parallel,
+            mesh,
+            per_node,
+            mixed_precision,
+            task,
+            machine.host_memory_gb,
+            refuse=target == "gpu",
+        )
+        if note:
+            notes.append(note)
     return Plan(
         target=target,
         world_size=total,
@@ -336,6 +359,58 @@ def _check_parallel(
                 f"pipeline parallelism (pp {pp}) trains causal LMs only, and model.task is {task!r}",
                 "use --pp 1 (data parallelism, ZeRO or --tp for a large model), or model.task causal-lm",
             )
+
+
+# a node's RAM the ranks may take at load before the plan says so
+HOST_MEMORY_NOTE_FRACTION = 0.8
+
+
+def check_host_memory(
+    model: ModelFacts,
+    parallel: ParallelConfig,
+    mesh: Mesh,
+    per_node: int,
+    mixed_precision: str,
+    task: str,
+    host_memory_gb: float,
+    *,
+    refuse: bool = True,
+) -> str | None:
+    """Refuse a plan whose ranks cannot fit in this node's RAM; a note when they take most of it.
+
+    ``refuse=False`` (CPU ranks, which rehearse GPU plans on a small machine) notes it instead.
+
+    Every rank of a node builds or loads the model in host RAM at the same time: the whole fp32
+    model, 4 bytes × all parameters (TP and PP cut it afterwards), except under ZeRO-3, where
+    zero.Init builds each rank's partition only; offloaded states stay there while training
+    (estimate.MemoryEstimate.host_gb). Nodes of a multi-node job are taken to be alike.
+    """
+    from dplaunch.planning.estimate import estimate_memory
+
+    memory = estimate_memory(
+        model,
+        dp=mesh.data_parallel_size,
+        tp=mesh.tensor_parallel_size,
+        pp=mesh.pipeline_parallel_size,
+        zero_stage=parallel.zero_stage,
+        offload=parallel.offload,
+        mixed_precision=mixed_precision,
+        task=task,
+    )
+    need = per_node * memory.host_gb
+    line = f"host RAM: {memory.host_line(per_node)} of this node's {host_memory_gb:.1f} GiB"
+    if need > host_memory_gb and refuse:
+        fix = "use fewer ranks per node (--gpus-per-node) or a node with more memory"
+        if parallel.zero_stage != 3:
+            fix = "use ZeRO-3 (each rank then builds only its partition), fewer ranks per " + (
+                "node (--gpus-per-node) or a node with more memory"
+            )
+        raise UserError("launch.gpus_per_node", line, fix)
+    if need > host_memory_gb:
+        return line + ": more than it has (CPU ranks: not refused, a GPU launch would be)"
+    if need > HOST_MEMORY_NOTE_FRACTION * host_memory_gb:
+        return line
+    return None
 
 
 # bf16 tensor cores (and bf16 in NCCL) start with Ampere; older GPUs emulate it slowly, or fail

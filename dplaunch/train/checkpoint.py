@@ -76,10 +76,10 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 _SAME_SECTIONS = ("model", "data")
 _SAME_TRAIN_KEYS = ("global_batch_size", "seed")
 # keys that change neither the training samples nor the model's numbers: how data is read, what
-# is evaluated on, whether activations are recomputed
+# is evaluated on, whether activations are recomputed, which attention kernel computes the same sums
 _FREE_KEYS = {
     "data": ("num_workers", "eval_dataset", "eval_split"),
-    "model": ("gradient_checkpointing",),
+    "model": ("gradient_checkpointing", "attn_implementation"),
 }
 
 

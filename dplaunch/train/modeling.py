@@ -42,6 +42,8 @@ def load_model(
         if label_names:
             extra["id2label"] = dict(enumerate(label_names))
             extra["label2id"] = {name: number for number, name in enumerate(label_names)}
+    # model.attn_implementation: the kernel the planner's memory estimate assumed (unset = HF's pick)
+    kernel = {"attn_implementation": model.attn_implementation} if model.attn_implementation else {}
     set_seed(seed)
     if model.config is not None:
         fields = dict(model.config)
@@ -52,7 +54,7 @@ def load_model(
         for name in ("bos_token_id", "eos_token_id"):
             if name not in fields and getattr(tokenizer, name, None) is not None:
                 setattr(config, name, getattr(tokenizer, name))
-        built = auto.from_config(config, trust_remote_code=model.trust_remote_code)
+        built = auto.from_config(config, trust_remote_code=model.trust_remote_code, **kernel)
     else:
         # float32 weights whatever the checkpoint's dtype (transformers 5 would keep a bf16
         # checkpoint in bf16): mixed precision computes in bf16/fp16 from fp32 master weights
@@ -61,6 +63,7 @@ def load_model(
             trust_remote_code=model.trust_remote_code,
             dtype=torch.float32,
             **extra,
+            **kernel,
         )
         if built.config.pad_token_id is None:
             built.config.pad_token_id = tokenizer.pad_token_id
