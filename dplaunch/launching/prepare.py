@@ -69,6 +69,7 @@ FLAG_KEYS = {
     "master_addr": "launch.master_addr",
     "master_port": "launch.master_port",
     "hostfile": "launch.hostfile",
+    "max_restarts": "launch.max_restarts",
     "zero": "parallel.zero_stage",
     "offload": "parallel.offload",
     "tp": "parallel.tp",
@@ -96,6 +97,7 @@ class RunFlags:
     master_addr: str | None = None
     master_port: int | None = None
     hostfile: str | None = None
+    max_restarts: int | None = None
     zero: int | None = None
     offload: str | None = None
     tp: int | None = None

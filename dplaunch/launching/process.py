@@ -387,7 +387,7 @@ class RankWatch:
         if first is not None:
             later = sorted((set(self.reported) | set(self.raised)) - {first[0]})
             if later:
-                same = all(_gist(self._line_of(rank)) == _gist(first[2]) for rank in later)
+                same = all(gist(self._line_of(rank)) == gist(first[2]) for rank in later)
                 how = "failed the same way" if same else f"failed after rank {first[0]}"
                 where = f"tracebacks: {self.errors_dir}/" if self.reported else "output above"
                 lines.append(f"dplaunch: rank(s) {_ranks_text(later)} {how} ({where})")
@@ -465,8 +465,13 @@ class RankWatch:
         return found
 
 
-def _gist(line: str) -> str:
-    # a rank's message without its rank and traceback path, to tell "the same error" apart
+def stacks_file_name(rank: int | str) -> str:
+    """RUN/errors/stacks-rank-N.txt: a rank's Python stack, dumped when a collective timed out."""
+    return f"stacks-rank-{rank}.txt"
+
+
+def gist(line: str) -> str:
+    """A rank's message without its rank and traceback path, to tell "the same error" apart."""
     match = RANK_ERROR_RE.match(line)
     text = match.group(2) if match else line
     return re.sub(r"^\[rank ?\d+\]:? ", "", text)
