@@ -91,7 +91,7 @@ def test_a_failure_is_restarted_until_the_restarts_are_used_up_or_it_repeats_its
 
 
 def test_node_0_decides_for_every_node_from_the_first_failure(tmp_path):
-    nodes = [NodeAgreement(tmp_path, rank, 2) for rank in (0, 1)]
+    nodes = [NodeAgreement(tmp_path, rank, 2, timeout_minutes=1) for rank in (0, 1)]
     nodes[0].begin()
     killed = Failure(1, "[rank 1] was killed by signal 9 (SIGKILL)", step=5, when=10.0)
     after = Failure(1, "[rank 0] RuntimeError: Connection closed by peer", step=5, when=11.0)

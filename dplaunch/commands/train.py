@@ -105,7 +105,9 @@ def _train_with_restarts(prepared: PreparedRun, point: ResumePoint | None) -> in
     max_restarts = prepared.config.launch.max_restarts
     agreement = None
     if max_restarts and plan.num_nodes > 1 and not prepared.config.launch.hostfile:
-        agreement = restarts.NodeAgreement(run_dir, plan.node_rank, plan.num_nodes)
+        agreement = restarts.NodeAgreement(
+            run_dir, plan.node_rank, plan.num_nodes, plan.timeout_minutes
+        )
         agreement.begin()
     done, previous = 0, None
     while True:

@@ -37,8 +37,9 @@ BACKOFF_SECONDS = 2.0
 BACKOFF_MAX_SECONDS = 60.0
 # how long node 0 waits for the other nodes' failures before it decides with what it has
 AGREE_SECONDS = 60.0
-# how long another node waits for node 0's decision (node 0 may first wait AGREE_SECONDS)
-FOLLOW_SECONDS = AGREE_SECONDS + 120.0
+# how long another node waits for node 0's decision beyond the collective timeout (node 0's
+# ranks may wait that long before they fail, then node 0 waits up to AGREE_SECONDS)
+FOLLOW_MARGIN_SECONDS = AGREE_SECONDS + 120.0
 POLL_SECONDS = 0.2
 EXIT_USER_ERROR = 2
 
@@ -167,10 +168,11 @@ def record_restart(run_dir: Path, number: int, verdict: Verdict, backoff_s: floa
 class NodeAgreement:
     """Node 0 decides whether the whole job restarts; the other nodes follow (see the module doc)."""
 
-    def __init__(self, run_dir: Path, node_rank: int, num_nodes: int):
+    def __init__(self, run_dir: Path, node_rank: int, num_nodes: int, timeout_minutes: float):
         self.folder = run_dir / RESTARTS_DIR
         self.node_rank = node_rank
         self.num_nodes = num_nodes
+        self.follow_s = timeout_minutes * 60 + FOLLOW_MARGIN_SECONDS
 
     def begin(self) -> None:
         """Node 0, before its first launch: forget the decisions of an earlier dplaunch."""
@@ -191,11 +193,11 @@ class NodeAgreement:
         decision = folder / DECISION_FILE
         if self.node_rank != 0:
             say(f"dplaunch: node {self.node_rank} failed; waiting for node 0's restart decision")
-            text = _wait_for_file(decision, FOLLOW_SECONDS)
+            text = _wait_for_file(decision, self.follow_s)
             if text is None:
                 return Verdict(
                     False,
-                    f"node 0 gave no restart decision within {FOLLOW_SECONDS:g} s ({decision})",
+                    f"node 0 gave no restart decision within {self.follow_s:g} s ({decision})",
                     failure.cause,
                 )
             return Verdict.from_json(text)
