@@ -384,7 +384,11 @@ def supervise(prepared: PreparedRun) -> tuple[int, RankWatch]:
     env = {**os.environ, **prepared.env}
     if sys.stdout.isatty():  # rank 0 draws a live progress bar instead of a line per logged step
         env.setdefault(PROGRESS_ENV, str(shutil.get_terminal_size().columns))
-    watch = RankWatch(prepared.run_dir / ERRORS_DIR, timeout_minutes=prepared.plan.timeout_minutes)
+    plan = prepared.plan
+    watch = RankWatch(prepared.run_dir / ERRORS_DIR, timeout_minutes=plan.timeout_minutes)
+    if plan.num_nodes > 1 and not prepared.config.launch.hostfile:  # one launcher per node
+        first = plan.node_rank * plan.processes_per_node
+        watch.local_ranks = range(first, first + plan.processes_per_node)
     return run_supervised(prepared.argv, env, watch=watch), watch
 
 

@@ -11,7 +11,7 @@ import os
 import runpy
 import sys
 
-from dplaunch.train.rank_process import begin_rank, exit_rank, status_of
+from dplaunch.train.rank_process import begin_rank, exit_rank, note_failure_stack, status_of
 
 
 def main(argv: list[str]) -> int:
@@ -28,6 +28,7 @@ def main(argv: list[str]) -> int:
     except Exception as error:  # noqa: BLE001 — printed as Python would, then the rank exits 1
         # through sys.excepthook, as Python does: torch's prefixes each line with "[rankN]: ",
         # which is how dplaunch's launcher finds the error of the rank that failed first
+        note_failure_stack(error)
         trimmed = _from_script(error.__traceback__, script)
         sys.excepthook(type(error), error.with_traceback(trimmed), trimmed)
         return 1
