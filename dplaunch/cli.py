@@ -133,6 +133,17 @@ RUN_FLAG_PARAMETERS: dict[str, tuple[Any, Any]] = {
         ],
         None,
     ),
+    "max_restarts": (
+        Annotated[
+            int | None,
+            typer.Option(
+                "--max-restarts",
+                help="Restart every rank from the newest checkpoint after a failure, up to N times (default 0).",
+                rich_help_panel=_PLAN,
+            ),
+        ],
+        None,
+    ),
     "hostfile": (
         Annotated[
             str | None,

@@ -76,6 +76,18 @@ def run_dplaunch(
     )
 
 
+def loopback_node_argv(
+    config: Path, node_rank: int, port: int, run_dir: Path, *flags: Any
+) -> list[str]:
+    """`dplaunch train` for one of 2 "nodes" of one CPU rank each meeting on loopback (one
+    command per node, torchrun-style)."""
+    return [
+        sys.executable, "-m", "dplaunch", "train", str(config), "--cpu", "--gpus", "2",
+        "--nodes", "2", "--node-rank", str(node_rank), "--master-addr", "127.0.0.1",
+        "--master-port", str(port), *map(str, flags), "-o", str(run_dir),
+    ]  # fmt: skip
+
+
 def refusal_line(result: subprocess.CompletedProcess, *expected: str) -> str:
     """The one `dplaunch: error:` line of a refused command (exit 2, no traceback), holding every
     expected text."""

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 from dplaunch.launching import deepspeed_ops, ports
-from dplaunch.launching.prepare import RunFlags, prepare_training_run
+from dplaunch.launching.prepare import RunFlags, hang_dump_environment, prepare_training_run
 from dplaunch.planning import devices
 from tests.helpers import TINY_LLAMA, child_environment, fake_nvidia_smi, refusal_line, run_dplaunch
 
@@ -211,3 +211,24 @@ def test_dplaunch_env_says_whether_deepspeed_ops_can_be_built_here(tmp_path, mon
     monkeypatch.setenv("PATH", str(tmp_path))
     missing = deepspeed_ops(("cpu_adam",))["build_tools_missing"]
     assert missing[:2] == ["ninja", "a C++ compiler (c++)"]
+
+
+def test_a_gpu_plan_runs_the_nccl_flight_recorder_into_the_run_directory(tmp_path):
+    # on a collective timeout NCCL dumps every rank's last collectives next to the Python stacks
+    render_gpu_plan(tmp_path / "gpu", "--gpus", "2", "--zero", "2")
+    launch = (tmp_path / "gpu" / "launch.sh").read_text()
+    errors = (tmp_path / "gpu").absolute() / "errors"
+    for line in (
+        "export TORCH_NCCL_TRACE_BUFFER_SIZE=2000\n",
+        "export TORCH_NCCL_DUMP_ON_TIMEOUT=1\n",
+        f"export TORCH_NCCL_DEBUG_INFO_TEMP_FILE={errors}/nccl-trace-rank-\n",
+        f"export DPLAUNCH_ERRORS_DIR={errors}\n",
+    ):
+        assert line in launch, launch
+    render_gpu_plan(tmp_path / "cpu", "--cpu", "--gpus", "2")
+    cpu_launch = (tmp_path / "cpu" / "launch.sh").read_text()
+    assert "TORCH_NCCL" not in cpu_launch and "DPLAUNCH_ERRORS_DIR" in cpu_launch
+    # a value of the user's is kept (the ranks inherit it)
+    plan = prepare_training_run(RunFlags(config=TINY_LLAMA, gpus=2), render_only=True).plan
+    mine = hang_dump_environment(plan, errors, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "20000"})
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in mine and mine["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"

@@ -22,6 +22,7 @@ from tests.conftest import COMPARISON_FLAGS
 from tests.helpers import (
     TINY_LLAMA,
     child_environment,
+    loopback_node_argv,
     max_relative_gap,
     read_metrics,
     run_dplaunch,
@@ -42,27 +43,7 @@ def test_two_nodes_on_loopback_train_like_two_ranks_on_one_node(tmp_path, dp_ref
     port = free_port()
     nodes = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "dplaunch",
-                "train",
-                str(TINY_LLAMA),
-                "--cpu",
-                "--gpus",
-                "2",
-                "--nodes",
-                "2",
-                "--node-rank",
-                str(rank),
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(port),
-                *COMPARISON_FLAGS,
-                "-o",
-                str(run_dir),
-            ],
+            loopback_node_argv(TINY_LLAMA, rank, port, run_dir, *COMPARISON_FLAGS),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -370,8 +370,16 @@ def test_a_rank_stuck_before_an_all_reduce_fails_the_job_at_the_collective_timeo
     assert "launch.timeout_minutes = 0.1 (6 s)" in result.stderr
     assert "--set launch.timeout_minutes=N" in result.stderr
     assert "rank(s) 1 did not time out themselves" in result.stderr
-    assert re.match(
-        r"\[rank 0\] RuntimeError: .*Timed out waiting 6000ms", last_line(result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert re.match(r"\[rank 0\] RuntimeError: .*Timed out waiting 6000ms", lines[-2]), lines[-3:]
+    # hang dump: every rank's Python stack; the last line names the rank the others waited for
+    errors = tmp_path / "run" / "errors"
+    stuck, waiting = (errors / f"stacks-rank-{rank}.txt" for rank in (1, 0))
+    assert f'File "{script}", line' in stuck.read_text()  # rank 1 is in the script's sleep
+    assert "in all_reduce" in waiting.read_text()  # rank 0 waited inside the collective
+    assert lines[-1] == (
+        "dplaunch: rank(s) 1 not inside the collective that timed out (the others waited there "
+        f"for it); its stack: {stuck} (every rank's: {errors}/stacks-rank-N.txt)"
     )
     assert_no_launcher_noise(result.stdout + result.stderr)
     assert run_processes(str(script)) == []
@@ -391,7 +399,16 @@ def test_a_stopped_training_rank_becomes_a_timeout_error(tmp_path):
     stdout, stderr = output(tmp_path)
     assert code != 0
     assert "launch.timeout_minutes = 0.1 (6 s)" in stderr
-    assert re.match(r"\[rank 0\] RuntimeError: .*Timed out", last_line(stderr)), stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert re.match(r"\[rank 0\] RuntimeError: .*Timed out", lines[-2]), stderr
+    # both ranks dumped their stacks (the frozen one once thawed); it was frozen inside the
+    # gradient all-reduce and timed out there itself once thawed, so no rank was elsewhere
+    errors = run_dir / "errors"
+    assert all((errors / f"stacks-rank-{rank}.txt").stat().st_size for rank in (0, 1))
+    assert lines[-1] == (
+        "dplaunch: every rank timed out inside the collective; their stacks: "
+        f"{errors}/stacks-rank-N.txt"
+    ), lines[-3:]
     assert_no_launcher_noise(stdout + stderr)
     assert run_processes(str(run_dir)) == []
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import shutil
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from dplaunch.errors import UserError
+from dplaunch.launching import restarts
 from dplaunch.launching.prepare import (
     PreparedRun,
     RunFlags,
@@ -80,7 +83,7 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
             )
             return checkpoint.EXIT_CHECKPOINTED
     checkpoint.clear_stop_record(prepared.run_dir)
-    code = start(prepared, after_failure=lambda _status: _failure_hints(prepared.run_dir))
+    code = _train_with_restarts(prepared, point)
     stop = checkpoint.read_stop_record(prepared.run_dir)
     if stop is not None:
         code = int(stop["exit_status"])
@@ -91,6 +94,124 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
             err=True,
         )
     return code
+
+
+def _train_with_restarts(prepared: PreparedRun, point: ResumePoint | None) -> int:
+    """Run the ranks; after a failure start them again from the newest complete checkpoint, up
+    to launch.max_restarts times (dplaunch.launching.restarts decides; nodes agree there)."""
+    from dplaunch.train import checkpoint
+
+    run_dir, plan = prepared.run_dir, prepared.plan
+    max_restarts = prepared.config.launch.max_restarts
+    agreement = None
+    if max_restarts and plan.num_nodes > 1 and not prepared.config.launch.hostfile:
+        agreement = restarts.NodeAgreement(
+            run_dir, plan.node_rank, plan.num_nodes, plan.timeout_minutes
+        )
+        agreement.begin()
+    done, previous = 0, None
+    while True:
+        prepared.env[restarts.RESTARTS_ENV] = str(done)
+        began = restarts.metrics_size(run_dir)
+        code, watch = supervise(prepared)
+        hints = _failure_hints(run_dir) if code != 0 else None
+        if hints is None:  # finished, or stopped on purpose (a stop record): no failure report
+            if code == 0 and done:
+                typer.echo(f"dplaunch: finished after {done} automatic restart(s)")
+            return code
+        if not max_restarts:
+            _report_failure(watch, code, run_dir, hints)
+            return code
+        failure = _failure_of(watch, code, run_dir, began)
+
+        verdict_for = functools.partial(
+            restarts.restart_verdict,
+            previous=previous,
+            restarts_done=done,
+            max_restarts=max_restarts,
+            checkpoint_step=_restart_step(run_dir, point),
+        )
+        if agreement is not None:
+            verdict = agreement.decide(done + 1, failure, verdict_for, say=typer.echo)
+        else:
+            verdict = verdict_for(failure)
+        if not verdict.restart:
+            _report_failure(
+                watch, code, run_dir, [*hints, f"dplaunch: not restarted: {verdict.reason}"]
+            )
+            return code
+        done += 1
+        wait_s = restarts.backoff_seconds(done)
+        _report_failure(watch, code, run_dir, [])
+        where = (
+            f"checkpoint step {verdict.checkpoint_step}"
+            if verdict.checkpoint_step is not None
+            else (f"{point.checkpoint.path}" if point is not None else "step 0 (no checkpoint yet)")
+        )
+        typer.echo(
+            f"dplaunch: restart {done} of {max_restarts} (launch.max_restarts) in {wait_s:g} s, "
+            f"from {where}; cause: {verdict.cause}",
+            err=True,
+        )
+        if plan.node_rank == 0:
+            restarts.record_restart(run_dir, done, verdict, wait_s)
+        interrupted = _back_off(wait_s)
+        if interrupted is not None:
+            typer.echo(
+                f"dplaunch: {interrupted} during the wait before restart {done}: not restarted; "
+                f"continue with --resume auto (exit status {checkpoint.EXIT_CHECKPOINTED})",
+                err=True,
+            )
+            return checkpoint.EXIT_CHECKPOINTED
+        if verdict.checkpoint_step is not None:
+            step_dir = run_dir / checkpoint.CHECKPOINTS_DIR / f"step-{verdict.checkpoint_step}"
+            point = checkpoint.plan_resume(run_dir, str(step_dir), prepared.config, plan)
+        prepared.files[checkpoint.RESUME_FILE] = (
+            point.to_json() if point else checkpoint.FRESH_START_JSON
+        ) + "\n"
+        _print_resume(point, "auto")
+        previous = failure
+
+
+def _restart_step(run_dir: Path, point: ResumePoint | None) -> int | None:
+    """The step of this run's newest complete checkpoint, the one a restart continues from;
+    None: none newer than where this launch started (it starts there again)."""
+    from dplaunch.train import checkpoint
+
+    newest = checkpoint.newest_checkpoint(run_dir / checkpoint.CHECKPOINTS_DIR)
+    if newest is None or (point is not None and newest.step < point.checkpoint.step):
+        return None
+    return newest.step
+
+
+def _failure_of(watch: RankWatch, code: int, run_dir: Path, began: int) -> restarts.Failure:
+    """What restarts.restart_verdict needs to know of a failed launch (``began``: the size of
+    metrics.jsonl when it started)."""
+    first = watch.first_failure()
+    return restarts.Failure(
+        status=code,
+        cause=first[2] if first is not None else f"the launcher exited with status {code}",
+        step=restarts.last_step_reached(run_dir, began),
+        when=first[1] if first is not None else time.time(),
+        stopped=bool(watch.signal_received),
+        user_error=any(f.exitcode == restarts.EXIT_USER_ERROR for f in watch.failures),
+    )
+
+
+def _back_off(seconds: float) -> str | None:
+    """Wait before a restart; the name of a stop signal (SLURM's time limit, scancel) that came
+    meanwhile, else None."""
+    from dplaunch.train import checkpoint
+
+    noted = checkpoint.StopSignals()
+    noted.install()
+    try:
+        deadline = time.monotonic() + seconds
+        while noted.received is None and time.monotonic() < deadline:
+            time.sleep(min(0.1, seconds))
+    finally:
+        noted.restore()
+    return noted.received
 
 
 def _reshard(prepared: PreparedRun, point: ResumePoint) -> str | None:
@@ -199,6 +320,13 @@ def run_launch(
     _check_script(Path(script[0]))
     check_installed_versions()
     prepared = _prepare_launch(flags, script, framework)
+    if prepared.config.launch.max_restarts:
+        raise UserError(
+            "launch.max_restarts",
+            "automatic restarts continue dplaunch's own training loop from its checkpoints; "
+            "dplaunch launch cannot know where a script of its own resumes",
+            "drop it here (it works with `dplaunch train`)",
+        )
     # a script's run directory holds only dplaunch's files: launching into it again is fine
     disk_line = check_run_dir(prepared.run_dir, resuming=True)
     relaunch = _srun_relaunch(prepared)
@@ -255,18 +383,31 @@ def start(
     ``after_failure(status)`` gives lines to print before it, or None when the ranks stopped on
     purpose (then there is no failure report).
     """
+    code, watch = supervise(prepared)
+    if code != 0:
+        hints = after_failure(code) if after_failure is not None else []
+        if hints is not None:
+            _report_failure(watch, code, prepared.run_dir, hints)
+    return code
+
+
+def supervise(prepared: PreparedRun) -> tuple[int, RankWatch]:
+    """Write the run directory, run this node's ranks; their status and what the watch saw."""
     write_run_files(prepared.run_dir, prepared.files)
     env = {**os.environ, **prepared.env}
     if sys.stdout.isatty():  # rank 0 draws a live progress bar instead of a line per logged step
         env.setdefault(PROGRESS_ENV, str(shutil.get_terminal_size().columns))
-    watch = RankWatch(prepared.run_dir / ERRORS_DIR, timeout_minutes=prepared.plan.timeout_minutes)
-    code = run_supervised(prepared.argv, env, watch=watch)
-    if code != 0:
-        hints = after_failure(code) if after_failure is not None else []
-        if hints is not None:
-            for line in watch.report(code, prepared.run_dir, hints):
-                typer.echo(line, err=True)
-    return code
+    plan = prepared.plan
+    watch = RankWatch(prepared.run_dir / ERRORS_DIR, timeout_minutes=plan.timeout_minutes)
+    if plan.num_nodes > 1 and not prepared.config.launch.hostfile:  # one launcher per node
+        first = plan.node_rank * plan.processes_per_node
+        watch.local_ranks = range(first, first + plan.processes_per_node)
+    return run_supervised(prepared.argv, env, watch=watch), watch
+
+
+def _report_failure(watch: RankWatch, code: int, run_dir: Path, hints: list[str]) -> None:
+    for line in watch.report(code, run_dir, hints):
+        typer.echo(line, err=True)
 
 
 def print_prepared(prepared: PreparedRun, *, show_files: bool) -> None:

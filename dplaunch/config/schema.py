@@ -280,6 +280,11 @@ class LaunchConfig(Section):
         gt=0,
         description="Collective timeout: a rank stuck this long fails the job instead of hanging it.",
     )
+    max_restarts: int = Field(
+        0,
+        ge=0,
+        description="Automatic restarts after a rank dies or a collective fails: every rank starts again from the newest complete checkpoint (`dplaunch train`), on every node, after a short backoff. A failure that repeats at the same step with the same error, and a user error (exit 2), are not retried. 0: a failure ends the job.",
+    )
     hostfile: str | None = Field(
         None,
         description="DeepSpeed hostfile (`host slots=G` lines): start every node from one command over pdsh/ssh.",

@@ -27,6 +27,8 @@ from dplaunch.config.schema import LaunchConfig, ModelConfig, RunConfig, ScriptR
 from dplaunch.errors import UserError
 from dplaunch.launching.deepspeed_ops import check_ops_can_be_built, torch_extensions_dir
 from dplaunch.launching.ports import claim_free_port, claim_gpu, claim_port
+from dplaunch.launching.process import ERRORS_DIR_ENV
+from dplaunch.launching.rundir import ERRORS_DIR
 from dplaunch.planning.data_check import check_data
 from dplaunch.planning.devices import (
     Gpu,
@@ -70,6 +72,7 @@ FLAG_KEYS = {
     "master_addr": "launch.master_addr",
     "master_port": "launch.master_port",
     "hostfile": "launch.hostfile",
+    "max_restarts": "launch.max_restarts",
     "zero": "parallel.zero_stage",
     "offload": "parallel.offload",
     "tp": "parallel.tp",
@@ -97,6 +100,7 @@ class RunFlags:
     master_addr: str | None = None
     master_port: int | None = None
     hostfile: str | None = None
+    max_restarts: int | None = None
     zero: int | None = None
     offload: str | None = None
     tp: int | None = None
@@ -378,7 +382,11 @@ def render_files(
     files[accelerate_name] = render_accelerate_config(plan, str(run_abs / DEEPSPEED_CONFIG_NAME))
     files["run.yaml"] = dump_run_config(config)
     files["plan.json"] = json.dumps(plan.to_dict(), indent=2) + "\n"
-    env = {**rank_environment(plan, threads), **(extra_env or {})}
+    env = {
+        **rank_environment(plan, threads),
+        **hang_dump_environment(plan, run_abs / ERRORS_DIR),
+        **(extra_env or {}),
+    }
     if config.launch.hostfile:
         argv = hostfile_launch_argv(plan, Path(config.launch.hostfile), target, env)
     else:
@@ -406,6 +414,27 @@ def rank_environment(plan: Plan, threads: tuple[str, str] | None = None) -> dict
             env["ACCELERATE_USE_CPU"] = "1"
     if threads is not None:
         env["OMP_NUM_THREADS"] = threads[0]
+    return env
+
+
+# the NCCL flight recorder: the last collectives of every rank, dumped when one times out
+NCCL_TRACE_BUFFER_SIZE = 2000
+NCCL_TRACE_FILE_PREFIX = "nccl-trace-rank-"  # torch appends the rank
+
+
+def hang_dump_environment(
+    plan: Plan, errors_dir: Path, environ: Mapping[str, str] = os.environ
+) -> dict[str, str]:
+    """Where the ranks write their Python stacks after a collective timeout (RUN/errors/), and on
+    GPUs NCCL's flight recorder dumped there too; values the user set are kept."""
+    env = {ERRORS_DIR_ENV: str(errors_dir)}
+    if plan.target == "gpu":
+        recorder = {
+            "TORCH_NCCL_TRACE_BUFFER_SIZE": str(NCCL_TRACE_BUFFER_SIZE),
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(errors_dir / NCCL_TRACE_FILE_PREFIX),
+        }
+        env.update({name: value for name, value in recorder.items() if name not in environ})
     return env
 
 

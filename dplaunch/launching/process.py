@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -36,6 +36,15 @@ POLL_SECONDS = 0.25
 # the tree is walked every second; orphans come back to us anyway (subreaper) on Linux
 REFRESH_EVERY_POLLS = 4
 READER_JOIN_SECONDS = 5
+
+# hang dumps: on a collective timeout every rank writes its Python stack (faulthandler, armed by
+# dplaunch.train.rank_process) to RUN/errors/stacks-rank-N.txt; the ranks find the folder here
+ERRORS_DIR_ENV = "DPLAUNCH_ERRORS_DIR"
+STACK_DUMP_SIGNAL = signal.SIGUSR2
+# written by the supervisor that saw the timeout; the other nodes' supervisors watch for it
+STACKS_REQUEST = "dump-stacks.request"
+# the ranks dplaunch starts run one of these modules (any launcher: accelerate, DeepSpeed's runner)
+RANK_MODULES = ("dplaunch.train", "dplaunch.train.script")
 
 _PR_SET_PDEATHSIG = 1
 # the ranks watch this process and stop when it is gone (dplaunch.train.rank_process)
@@ -72,6 +81,7 @@ def run_supervised(
     tree = ProcessTree(process.pid)
     readers = []
     if watch is not None:
+        watch.on_timeout = lambda: tree.signal_dplaunch_ranks(STACK_DUMP_SIGNAL)
         for source, target in ((process.stdout, sys.stdout), (process.stderr, sys.stderr)):
             reader = threading.Thread(target=watch.pump, args=(source, target), daemon=True)
             reader.start()
@@ -95,6 +105,8 @@ def run_supervised(
         while process.poll() is None:
             if polls % REFRESH_EVERY_POLLS == 0:
                 tree.refresh()
+                if watch is not None:
+                    watch.check_stacks_request()
             polls += 1
             _wait_a_little(exited)
     finally:
@@ -110,6 +122,8 @@ def run_supervised(
             reader.join(READER_JOIN_SECONDS)
         if leftovers and watch is not None:
             watch.leftovers = leftovers
+        if watch is not None:
+            watch.drop_empty_stacks_files()
     code = process.returncode
     return code if code >= 0 else 128 - code
 
@@ -173,6 +187,19 @@ class ProcessTree:
         for rank in ranks:
             with contextlib.suppress(self._psutil.Error):
                 rank.send_signal(signum)
+
+    def signal_dplaunch_ranks(self, signum: int) -> None:
+        """Send a signal to every rank dplaunch started below the launcher, however deep."""
+        self.refresh()
+        for pid, child in list(self.known.items()):  # the main thread refreshes it meanwhile
+            if pid == self.root:
+                continue
+            with contextlib.suppress(self._psutil.Error):
+                argv = child.cmdline()
+                if any(
+                    argv[i] == "-m" and argv[i + 1] in RANK_MODULES for i in range(len(argv) - 1)
+                ):
+                    child.send_signal(signum)
 
     def stop_all(self, grace: float) -> int:
         """SIGTERM what is left of the tree, SIGKILL it after ``grace`` seconds; how many were left."""
@@ -267,6 +294,12 @@ class RankWatch:
     _report_root: bool = False
     _report_started: bool = False
     _in_rank_traceback: set[int] = field(default_factory=set)
+    # called once when a rank reports a collective timeout: the ranks dump their stacks
+    on_timeout: Callable[[], None] | None = None
+    # the ranks this supervisor starts (None: all); other nodes' files in a shared errors folder
+    # are theirs to clean
+    local_ranks: range | None = None
+    stacks_requested: bool = False
 
     def pump(self, source: IO[bytes], target: IO[str]) -> None:
         """Copy one of the job's streams to ours, line by line, through the filter."""
@@ -286,6 +319,7 @@ class RankWatch:
         now = time.time()
         if WATCHDOG_TIMEOUT in line:
             self.timeout_seen = True
+            self._request_stacks()
         if self._in_report:
             self._read_report_line(line)
             return []
@@ -300,6 +334,8 @@ class RankWatch:
         if match and Path(match.group(3)).parent.resolve() == self.errors_dir.resolve():
             rank = int(match.group(1))
             self.reported.setdefault(rank, RankError(rank, line, now))
+            if TIMEOUT_RE.search(match.group(2)):
+                self._request_stacks()
             return []  # held back: the first failure is printed once, at the end
         match = EXCEPTHOOK_RE.match(line)
         if match:
@@ -335,6 +371,66 @@ class RankWatch:
             self.raised[rank] = RankError(
                 rank, f"[rank {rank}] {text}", previous.when if previous else now
             )
+            if TIMEOUT_RE.search(text):
+                self._request_stacks()
+
+    def _request_stacks(self) -> None:
+        # every live rank of this node dumps its stack now, before torchrun stops them; the
+        # request file asks the other nodes' supervisors (the run directory is shared) to do so
+        if self.stacks_requested:
+            return
+        self.stacks_requested = True
+        with contextlib.suppress(OSError):
+            self.errors_dir.mkdir(parents=True, exist_ok=True)
+            (self.errors_dir / STACKS_REQUEST).write_text(f"{time.time()}\n")
+        if self.on_timeout is not None:
+            self.on_timeout()
+
+    def check_stacks_request(self) -> None:
+        """Dump this node's stacks when another node's supervisor saw a timeout in this launch."""
+        if self.stacks_requested:
+            return
+        with contextlib.suppress(OSError):
+            if (self.errors_dir / STACKS_REQUEST).stat().st_mtime >= self.started:
+                with self._lock:
+                    self._request_stacks()
+
+    def drop_empty_stacks_files(self) -> None:
+        """Ranks that were killed leave their stacks file empty: remove this node's."""
+        for path in self.errors_dir.glob(stacks_file_name("*")):
+            rank = path.name.removeprefix("stacks-rank-").removesuffix(".txt")
+            if self.local_ranks is not None and (
+                not rank.isdigit() or int(rank) not in self.local_ranks
+            ):
+                continue
+            with contextlib.suppress(OSError):
+                if path.stat().st_size == 0:
+                    path.unlink()
+
+    def _stacks_line(self) -> str | None:
+        # the ranks that timed out waited inside the collective; a rank that dumped its stack
+        # without timing out itself was elsewhere: it is the one the others waited for
+        dumped = {}
+        for path in self.errors_dir.glob(stacks_file_name("*")):
+            match = re.fullmatch(r"stacks-rank-(\d+)\.txt", path.name)
+            with contextlib.suppress(OSError):
+                stat = path.stat()
+                if match and stat.st_size and stat.st_mtime >= self.started - 1:
+                    dumped[int(match.group(1))] = path
+        if not dumped:
+            return None
+        lines = {rank: self._line_of(rank) for rank in dumped}
+        for rank, path, _ in self._error_files():
+            lines[rank] = lines.get(rank) or _last_line(path)
+        outside = sorted(rank for rank in dumped if not TIMEOUT_RE.search(lines.get(rank, "")))
+        where = f"{self.errors_dir}/{stacks_file_name('N')}"
+        if not outside:
+            return f"dplaunch: every rank timed out inside the collective; their stacks: {where}"
+        files = ", ".join(str(dumped[rank]) for rank in outside)
+        return (
+            f"dplaunch: rank(s) {_ranks_text(outside)} not inside the collective that timed out "
+            f"(the others waited there for it); its stack: {files} (every rank's: {where})"
+        )
 
     def _read_report_line(self, line: str) -> None:
         # torchrun's report: a border of '=', Failures: [i]: entries, Root Cause: [0]:, a border
@@ -387,7 +483,7 @@ class RankWatch:
         if first is not None:
             later = sorted((set(self.reported) | set(self.raised)) - {first[0]})
             if later:
-                same = all(_gist(self._line_of(rank)) == _gist(first[2]) for rank in later)
+                same = all(gist(self._line_of(rank)) == gist(first[2]) for rank in later)
                 how = "failed the same way" if same else f"failed after rank {first[0]}"
                 where = f"tracebacks: {self.errors_dir}/" if self.reported else "output above"
                 lines.append(f"dplaunch: rank(s) {_ranks_text(later)} {how} ({where})")
@@ -400,6 +496,10 @@ class RankWatch:
             lines.append(stop_line)
         if first is not None:
             lines.append(first[2])
+        if timed_out or self.stacks_requested:
+            stacks = self._stacks_line()
+            if stacks is not None:
+                lines.append(stacks)  # after a timeout, the rank to look at is the last line
         return lines
 
     def _timeout_line(self) -> str:
@@ -465,8 +565,13 @@ class RankWatch:
         return found
 
 
-def _gist(line: str) -> str:
-    # a rank's message without its rank and traceback path, to tell "the same error" apart
+def stacks_file_name(rank: int | str) -> str:
+    """RUN/errors/stacks-rank-N.txt: a rank's Python stack, dumped when a collective timed out."""
+    return f"stacks-rank-{rank}.txt"
+
+
+def gist(line: str) -> str:
+    """A rank's message without its rank and traceback path, to tell "the same error" apart."""
     match = RANK_ERROR_RE.match(line)
     text = match.group(2) if match else line
     return re.sub(r"^\[rank ?\d+\]:? ", "", text)

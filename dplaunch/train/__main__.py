@@ -8,7 +8,7 @@ import traceback
 from pathlib import Path
 
 from dplaunch.launching.rundir import ERRORS_DIR
-from dplaunch.train.rank_process import begin_rank, exit_rank
+from dplaunch.train.rank_process import begin_rank, exit_rank, note_failure_stack
 
 # the terminal line stays short; the whole message and traceback are in the file
 MAX_MESSAGE_CHARS = 600
@@ -33,6 +33,7 @@ def report_failure(run_dir: Path, error: BaseException) -> int:
     report = run_dir / ERRORS_DIR / f"rank-{rank}.txt"
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text("".join(traceback.format_exception(error)))
+    note_failure_stack(error)
     # one line, written at once: dplaunch's launcher recognises it (launching.process.RANK_ERROR_RE)
     # and prints only the first failing rank's, last; 16 ranks' lines must not interleave
     sys.stderr.write(f"[rank {rank}] {one_line(error)} (traceback: {report})\n")

@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from dplaunch.config.schema import RunConfig
+from dplaunch.launching.restarts import restarts_so_far
 from dplaunch.planning.plan import Plan
 from dplaunch.train.checkpoint import (
     EXIT_CHECKPOINTED,
@@ -473,7 +474,13 @@ def _run_steps(
         return step, stop_reason
     if eval_batcher is not None and last_eval_step != step:
         _evaluate(engine, eval_batcher, accelerator, place, metrics, step, plan, say)
-    metrics.write("summary", step=step, wall_s=round(time.time() - metrics.start, 3))
+    # restarts: how many automatic restarts (launch.max_restarts) this run needed to get here
+    metrics.write(
+        "summary",
+        step=step,
+        wall_s=round(time.time() - metrics.start, 3),
+        restarts=restarts_so_far(),
+    )
     return step, None
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import os
 import select
 import signal
@@ -36,16 +37,76 @@ import threading
 import time
 from typing import NoReturn
 
-from dplaunch.launching.process import SUPERVISOR_PID_ENV, exit_handle
+from dplaunch.launching.process import (
+    ERRORS_DIR_ENV,
+    STACK_DUMP_SIGNAL,
+    SUPERVISOR_PID_ENV,
+    TIMEOUT_RE,
+    exit_handle,
+    stacks_file_name,
+)
 
 # without pidfd (Linux < 5.3) the supervisor is polled this often
 SUPERVISOR_POLL_S = 1.0
 
 
+# this rank's RUN/errors/stacks-rank-N.txt, open while the rank runs (faulthandler writes to it)
+_stacks: dict[str, object] = {}
+
+
 def begin_rank() -> None:
-    """What every rank dplaunch starts does first: whole-line output, stop with dplaunch."""
+    """What every rank dplaunch starts does first: whole-line output, stop with dplaunch, dump
+    its stack when asked."""
     line_buffered_output()
     stop_with_supervisor()
+    arm_stack_dump()
+
+
+def arm_stack_dump() -> None:
+    """SIGUSR2 writes every thread's Python stack to RUN/errors/stacks-rank-N.txt.
+
+    The supervisor sends it to every rank when a collective times out. faulthandler writes from
+    its C signal handler, so a rank blocked in C++ (a collective, a sleep) dumps at once; the file
+    is opened now because nothing can be opened then. Appended to: a restarted launch keeps the
+    stacks of the one before."""
+    errors_dir = os.environ.get(ERRORS_DIR_ENV)
+    if not errors_dir:
+        return  # not started by dplaunch
+    path = os.path.join(errors_dir, stacks_file_name(os.environ.get("RANK", "0")))
+    try:
+        os.makedirs(errors_dir, exist_ok=True)
+        stream = open(path, "a")  # noqa: SIM115 — open for the rank's whole life
+    except OSError:
+        return  # no dump rather than no training
+    faulthandler.register(STACK_DUMP_SIGNAL, file=stream, all_threads=True)
+    _stacks.update(path=path, stream=stream)
+
+
+def note_failure_stack(error: BaseException) -> None:
+    """A rank whose collective timed out writes where it waited (its traceback) to its stacks
+    file itself: it may be gone before the supervisor's SIGUSR2 arrives."""
+    stream = _stacks.get("stream")
+    if stream is None or not TIMEOUT_RE.search(str(error)):
+        return
+    import traceback
+
+    with contextlib.suppress(OSError, ValueError):
+        stream.write("Timed out here (this rank's traceback):\n")
+        stream.write("".join(traceback.format_exception(error)))
+        stream.flush()
+
+
+def _drop_empty_stacks_file() -> None:
+    # nothing was dumped: leave no empty file (nor an empty errors folder) behind
+    path, stream = _stacks.get("path"), _stacks.get("stream")
+    if path is None:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        faulthandler.unregister(STACK_DUMP_SIGNAL)
+        stream.close()
+        if os.path.getsize(path) == 0:
+            os.unlink(path)
+            os.rmdir(os.path.dirname(path))
 
 
 def stop_with_supervisor() -> None:
@@ -102,6 +163,7 @@ def exit_rank(status: int) -> NoReturn:
     try:
         atexit._run_exitfuncs()  # the user's handlers and the libraries' (trackers, loggers)
     finally:
+        _drop_empty_stacks_file()
         # no destroy_process_group(): it does not stop the race, and with a dead peer it can block
         for stream in (sys.stdout, sys.stderr):
             try:

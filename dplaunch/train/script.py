@@ -13,7 +13,7 @@ import sys
 import traceback
 
 from dplaunch.launching.workers import TRACEBACK_PREFIX_ENV
-from dplaunch.train.rank_process import begin_rank, exit_rank, status_of
+from dplaunch.train.rank_process import begin_rank, exit_rank, note_failure_stack, status_of
 
 
 def main(argv: list[str]) -> int:
@@ -30,6 +30,7 @@ def main(argv: list[str]) -> int:
     except Exception as error:  # noqa: BLE001 — printed as Python would, then the rank exits 1
         # through sys.excepthook, as Python does: torch's prefixes each line with "[rankN]: ",
         # which is how dplaunch's launcher finds the error of the rank that failed first
+        note_failure_stack(error)
         trimmed = _from_script(error.__traceback__, script)
         if os.environ.get(TRACEBACK_PREFIX_ENV):  # a TensorFlow worker: no torch to prefix it
             _print_prefixed(error.with_traceback(trimmed), os.environ.get("RANK", "0"))

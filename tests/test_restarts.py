@@ -1,0 +1,217 @@
+"""Automatic restarts (launch.max_restarts): a killed rank costs a restart from the newest
+checkpoint, not the night; a failure that repeats itself, a user error, or a failure after the
+restarts are used up ends the job with the reason.
+
+Ranks are killed for real (kill -9 while a checkpoint is being written, the window the test
+checkpoint hook opens); a deterministic failure is a disk that is full at the same save every
+time (the same hook's file-size limit).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dplaunch.launching import restarts
+from dplaunch.launching.restarts import Failure, NodeAgreement, restart_verdict
+from tests.helpers import (
+    REPO,
+    child_environment,
+    loopback_node_argv,
+    read_metrics,
+    refusal_line,
+    train,
+)
+from tests.test_checkpoints import (  # noqa: F401 — run_file is a fixture
+    DDP,
+    FAULT,
+    finish,
+    latest,
+    losses_by_step,
+    rank_pids,
+    run_file,
+    start,
+    wait_for,
+)
+from tests.test_multinode import free_port
+
+EVERY_2 = ("--set", "train.checkpoint_every=2")
+KILLED = "was killed by signal 9 (SIGKILL)"
+
+
+def kill_rank_during_save(run: Path, rank: int, process, after: float = 0.0) -> None:
+    """kill -9 of ``rank`` while checkpoint step 4 is being written (the hook sleeps there)."""
+    marker = run / "checkpoints" / ".tmp-step-4" / "random_states_1.pkl"
+
+    def saving() -> bool:
+        try:
+            return marker.stat().st_mtime > after and rank in rank_pids(run)
+        except OSError:
+            return False
+
+    wait_for(saving, "the step-4 save", process, timeout=400)
+    os.kill(rank_pids(run)[rank], signal.SIGKILL)
+
+
+def restart_records(run: Path) -> list[dict]:
+    return [r for r in read_metrics(run) if r["type"] == "restart"]
+
+
+# --- the decision, without processes ------------------------------------------------------------
+
+
+def failure(cause: str = "[rank 1] was killed by signal 9 (SIGKILL)", step=5, **kw) -> Failure:
+    return Failure(**{"status": 1, **kw}, cause=cause, step=step, when=0.0)
+
+
+def test_a_failure_is_restarted_until_the_restarts_are_used_up_or_it_repeats_itself():
+    first = failure()
+    assert restart_verdict(first, None, 0, 2, checkpoint_step=4).restart
+    # the same error at the same step again (another rank, another traceback path): deterministic
+    again = failure("[rank 0] was killed by signal 9 (SIGKILL)")
+    verdict = restart_verdict(again, first, 1, 2, checkpoint_step=4)
+    assert not verdict.restart and "failed again at step 5 with the same error" in verdict.reason
+    # the same error further on is progress; another error at the same step is another failure
+    assert restart_verdict(failure(step=7), first, 1, 2, checkpoint_step=6).restart
+    assert restart_verdict(failure("[rank 1] OSError: x (traceback: t)"), first, 1, 2, 4).restart
+    used = restart_verdict(failure(step=9), first, 2, 2, checkpoint_step=8)
+    assert not used.restart and "used up (2 of launch.max_restarts 2)" in used.reason
+    for never in (failure(status=2), failure(user_error=True), failure(stopped=True)):
+        assert not restart_verdict(never, None, 0, 5, checkpoint_step=4).restart
+    assert [restarts.backoff_seconds(n) for n in (1, 2, 3)] == [2, 4, 8]
+
+
+def test_node_0_decides_for_every_node_from_the_first_failure(tmp_path):
+    nodes = [NodeAgreement(tmp_path, rank, 2, timeout_minutes=1) for rank in (0, 1)]
+    nodes[0].begin()
+    killed = Failure(1, "[rank 1] was killed by signal 9 (SIGKILL)", step=5, when=10.0)
+    after = Failure(1, "[rank 0] RuntimeError: Connection closed by peer", step=5, when=11.0)
+    follower: list = []
+    thread = threading.Thread(
+        target=lambda: follower.append(nodes[1].decide(1, killed, None, say=print))
+    )
+    thread.start()
+    verdict = nodes[0].decide(
+        1, after, lambda f: restart_verdict(f, None, 0, 1, checkpoint_step=4), say=print
+    )
+    thread.join(30)
+    assert verdict.restart and verdict.cause == killed.cause and verdict.checkpoint_step == 4
+    assert follower == [verdict]
+
+
+# --- real ranks ---------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_a_killed_rank_is_restarted_from_the_newest_checkpoint_and_ends_bit_identical(
+    tmp_path,
+    run_file,  # noqa: F811 — the fixture imported above
+):
+    straight = tmp_path / "straight"
+    train(straight, *DDP, *EVERY_2, config=run_file)
+    run = tmp_path / "run"
+    # max_restarts 1: kill -9 of rank 1 while step 4 is saved; the job restarts from step 2
+    process = start(run_file, run, *DDP, *EVERY_2, "--max-restarts", "1", **{FAULT: "4:sleep=4"})
+    kill_rank_during_save(run, 1, process)
+    code, log = finish(process, run, timeout=600)
+    assert code == 0, log[-4000:]
+    assert "dplaunch: restart 1 of 1 (launch.max_restarts) in 2 s, from checkpoint step 2" in log
+    assert "finished after 1 automatic restart(s)" in log
+    (record,) = restart_records(run)
+    assert (record["restart"], record["checkpoint_step"]) == (1, 2)
+    assert KILLED in record["cause"] and record["time"] > 0
+    summary = [r for r in read_metrics(run) if r["type"] == "summary"]
+    assert [s["restarts"] for s in summary] == [1]
+    assert losses_by_step(run) == losses_by_step(straight)
+    restarted, uninterrupted = (
+        load_file(str(d / "model" / "model.safetensors")) for d in (run, straight)
+    )
+    assert all(torch.equal(restarted[name], uninterrupted[name]) for name in uninterrupted)
+
+
+@pytest.mark.multiprocess
+def test_a_failure_that_repeats_at_the_same_step_is_restarted_once_then_stops_with_the_reason(
+    tmp_path,
+    run_file,  # noqa: F811 — the fixture imported above
+):
+    run = tmp_path / "run"
+    # the disk is full at every save of step 4 (RLIMIT_FSIZE): a deterministic failure
+    process = start(
+        run_file, run, *DDP, *EVERY_2, "--max-restarts", "3", **{FAULT: "4:max_file_bytes=100000"}
+    )
+    code, log = finish(process, run, timeout=600)
+    assert code == 1, log[-4000:]
+    assert log.count("dplaunch: restart ") == 1, log[-4000:]
+    assert [r["checkpoint_step"] for r in restart_records(run)] == [2]
+    lines = log.strip().splitlines()
+    assert "could not write checkpoint step 4" in lines[-1], lines[-3:]
+    assert lines[-2].startswith(
+        "dplaunch: not restarted: the job failed again at step 4 with the same error"
+    ), lines[-3:]
+    assert latest(run) == "step-2"
+
+
+@pytest.mark.multiprocess
+def test_two_nodes_restart_together_and_a_kill_after_the_restarts_are_used_up_ends_the_job(
+    tmp_path,
+    run_file,  # noqa: F811 — the fixture imported above
+):
+    run = tmp_path / "shared-run"  # both nodes' run directory, as a cluster's shared disk
+    port = free_port()
+    nodes = []
+    for rank in (0, 1):
+        log = open(tmp_path / f"node-{rank}.log", "w")  # noqa: SIM115 — closed with the process
+        nodes.append(
+            subprocess.Popen(
+                loopback_node_argv(run_file, rank, port, run, *EVERY_2, "--max-restarts", 1),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=REPO,
+                env=child_environment(**{FAULT: "4:sleep=4"}),
+            )
+        )
+    # rank 1 runs on node 1: killing it fails both nodes' launches
+    kill_rank_during_save(run, 1, nodes[1])
+    wait_for(lambda: restart_records(run), "the restart", nodes[0], timeout=300)
+    restarted_at = time.time()
+    kill_rank_during_save(run, 1, nodes[1], after=restarted_at)
+    codes = [node.wait(timeout=300) for node in nodes]
+    logs = [(tmp_path / f"node-{rank}.log").read_text() for rank in (0, 1)]
+    assert codes[0] != 0 and codes[1] != 0, logs
+    for log in logs:  # both nodes restarted, once, from the same checkpoint
+        assert log.count("restart 1 of 1 (launch.max_restarts) in 2 s, from checkpoint step 2") == 1
+    assert "waiting for node 0's restart decision" in logs[1]
+    (record,) = restart_records(run)
+    assert KILLED in record["cause"] and record["checkpoint_step"] == 2
+    # the second kill ends the job as without restarts: the newest checkpoint, the killed rank
+    # last on its node
+    for log in logs:
+        assert "not restarted: the automatic restarts are used up (1 of launch.max_restarts 1)" in (
+            log
+        )
+        assert "continue with --resume auto" in log
+    node_1 = logs[1].strip().splitlines()
+    assert KILLED in node_1[-1] and node_1[-1].startswith("[rank 1]"), node_1[-5:]
+    assert latest(run) == "step-2"
+
+
+def test_dplaunch_launch_refuses_restarts_it_cannot_resume(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text("print('hi')\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "dplaunch", "launch", str(script), "--cpu", "--gpus", "1",
+         "--max-restarts", "1", "-o", str(tmp_path / "run")],
+        capture_output=True, text=True, env=child_environment(), cwd=REPO, check=False,
+    )  # fmt: skip
+    refusal_line(result, "launch.max_restarts", "dplaunch train")
+    assert not (tmp_path / "run").exists()
