@@ -30,6 +30,7 @@ from dplaunch.launching.prepare import (
     current_allocation,
     prepare_training_run,
 )
+from dplaunch.launching.preview import print_prepared
 from dplaunch.launching.process import run_supervised
 from dplaunch.launching.rundir import check_output_dir, check_output_file, write_text_atomic
 from dplaunch.planning.plan import Plan
@@ -415,8 +416,6 @@ def srun_relaunch_argv(prepared: PreparedRun) -> list[str] | None:
 
 def run_under_srun(prepared: PreparedRun, argv: list[str], *, dry_run: bool) -> int:
     """Start one launcher per node with srun; 75 when the ranks checkpointed to be requeued."""
-    from dplaunch.commands.train import print_prepared
-
     allocation = current_allocation()
     job = allocation.job_id if allocation else "?"
     print_prepared(prepared, show_files=dry_run)

@@ -18,6 +18,7 @@ from dplaunch.launching.prepare import (
     prepare_script_launch,
     prepare_training_run,
 )
+from dplaunch.launching.preview import print_prepared
 from dplaunch.launching.process import RankWatch, run_supervised
 from dplaunch.launching.rundir import (
     ERRORS_DIR,
@@ -247,16 +248,3 @@ def start(
                 typer.echo(line, err=True)
     return code
 
-
-def print_prepared(prepared: PreparedRun, *, show_files: bool) -> None:
-    """The plan (and with show_files the rendered files) and the exact launch command."""
-    for line in prepared.plan.summary_lines():
-        typer.echo(line)
-    if show_files:
-        for name, text in prepared.files.items():
-            if name == "launch.sh":
-                continue
-            typer.echo(f"\n--- {prepared.run_dir / name}")
-            typer.echo(text.rstrip())
-        typer.echo("")
-    typer.echo("launch: " + " ".join(shlex.quote(part) for part in prepared.argv))

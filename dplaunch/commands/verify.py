@@ -264,8 +264,9 @@ def _check_reference(reference: Path, plan_run: Any) -> None:
 
 def run_verify(flags: Any, options: VerifyOptions) -> int:
     """Run the plan and DDP for K steps each; print the losses; 0 = PASS, 1 = FAIL."""
-    from dplaunch.commands.train import print_prepared, start
+    from dplaunch.commands.train import start
     from dplaunch.launching.prepare import prepare_training_run
+    from dplaunch.launching.preview import print_prepared
     from dplaunch.launching.rundir import check_run_dir
 
     if options.steps < 1:
