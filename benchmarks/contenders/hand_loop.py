@@ -4,7 +4,8 @@
 TIMES` trains the run file's model on pre-tokenised blocks with the plan's micro batch, gradient
 accumulation, learning rate, clipping and precision, and writes the wall-clock time of every
 optimizer step to TIMES. With RUN/deepspeed.json it uses DeepSpeed through Accelerate; on CPU that
-needs the gloo process-group handler (DESIGN.md).
+needs the gloo process-group handler (without it Accelerate finds no backend and DeepSpeed's batch
+check fails: world size 1).
 """
 
 from __future__ import annotations

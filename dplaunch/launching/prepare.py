@@ -352,8 +352,9 @@ def rank_environment(plan: Plan) -> dict[str, str]:
             "cpu"  # DeepSpeed would otherwise probe for CUDA and warn in every rank
         )
         if not plan.uses_deepspeed or plan.engine == "pipeline":
-            # an unmodified Accelerate script sees a real gloo world only with this (DESIGN.md); with
-            # DeepSpeed it would make Accelerate drop the DeepSpeed plugin, so there gloo is asked for in code
+            # an unmodified Accelerate script sees a real gloo world only with this (without it,
+            # every rank runs as world size 1); with DeepSpeed it would make Accelerate drop the
+            # DeepSpeed plugin, so there gloo is asked for in code
             env["ACCELERATE_USE_CPU"] = "1"
         cores = os.cpu_count() or 1
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(

@@ -27,7 +27,7 @@ def accelerate_config_dict(plan: Plan, deepspeed_config_path: str | None = None)
     elif plan.world_size > 1:
         # CPU ranks too: Accelerate's MULTI_CPU type starts a single process (it expects mpirun);
         # MULTI_GPU + use_cpu makes `accelerate launch` start torchrun with ACCELERATE_USE_CPU set,
-        # which gives the script a real gloo world (see DESIGN.md)
+        # which gives the script a real gloo world (without it each rank runs as world size 1)
         distributed_type = "MULTI_GPU"
     else:
         distributed_type = "NO"
