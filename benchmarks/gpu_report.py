@@ -15,11 +15,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from benchmarks.common import bar_chart, machine_facts, read_jsonl
 from dplaunch.planning.estimate import GIB, count_parameters, estimate_memory
 from dplaunch.planning.model_facts import ModelFacts
+from dplaunch.run_directory.files import read_run_file
+from dplaunch.run_directory.layout import METRICS_FILE
 
 PEAK_FLOPS = 790e12
 MFU_GOAL = 0.45
@@ -50,13 +50,13 @@ def steady_tokens_per_s(times: dict[int, float], tokens_per_step: int) -> float:
 
 
 def main(work: Path, out: Path) -> int:
-    run = yaml.safe_load((work / "ddp1" / "run.yaml").read_text())
+    run = read_run_file(work / "ddp1")
     per_token, matmul_params, total_params = flops_per_token(run)
     tokens_per_step = run["train"]["global_batch_size"] * run["data"]["max_length"]
     facts = ModelFacts.from_config_dict(run["model"]["config"])
     results: dict[str, dict[str, Any]] = {}
     for directory, (label, zero_stage, checkpointing) in RUNS.items():
-        metrics = work / directory / "metrics.jsonl"
+        metrics = work / directory / METRICS_FILE
         if not metrics.exists():
             print(f"{label}: no metrics (the run failed or was skipped; see its log)")
             continue

@@ -25,12 +25,13 @@ from benchmarks.contenders.common import (
     dplaunch_fuses_adamw,
     read_rendered_run,
 )
+from dplaunch.run_directory.layout import DEEPSPEED_FILE
 
 
 def main(run_dir: Path, blocks_path: Path, times_path: Path) -> None:
     run, plan = read_rendered_run(run_dir)
     train = run["train"]
-    deepspeed_json = run_dir / "deepspeed.json"
+    deepspeed_json = run_dir / DEEPSPEED_FILE
     if deepspeed_json.exists():
         accelerator = Accelerator(
             deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=str(deepspeed_json)),

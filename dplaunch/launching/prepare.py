@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import os
 import shutil
 import socket
@@ -37,11 +36,7 @@ from dplaunch.planning.model_facts import (
     load_config_json,
 )
 from dplaunch.planning.plan import Machine, Plan, make_plan
-from dplaunch.rendering.accelerate_config import (
-    DEEPSPEED_CONFIG_NAME,
-    accelerate_config_name,
-    render_accelerate_config,
-)
+from dplaunch.rendering.accelerate_config import accelerate_config_name, render_accelerate_config
 from dplaunch.rendering.deepspeed_config import render_deepspeed_config
 from dplaunch.rendering.launch_command import (
     hostfile_launch_argv,
@@ -49,6 +44,8 @@ from dplaunch.rendering.launch_command import (
     launch_script_name,
     render_launch_script,
 )
+from dplaunch.run_directory.files import plan_text
+from dplaunch.run_directory.layout import DEEPSPEED_FILE, PLAN_FILE, RUN_FILE
 
 # seconds a host name may take to resolve before the check gives up (and lets the launch try)
 MASTER_ADDR_RESOLVE_SECONDS = 5.0
@@ -325,12 +322,12 @@ def render_files(
     files: dict[str, str] = {}
     run_abs = run_dir.absolute()
     if plan.uses_deepspeed:
-        files[DEEPSPEED_CONFIG_NAME] = render_deepspeed_config(plan, max_grad_norm=max_grad_norm)
+        files[DEEPSPEED_FILE] = render_deepspeed_config(plan, max_grad_norm=max_grad_norm)
     # node R > 0 of a multi-node run writes accelerate-nodeR.yaml and launch-nodeR.sh
     accelerate_name = accelerate_config_name(plan)
-    files[accelerate_name] = render_accelerate_config(plan, str(run_abs / DEEPSPEED_CONFIG_NAME))
-    files["run.yaml"] = dump_run_config(config)
-    files["plan.json"] = json.dumps(plan.to_dict(), indent=2) + "\n"
+    files[accelerate_name] = render_accelerate_config(plan, str(run_abs / DEEPSPEED_FILE))
+    files[RUN_FILE] = dump_run_config(config)
+    files[PLAN_FILE] = plan_text(plan.to_dict())
     env = {**rank_environment(plan), **(extra_env or {})}
     if config.launch.hostfile:
         argv = hostfile_launch_argv(plan, Path(config.launch.hostfile), target, env)

@@ -11,6 +11,7 @@ import shlex
 import typer
 
 from dplaunch.launching.prepare import PreparedRun
+from dplaunch.run_directory.layout import LAUNCH_SCRIPT
 
 
 def print_prepared(prepared: PreparedRun, *, show_files: bool) -> None:
@@ -19,7 +20,7 @@ def print_prepared(prepared: PreparedRun, *, show_files: bool) -> None:
         typer.echo(line)
     if show_files:
         for name, text in prepared.files.items():
-            if name == "launch.sh":
+            if name == LAUNCH_SCRIPT:
                 continue
             typer.echo(f"\n--- {prepared.run_dir / name}")
             typer.echo(text.rstrip())

@@ -2,13 +2,12 @@
 
 Runs in every rank under `accelerate launch`. Reads the run directory's run.yaml and plan.json,
 so the ranks do exactly what the launcher planned and printed, and resume.json, the checkpoint the
-launcher chose to continue from. Checkpoints (periodic, on SIGUSR1/SIGTERM, at
-train.stop_after_steps) go through dplaunch/train/checkpoint.py.
+launcher chose to continue from (dplaunch/run_directory/). Checkpoints (periodic, on
+SIGUSR1/SIGTERM, at train.stop_after_steps) go through dplaunch/train/checkpoint.py.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -19,18 +18,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from dplaunch.config.schema import RunConfig
 from dplaunch.planning.plan import Plan
-from dplaunch.train.checkpoint import (
-    EXIT_CHECKPOINTED,
-    EXPORT_DIR,
-    RESUME_FILE,
-    Checkpointer,
-    ControlChannel,
-    StopSignals,
+from dplaunch.run_directory.files import (
+    read_deepspeed_file,
+    read_plan_file,
+    read_resume,
+    read_run_file,
 )
+from dplaunch.run_directory.layout import DEEPSPEED_FILE, EXPORT_DIR
+from dplaunch.stop_signals import EXIT_CHECKPOINTED, StopSignals
+from dplaunch.train.checkpoint import Checkpointer
+from dplaunch.train.control import ControlChannel
 from dplaunch.train.data import Batcher, Sharding, load_splits, tokenize, tokenized_cache_file
 from dplaunch.train.engines import AccelerateEngine, StepEngine, build_optimizer
 from dplaunch.train.metrics import MetricsWriter
@@ -59,27 +59,9 @@ class RankPlace:
 
 def read_run(run_dir: Path) -> tuple[RunConfig, Plan]:
     """The resolved run file and the plan the launcher wrote."""
-    config = RunConfig.model_validate(yaml.safe_load((run_dir / "run.yaml").read_text()))
-    plan = Plan.from_dict(json.loads((run_dir / "plan.json").read_text()))
+    config = RunConfig.model_validate(read_run_file(run_dir))
+    plan = Plan.from_dict(read_plan_file(run_dir))
     return config, plan
-
-
-def read_resume(run_dir: Path) -> dict[str, Any] | None:
-    """What the launcher decided to resume from (resume.json), or None for a fresh start."""
-    path = run_dir / RESUME_FILE
-    if not path.is_file():
-        return None
-    resume = json.loads(path.read_text())
-    if not resume.get("checkpoint"):
-        return None
-    if not all(Path(resume[key]).exists() for key in ("checkpoint", "load_dir")):
-        # launch.sh rerun after train.keep_last rotated the launch's checkpoint away
-        raise FileNotFoundError(
-            f"{path} resumes from {resume['checkpoint']}, which is gone (train.keep_last keeps "
-            "only the newest): continue with `dplaunch train RUN_FILE -o "
-            f"{run_dir} --resume auto`"
-        )
-    return resume
 
 
 def make_accelerator(
@@ -107,10 +89,10 @@ def make_accelerator(
         kwargs["dynamo_backend"] = "inductor"
     if plan.engine == "deepspeed":
         # not cpu=True: that makes Accelerate drop the DeepSpeed plugin; gloo comes from the handler
-        ds_config: Any = str(run_dir / "deepspeed.json")
+        ds_config: Any = str(run_dir / DEEPSPEED_FILE)
         if load_universal:
-            # a ZeRO checkpoint re-sharded for this data-parallel size (see checkpoint.py)
-            ds_config = json.loads((run_dir / "deepspeed.json").read_text())
+            # a ZeRO checkpoint re-sharded for this data-parallel size (see launching/reshard.py)
+            ds_config = read_deepspeed_file(run_dir)
             ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds_config)
     else:
@@ -358,7 +340,7 @@ def build_engine(
     if plan.engine == "pipeline":
         from dplaunch.train.pipeline import create_pipeline_engine
 
-        ds_config = json.loads((run_dir / "deepspeed.json").read_text())
+        ds_config = read_deepspeed_file(run_dir)
         return create_pipeline_engine(
             model,
             num_stages=plan.pipeline_parallel_size,
@@ -514,7 +496,7 @@ def _evaluate(
 
 def _model_files_writer(model: Any, tokenizer: Any) -> Any:
     """What rank 0 writes into each checkpoint besides the weights: the HF config files and the
-    tokenizer, from which `dplaunch export` rebuilds the model (checkpoint.MODEL_FILES_DIR)."""
+    tokenizer, from which `dplaunch export` rebuilds the model (run_directory.layout.MODEL_FILES_DIR)."""
 
     def write(folder: Path) -> None:
         model.config.save_pretrained(folder)

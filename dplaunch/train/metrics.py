@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dplaunch.run_directory.layout import METRICS_FILE, TENSORBOARD_DIR
+
 
 class MetricsWriter:
     """Appends one JSON object per line; mirrors scalars to TensorBoard.
@@ -30,10 +32,10 @@ class MetricsWriter:
         self._opener: threading.Thread | None = None
         if not enabled:
             return
-        self._file = (run_dir / "metrics.jsonl").open("a", buffering=1)
+        self._file = (run_dir / METRICS_FILE).open("a", buffering=1)
         self._opener = threading.Thread(
             target=self._open_board,
-            args=(run_dir / "tensorboard",),
+            args=(run_dir / TENSORBOARD_DIR,),
             name="dplaunch-tensorboard",
             daemon=True,
         )
