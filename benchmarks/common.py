@@ -26,6 +26,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from dplaunch.run_directory.layout import LAUNCH_SCRIPT
+
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO / "benchmarks"
 RESULTS = BENCHMARKS / "results"
@@ -448,7 +450,7 @@ def render_run(config: Path, out: Path, *flags: str) -> dict[str, Any]:
         out.parent / f"{out.name}.render.log",
         bench_environment(),
     )
-    return read_launch_script(out / "launch.sh")
+    return read_launch_script(out / LAUNCH_SCRIPT)
 
 
 def read_launch_script(path: Path) -> dict[str, Any]:

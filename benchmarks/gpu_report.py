@@ -17,13 +17,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from benchmarks.common import bar_chart, machine_facts, read_jsonl
 from dplaunch.config.load import build_run_config
 from dplaunch.planning.auto import run_workload, workload_memory
 from dplaunch.planning.estimate import GIB, MemoryEstimate, count_parameters
 from dplaunch.planning.model_facts import ModelFacts
+from dplaunch.run_directory.files import read_run_file
+from dplaunch.run_directory.layout import METRICS_FILE
 
 # NVIDIA H200 SXM datasheet, dense (no sparsity) bf16 tensor-core FLOP/s
 DATASHEET_PEAK_FLOPS = 989e12
@@ -87,20 +87,20 @@ def steady_tokens_per_s(times: dict[int, float], tokens_per_step: int) -> float:
 
 
 def main(work: Path, out: Path) -> int:
-    run = yaml.safe_load((work / "ddp1" / "run.yaml").read_text())
+    run = read_run_file(work / "ddp1")
     per_token, matmul_params, total_params = flops_per_token(run)
     tokens_per_step = run["train"]["global_batch_size"] * run["data"]["max_length"]
     measured_peak = measured_matmul_peak(out)
     results: dict[str, dict[str, Any]] = {}
     for directory, label in RUNS.items():
-        metrics = work / directory / "metrics.jsonl"
+        metrics = work / directory / METRICS_FILE
         if not metrics.exists():
             print(f"{label}: no metrics (the run failed or was skipped; see its log)")
             continue
         records = [r for r in read_jsonl(metrics) if r["type"] == "train"]
         times = {r["step"]: r["elapsed_s"] for r in records}
         tokens_per_s = steady_tokens_per_s(times, tokens_per_step)
-        estimate = run_estimate(yaml.safe_load((work / directory / "run.yaml").read_text()))
+        estimate = run_estimate(read_run_file(work / directory))
         # max_memory_allocated sees neither the CUDA context nor NCCL's buffers
         allocated = estimate.total_gb - estimate.cuda_context_gb - estimate.nccl_gb
         peak_gib = max(r["memory_gb"] for r in records) * 1e9 / GIB

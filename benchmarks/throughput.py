@@ -20,11 +20,8 @@ the median of the per-round ratios. Goals: ≥ 1.0× Trainer, ≥ 0.97× the han
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from benchmarks.common import (
     CONFIGS,
@@ -48,6 +45,8 @@ from benchmarks.common import (
     write_result,
 )
 from benchmarks.interleave import Contender, interleave_retrying
+from dplaunch.run_directory.files import read_plan_file, read_run_file
+from dplaunch.run_directory.layout import ACCELERATE_FILE, METRICS_FILE
 
 NAME = "throughput"
 CONFIG = CONFIGS / "llama-3m.yaml"
@@ -120,14 +119,14 @@ def dplaunch_contender(name: str, run_dir: Path, *flags: str) -> Contender:
         dplaunch_train_argv(CONFIG, run_dir, *flags),
         bench_environment(),
         run_dir.with_name(f"{run_dir.name}.log"),
-        run_dir / "metrics.jsonl",
+        run_dir / METRICS_FILE,
         metrics_step,
     )
 
 
 def dplaunch_step_times(run_dir: Path) -> dict[int, float]:
     """Step → seconds, from the `elapsed_s` of every train line of a dplaunch run (log_every 1)."""
-    steps = map(metrics_step, read_jsonl(run_dir / "metrics.jsonl"))
+    steps = map(metrics_step, read_jsonl(run_dir / METRICS_FILE))
     return dict(step for step in steps if step is not None)
 
 
@@ -211,7 +210,7 @@ def peer_argv(contender: str, render: Path, blocks: Path, times: Path) -> list[s
     """`accelerate launch` of a peer contender with the rendered accelerate.yaml; it writes its
     step clock to TIMES."""
     argv = [PYTHON, "-m", "accelerate.commands.launch"]
-    argv += ["--config_file", str(render / "accelerate.yaml")]
+    argv += ["--config_file", str(render / ACCELERATE_FILE)]
     argv += ["--main_process_port", str(free_port())]
     return argv + ["-m", PEER_MODULES[contender], str(render), str(blocks), str(times)]
 
@@ -231,8 +230,8 @@ def run_peer(
 
 def tokens_per_step(render: Path) -> int:
     """Tokens of one optimizer step of a rendered or finished dplaunch run."""
-    plan = json.loads((render / "plan.json").read_text())
-    run = yaml.safe_load((render / "run.yaml").read_text())
+    plan = read_plan_file(render)
+    run = read_run_file(render)
     # packed causal-LM blocks are always full: every sample is max_length real tokens
     return plan["global_batch_size"] * run["data"]["max_length"]
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dplaunch.errors import UserError
+from dplaunch.run_directory.layout import METRICS_FILE
 
 # the first steps are warm-up (compilation, allocator, data loader start) and bias the throughput
 WARMUP_FRACTION = 0.1
@@ -65,7 +66,7 @@ class ReportResult:
 
 def read_metrics(run_dir: Path, name: str | None = None) -> RunMetrics:
     """Parse a run directory's metrics.jsonl (or the file itself); torn lines are skipped."""
-    path = run_dir / "metrics.jsonl" if run_dir.is_dir() else run_dir
+    path = run_dir / METRICS_FILE if run_dir.is_dir() else run_dir
     if not path.is_file():
         raise UserError(
             "report", f"{run_dir} has no metrics.jsonl", "give a dplaunch run directory"

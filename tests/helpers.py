@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from dplaunch.run_directory.layout import METRICS_FILE
+
 REPO = Path(__file__).resolve().parent.parent
 TINY_LLAMA = REPO / "examples" / "tiny-llama.yaml"
 DEFAULT_CONFIG = REPO / "configs" / "default.yaml"
@@ -110,7 +112,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """All records of a run's metrics.jsonl."""
     return [
         json.loads(line)
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        for line in (run_dir / METRICS_FILE).read_text().splitlines()
         if line.strip()
     ]
 

@@ -238,7 +238,8 @@ def _count_steps_until_stop(rank: int, port: int, folder: str) -> None:
     """One of two real gloo ranks stepping like the loop does: stop when any rank got a signal."""
     import torch.distributed as dist
 
-    from dplaunch.train.checkpoint import ControlChannel, StopSignals
+    from dplaunch.stop_signals import StopSignals
+    from dplaunch.train.control import ControlChannel
 
     signals = StopSignals()
     signals.install()
@@ -407,7 +408,7 @@ def test_export_of_a_tp2_checkpoint_gives_the_trained_model_in_one_process(tmp_p
 
 
 def test_a_run_counts_as_finished_only_when_its_newest_launch_wrote_a_summary(tmp_path):
-    from dplaunch.train.checkpoint import _lines_from_the_end, finished_at
+    from dplaunch.run_directory.files import _lines_from_the_end, finished_at
 
     def records(*kinds: str) -> None:
         lines = [json.dumps({"type": kind, "step": 8}) for kind in kinds]
@@ -435,13 +436,9 @@ def test_the_other_nodes_wait_for_node_0s_universal_conversion_and_give_up_in_ti
 
     from dplaunch.commands.train import _reshard
     from dplaunch.errors import UserError
-    from dplaunch.train.checkpoint import (
-        CheckpointInfo,
-        ResumePoint,
-        _universal_done,
-        _universal_source,
-        wait_for_universal,
-    )
+    from dplaunch.launching.reshard import _universal_done, _universal_source, wait_for_universal
+    from dplaunch.launching.resume import ResumePoint
+    from dplaunch.run_directory.checkpoints import CheckpointInfo
 
     source = CheckpointInfo(tmp_path / "other-run" / "checkpoints" / "step-4", {"step": 4})
     point = ResumePoint(source, tmp_path / "run", reshard="universal")
@@ -545,7 +542,8 @@ def test_a_change_that_keeps_the_training_passes_and_fp16_without_a_scaler_state
     from types import SimpleNamespace
 
     from dplaunch.errors import UserError
-    from dplaunch.train.checkpoint import _check_layout, read_checkpoint
+    from dplaunch.launching.resume import _check_layout
+    from dplaunch.run_directory.checkpoints import read_checkpoint
 
     info = read_checkpoint(stopped / "checkpoints" / "step-4")
     saved = json.loads((info.path / "plan.json").read_text())
@@ -681,12 +679,9 @@ def _runs_a_child(process: subprocess.Popen, text: str) -> bool:
 
 
 def test_a_universal_conversion_of_another_checkpoint_is_replaced_not_loaded(tmp_path, zero2_runs):
-    from dplaunch.train.checkpoint import (
-        ResumePoint,
-        _universal_done,
-        convert_to_universal,
-        read_checkpoint,
-    )
+    from dplaunch.launching.reshard import _universal_done, convert_to_universal
+    from dplaunch.launching.resume import ResumePoint
+    from dplaunch.run_directory.checkpoints import read_checkpoint
 
     _, stopped = zero2_runs
     point = ResumePoint(
@@ -735,7 +730,7 @@ def test_a_resume_from_an_earlier_checkpoint_of_the_run_leaves_the_later_ones_al
 
 
 def test_a_checkpoint_is_synced_to_disk_once_per_node_shared_by_its_ranks(tmp_path, monkeypatch):
-    from dplaunch.train.checkpoint import sync_to_disk
+    from dplaunch.run_directory.files import sync_to_disk
 
     folder = tmp_path / ".tmp-step-2"
     for name in ("pytorch_model/mp_rank_00_model_states.pt", "pytorch_model/zero_1.pt", "a.pkl"):

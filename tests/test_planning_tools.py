@@ -678,7 +678,8 @@ def test_flash_attention_on_cpu_ranks_is_refused_before_launch(tmp_path):
 
 def test_a_checkpoint_resumes_under_another_attention_kernel():
     # the kernels compute the same sums: switching to sdpa to save memory keeps the training
-    from dplaunch.train.checkpoint import CheckpointInfo, _check_same_training
+    from dplaunch.launching.resume import _check_same_training
+    from dplaunch.run_directory.checkpoints import CheckpointInfo
 
     config = run_config(TINY_LLAMA, "model.attn_implementation=eager")
     saved = config.model_dump(mode="json")

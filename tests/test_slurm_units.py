@@ -382,7 +382,7 @@ def test_the_node_launcher_survives_the_time_limit_signal_its_child_handles_it(t
 
 
 def test_the_requeue_status_is_the_one_dplaunch_train_exits_with_after_a_signal_checkpoint():
-    checkpoint = pytest.importorskip("dplaunch.train.checkpoint")
+    checkpoint = pytest.importorskip("dplaunch.stop_signals")
     assert checkpoint.EXIT_CHECKPOINTED == REQUEUE_EXIT_STATUS == 75
 
 

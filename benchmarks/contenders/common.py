@@ -7,14 +7,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
+from dplaunch.run_directory.files import read_plan_file, read_run_file
 
 
 def read_rendered_run(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(run.yaml, plan.json) of a directory written by `dplaunch config --out`."""
-    run = yaml.safe_load((run_dir / "run.yaml").read_text())
-    plan = json.loads((run_dir / "plan.json").read_text())
-    return run, plan
+    return read_run_file(run_dir), read_plan_file(run_dir)
 
 
 def backend(plan: dict[str, Any]) -> str:
@@ -40,8 +38,8 @@ def dplaunch_fuses_adamw(model: Any, run_dir: Path) -> bool:
     from dplaunch.planning.plan import Plan
     from dplaunch.train.engines import build_optimizer
 
-    config = RunConfig.model_validate(yaml.safe_load((run_dir / "run.yaml").read_text()))
-    plan = Plan.from_dict(json.loads((run_dir / "plan.json").read_text()))
+    config = RunConfig.model_validate(read_run_file(run_dir))
+    plan = Plan.from_dict(read_plan_file(run_dir))
     return bool(build_optimizer(model, config.train, plan).defaults.get("fused"))
 
 

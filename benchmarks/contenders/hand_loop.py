@@ -4,7 +4,8 @@
 TIMES` trains the run file's model on pre-tokenised blocks with the plan's micro batch, gradient
 accumulation, learning rate, clipping and precision, and writes the wall-clock time of every
 optimizer step to TIMES. With RUN/deepspeed.json it uses DeepSpeed through Accelerate; on CPU that
-needs the gloo process-group handler (DESIGN.md).
+needs the gloo process-group handler (without it Accelerate finds no backend and DeepSpeed's batch
+check fails: world size 1).
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from benchmarks.contenders.common import (
     dplaunch_fuses_adamw,
     read_rendered_run,
 )
+from dplaunch.run_directory.layout import DEEPSPEED_FILE
 
 
 def main(run_dir: Path, blocks_path: Path, times_path: Path) -> None:
     run, plan = read_rendered_run(run_dir)
     train = run["train"]
-    deepspeed_json = run_dir / "deepspeed.json"
+    deepspeed_json = run_dir / DEEPSPEED_FILE
     if deepspeed_json.exists():
         accelerator = Accelerator(
             deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=str(deepspeed_json)),

@@ -23,6 +23,7 @@ from benchmarks.contenders.common import (
     dplaunch_fuses_adamw,
     read_rendered_run,
 )
+from dplaunch.run_directory.layout import DEEPSPEED_FILE
 
 
 class Blocks(torch.utils.data.Dataset):
@@ -50,7 +51,7 @@ class StepTimes(TrainerCallback):
 def main(run_dir: Path, blocks_path: Path, times_path: Path) -> None:
     run, plan = read_rendered_run(run_dir)
     train = run["train"]
-    deepspeed_json = run_dir / "deepspeed.json"
+    deepspeed_json = run_dir / DEEPSPEED_FILE
     precision = plan["mixed_precision"]
     data = torch.load(blocks_path)
     model = build_model(run, data["pad_token_id"])

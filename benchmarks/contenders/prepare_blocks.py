@@ -13,14 +13,13 @@ from pathlib import Path
 import torch
 
 from dplaunch.config.schema import RunConfig
+from dplaunch.run_directory.files import read_run_file
 from dplaunch.train.data import load_splits, tokenize
 from dplaunch.train.modeling import load_tokenizer
 
 
 def main(run_dir: Path, out: Path) -> None:
-    import yaml
-
-    config = RunConfig.model_validate(yaml.safe_load((run_dir / "run.yaml").read_text()))
+    config = RunConfig.model_validate(read_run_file(run_dir))
     tokenizer = load_tokenizer(config.model)
     train, _ = load_splits(config.data, config.train.seed)
     blocks = tokenize(train, tokenizer, config.data, config.model.task)

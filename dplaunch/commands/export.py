@@ -23,10 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
-import yaml
 
 from dplaunch.errors import UserError
 from dplaunch.launching.rundir import check_output_dir
+from dplaunch.run_directory.checkpoints import find_checkpoint
+from dplaunch.run_directory.files import read_plan_file, read_run_file
+from dplaunch.run_directory.layout import MODEL_FILES_DIR
 
 if TYPE_CHECKING:
     from dplaunch.config.schema import ModelConfig, RunConfig
@@ -37,20 +39,20 @@ def run_export(checkpoint: Path, out: Path) -> int:
     """Write the consolidated model of a checkpoint (or of a run's newest checkpoint) to ``out``."""
     from dplaunch.config.schema import RunConfig
     from dplaunch.planning.plan import Plan
-    from dplaunch.train.checkpoint import find_checkpoint
 
     info = find_checkpoint(checkpoint.expanduser(), field="CHECKPOINT")
-    config = RunConfig.model_validate(yaml.safe_load((info.path / "run.yaml").read_text()))
+    config = RunConfig.model_validate(read_run_file(info.path))
     config.model = checkpoint_model(info.path, config.model)
     name = config.model.name_or_path
     if name is not None:
         # a checkpoint without its own model files (written before they were saved with it)
         # needs the run's model: a local one must still be there
-        from dplaunch.planning.model_facts import find_model_file, looks_like_path
+        from dplaunch.planning.hub import looks_like_path
+        from dplaunch.planning.model_facts import find_model_file
 
         if looks_like_path(name):
             find_model_file(name, ("config.json",), "model.name_or_path")
-    plan = Plan.from_dict(json.loads((info.path / "plan.json").read_text()))
+    plan = Plan.from_dict(read_plan_file(info.path))
     if (out / "config.json").exists():
         raise UserError("--out", f"{out} already holds a model", "choose an empty or new directory")
     check_output_dir(out, "--out")
@@ -96,7 +98,6 @@ def checkpoint_model(directory: Path, model: ModelConfig) -> ModelConfig:
     and tokenizer, saved with it): no pretrained weights to read first, no Hub, no revision that
     moved since. Checkpoints without them (older ones) keep the run file's model."""
     from dplaunch.config.schema import BYTE_LEVEL
-    from dplaunch.train.checkpoint import MODEL_FILES_DIR
 
     files = directory / MODEL_FILES_DIR
     if not (files / "config.json").is_file():
@@ -111,7 +112,7 @@ def checkpoint_model(directory: Path, model: ModelConfig) -> ModelConfig:
 
 def export_checkpoint(directory: Path, config: object, engine: str, out: Path) -> None:
     """Build the run's model, load the checkpoint's full weights into it, save model + tokenizer."""
-    from dplaunch.train.checkpoint import consolidated_state_dict
+    from dplaunch.train.export_weights import consolidated_state_dict
     from dplaunch.train.modeling import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(config.model)  # type: ignore[attr-defined]
@@ -122,7 +123,7 @@ def export_checkpoint(directory: Path, config: object, engine: str, out: Path) -
         config.data.label_names,  # type: ignore[attr-defined]
     )
     if engine == "pipeline":
-        from dplaunch.train.checkpoint import load_pipeline_layers
+        from dplaunch.train.export_weights import load_pipeline_layers
 
         load_pipeline_layers(directory, model)
     else:
@@ -196,7 +197,7 @@ def run_export_job(directory: Path, job: RunConfig, plan: Plan, out: Path) -> in
 
 
 def _check_weight_files(directory: Path, tp: int) -> None:
-    from dplaunch.train.checkpoint import tensor_parallel_weight_files
+    from dplaunch.train.export_weights import tensor_parallel_weight_files
 
     missing = [path for path in tensor_parallel_weight_files(directory, tp) if not path.is_file()]
     if missing:

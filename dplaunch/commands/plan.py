@@ -14,16 +14,11 @@ import typer
 
 from dplaunch.config.schema import LaunchConfig
 from dplaunch.errors import UserError
-from dplaunch.planning.arrow_datasets import hub_offline
 from dplaunch.planning.auto import Workload, plan_candidates, run_workload
 from dplaunch.planning.candidates import Candidate, format_table, to_json_rows
 from dplaunch.planning.estimate import MemoryEstimate, count_parameters
-from dplaunch.planning.model_facts import (
-    ModelFacts,
-    attention_implementation,
-    load_config_json,
-    looks_like_path,
-)
+from dplaunch.planning.hub import hub_offline, looks_like_path
+from dplaunch.planning.model_facts import ModelFacts, attention_implementation, load_config_json
 from dplaunch.planning.plan import _nodes
 
 # what a bare `--model` plans for, when no run file says otherwise

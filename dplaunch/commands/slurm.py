@@ -30,8 +30,9 @@ from dplaunch.launching.prepare import (
     current_allocation,
     prepare_training_run,
 )
+from dplaunch.launching.preview import print_prepared
 from dplaunch.launching.process import run_supervised
-from dplaunch.launching.rundir import check_output_dir, check_output_file, write_text_atomic
+from dplaunch.launching.rundir import check_output_dir, check_output_file
 from dplaunch.planning.plan import Plan
 from dplaunch.rendering.sbatch import (
     MAX_SIGNAL_SECONDS,
@@ -42,6 +43,8 @@ from dplaunch.rendering.sbatch import (
     render_sbatch,
     time_limit_seconds,
 )
+from dplaunch.run_directory.files import write_text_atomic
+from dplaunch.run_directory.layout import LOGS_DIR, REQUEUE_MARK_PREFIX, SBATCH_SCRIPT
 
 # SLURM sends USR1 this many seconds before the time limit: time for a step and a checkpoint
 SIGNAL_SECONDS = 120
@@ -49,8 +52,6 @@ SIGNAL_SECONDS = 120
 FALLBACK_GPUS_PER_NODE = 4
 # ... and 10 cores per GPU (a V100 node: 40 cores, 4 GPUs)
 FALLBACK_CPUS_PER_GPU = 10
-LOG_DIR_NAME = "logs"
-SCRIPT_NAME = "job.sbatch"
 # set for the launchers dplaunch starts with srun: they must never start srun again
 UNDER_SRUN = "DPLAUNCH_UNDER_SRUN"
 # run flags that SLURM decides inside the job, so the script does not repeat them
@@ -148,7 +149,7 @@ def run_slurm(flags: RunFlags, options: SlurmOptions) -> int:
         constraint=options.constraint,
         modules=list(options.modules),
         setup_lines=list(options.setup),
-        log_dir=str(run_dir / LOG_DIR_NAME),
+        log_dir=str(run_dir / LOGS_DIR),
         requeue=True,
         signal_seconds=signal_seconds,
         cpu=prepared.plan.target == "cpu",
@@ -167,11 +168,11 @@ def run_slurm(flags: RunFlags, options: SlurmOptions) -> int:
         name, _, problem = str(error).partition(": ")
         flag = SPEC_FLAGS.get(name.split("[")[0].split(".")[0], name)
         raise UserError(flag, problem or str(error), "change that value") from None
-    path = None if options.out == "-" else Path(options.out or run_dir / SCRIPT_NAME)
+    path = None if options.out == "-" else Path(options.out or run_dir / SBATCH_SCRIPT)
     # checked before anything is written; the log directory must exist only to submit from here
     # (a script rendered on a laptop for the cluster names the cluster's paths)
     if path is not None:
-        check_output_file(path, "--out" if options.out else "output_dir", SCRIPT_NAME)
+        check_output_file(path, "--out" if options.out else "output_dir", SBATCH_SCRIPT)
     if options.submit:
         check_output_dir(Path(spec.log_dir), "output_dir")
 
@@ -439,8 +440,6 @@ def srun_relaunch_argv(prepared: PreparedRun) -> list[str] | None:
 
 def run_under_srun(prepared: PreparedRun, argv: list[str], *, dry_run: bool) -> int:
     """Start one launcher per node with srun; 75 when the ranks checkpointed to be requeued."""
-    from dplaunch.commands.train import print_prepared
-
     allocation = current_allocation()
     job = allocation.job_id if allocation else "?"
     print_prepared(prepared, show_files=dry_run)
@@ -454,7 +453,7 @@ def run_under_srun(prepared: PreparedRun, argv: list[str], *, dry_run: bool) -> 
             f"SLURM job {job} but no srun on PATH",
             "load the SLURM module, or unset SLURM_JOB_ID to run on this machine only",
         )
-    mark = prepared.run_dir.absolute() / f".requeue-{job}"
+    mark = prepared.run_dir.absolute() / f"{REQUEUE_MARK_PREFIX}{job}"
     mark.unlink(missing_ok=True)
     prepared.run_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, UNDER_SRUN: "1", REQUEUE_MARK_ENV: str(mark)}

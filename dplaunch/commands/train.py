@@ -23,21 +23,20 @@ from dplaunch.launching.prepare import (
     prepare_script_launch,
     prepare_training_run,
 )
+from dplaunch.launching.preview import print_prepared
 from dplaunch.launching.process import RankWatch, run_supervised
-from dplaunch.launching.rundir import (
-    ERRORS_DIR,
-    check_output_dir,
-    check_run_dir,
-    write_run_files,
-)
+from dplaunch.launching.rundir import check_output_dir, check_run_dir, write_run_files
 from dplaunch.requirements import check_installed_versions
+from dplaunch.run_directory.checkpoints import newest_checkpoint
+from dplaunch.run_directory.layout import CHECKPOINTS_DIR, ERRORS_DIR, RESUME_FILE
+from dplaunch.stop_signals import EXIT_CHECKPOINTED, StopSignals
 from dplaunch.train.metrics import PROGRESS_ENV
 
 # `dplaunch launch` runs Python scripts; a run file given to it is meant for `dplaunch train`
 RUN_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
 if TYPE_CHECKING:
-    from dplaunch.train.checkpoint import ResumePoint
+    from dplaunch.launching.resume import ResumePoint
 
 
 def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
@@ -45,7 +44,8 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
 
     75 (EXIT_CHECKPOINTED) means the ranks checkpointed on SIGUSR1/SIGTERM: continue with --resume auto.
     """
-    from dplaunch.train import checkpoint
+    from dplaunch.launching.resume import plan_resume, resume_file_text
+    from dplaunch.run_directory.files import clear_stop_record, read_stop_record
 
     check_installed_versions()
     prepared = prepare_training_run(flags)
@@ -56,14 +56,12 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
 
         return run_under_srun(prepared, relaunch, dry_run=dry_run)
     point = (
-        checkpoint.plan_resume(prepared.run_dir, resume, prepared.config, prepared.plan)
+        plan_resume(prepared.run_dir, resume, prepared.config, prepared.plan)
         if resume is not None
         else None
     )
     # always written: a stale resume.json of an earlier launch must not be read by these ranks
-    prepared.files[checkpoint.RESUME_FILE] = (
-        point.to_json() if point else checkpoint.FRESH_START_JSON
-    ) + "\n"
+    prepared.files[RESUME_FILE] = resume_file_text(point)
     if dry_run:
         print_prepared(prepared, show_files=True)
         _print_resume(point, resume)
@@ -78,13 +76,13 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
                 f"dplaunch: {interrupted} (the time-limit warning) came while {point.checkpoint.name} "
                 f"was re-sharded, so no rank was started; the re-sharded checkpoint {point.load_dir} "
                 f"is kept for the next launch: continue with --resume auto "
-                f"(exit status {checkpoint.EXIT_CHECKPOINTED})",
+                f"(exit status {EXIT_CHECKPOINTED})",
                 err=True,
             )
-            return checkpoint.EXIT_CHECKPOINTED
-    checkpoint.clear_stop_record(prepared.run_dir)
+            return EXIT_CHECKPOINTED
+    clear_stop_record(prepared.run_dir)
     code = _train_with_restarts(prepared, point)
-    stop = checkpoint.read_stop_record(prepared.run_dir)
+    stop = read_stop_record(prepared.run_dir)
     if stop is not None:
         code = int(stop["exit_status"])
         _refuse_a_requeue_without_progress(stop, point)
@@ -99,7 +97,7 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
 def _train_with_restarts(prepared: PreparedRun, point: ResumePoint | None) -> int:
     """Run the ranks; after a failure start them again from the newest complete checkpoint, up
     to launch.max_restarts times (dplaunch.launching.restarts decides; nodes agree there)."""
-    from dplaunch.train import checkpoint
+    from dplaunch.launching.resume import plan_resume, resume_file_text
 
     run_dir, plan = prepared.run_dir, prepared.plan
     max_restarts = prepared.config.launch.max_restarts
@@ -159,16 +157,14 @@ def _train_with_restarts(prepared: PreparedRun, point: ResumePoint | None) -> in
         if interrupted is not None:
             typer.echo(
                 f"dplaunch: {interrupted} during the wait before restart {done}: not restarted; "
-                f"continue with --resume auto (exit status {checkpoint.EXIT_CHECKPOINTED})",
+                f"continue with --resume auto (exit status {EXIT_CHECKPOINTED})",
                 err=True,
             )
-            return checkpoint.EXIT_CHECKPOINTED
+            return EXIT_CHECKPOINTED
         if verdict.checkpoint_step is not None:
-            step_dir = run_dir / checkpoint.CHECKPOINTS_DIR / f"step-{verdict.checkpoint_step}"
-            point = checkpoint.plan_resume(run_dir, str(step_dir), prepared.config, plan)
-        prepared.files[checkpoint.RESUME_FILE] = (
-            point.to_json() if point else checkpoint.FRESH_START_JSON
-        ) + "\n"
+            step_dir = run_dir / CHECKPOINTS_DIR / f"step-{verdict.checkpoint_step}"
+            point = plan_resume(run_dir, str(step_dir), prepared.config, plan)
+        prepared.files[RESUME_FILE] = resume_file_text(point)
         _print_resume(point, "auto")
         previous = failure
 
@@ -176,9 +172,7 @@ def _train_with_restarts(prepared: PreparedRun, point: ResumePoint | None) -> in
 def _restart_step(run_dir: Path, point: ResumePoint | None) -> int | None:
     """The step of this run's newest complete checkpoint, the one a restart continues from;
     None: none newer than where this launch started (it starts there again)."""
-    from dplaunch.train import checkpoint
-
-    newest = checkpoint.newest_checkpoint(run_dir / checkpoint.CHECKPOINTS_DIR)
+    newest = newest_checkpoint(run_dir / CHECKPOINTS_DIR)
     if newest is None or (point is not None and newest.step < point.checkpoint.step):
         return None
     return newest.step
@@ -201,9 +195,7 @@ def _failure_of(watch: RankWatch, code: int, run_dir: Path, began: int) -> resta
 def _back_off(seconds: float) -> str | None:
     """Wait before a restart; the name of a stop signal (SLURM's time limit, scancel) that came
     meanwhile, else None."""
-    from dplaunch.train import checkpoint
-
-    noted = checkpoint.StopSignals()
+    noted = StopSignals()
     noted.install()
     try:
         deadline = time.monotonic() + seconds
@@ -221,16 +213,17 @@ def _reshard(prepared: PreparedRun, point: ResumePoint) -> str | None:
     A conversion can take minutes. SLURM's time-limit warning that comes during it must not be
     lost (the ranks that would have handled it do not exist yet): the conversion is finished and
     kept, and the launch stops there as a checkpointed one would, so a requeued job uses it."""
-    from dplaunch.train import checkpoint
+    from dplaunch.launching.reshard import convert_to_universal, wait_for_universal
+    from dplaunch.stop_signals import StopSignals
 
-    noted = checkpoint.StopSignals(signals=(signal.SIGUSR1,))
+    noted = StopSignals(signals=(signal.SIGUSR1,))
     noted.install()
     try:
         if prepared.plan.node_rank == 0:
-            checkpoint.convert_to_universal(point, say=typer.echo)
+            convert_to_universal(point, say=typer.echo)
         else:
             limit_s = max(prepared.plan.timeout_minutes, 1) * 60
-            checkpoint.wait_for_universal(point, limit_s, say=typer.echo)
+            wait_for_universal(point, limit_s, say=typer.echo)
     finally:
         noted.restore()
     return noted.received
@@ -240,7 +233,6 @@ def _refuse_a_requeue_without_progress(stop: dict, point: ResumePoint | None) ->
     # in a SLURM script that requeues on 75: a stop before this launch's first step means the
     # time-limit signal came during start-up, and every requeue would do the same, forever
     from dplaunch.rendering.sbatch import REQUEUE_MARK_ENV
-    from dplaunch.train.checkpoint import EXIT_CHECKPOINTED
 
     started_at = point.checkpoint.step if point is not None else 0
     if (
@@ -260,11 +252,12 @@ def _refuse_a_requeue_without_progress(stop: dict, point: ResumePoint | None) ->
 def _failure_hints(run_dir: Path) -> list[str] | None:
     # printed before the failing rank's error, which stays the last line; None: the ranks stopped
     # on purpose (a signal, train.stop_after_steps) and that is no failure
-    from dplaunch.train import checkpoint
+    from dplaunch.run_directory.checkpoints import newest_checkpoint
+    from dplaunch.run_directory.files import read_stop_record
 
-    if checkpoint.read_stop_record(run_dir) is not None:
+    if read_stop_record(run_dir) is not None:
         return None
-    newest = checkpoint.newest_checkpoint(run_dir / checkpoint.CHECKPOINTS_DIR)
+    newest = newest_checkpoint(run_dir / CHECKPOINTS_DIR)
     if newest is None:
         return []
     return [
@@ -408,17 +401,3 @@ def supervise(prepared: PreparedRun) -> tuple[int, RankWatch]:
 def _report_failure(watch: RankWatch, code: int, run_dir: Path, hints: list[str]) -> None:
     for line in watch.report(code, run_dir, hints):
         typer.echo(line, err=True)
-
-
-def print_prepared(prepared: PreparedRun, *, show_files: bool) -> None:
-    """The plan (and with show_files the rendered files) and the exact launch command."""
-    for line in prepared.plan.summary_lines():
-        typer.echo(line)
-    if show_files:
-        for name, text in prepared.files.items():
-            if name == "launch.sh":
-                continue
-            typer.echo(f"\n--- {prepared.run_dir / name}")
-            typer.echo(text.rstrip())
-        typer.echo("")
-    typer.echo("launch: " + " ".join(shlex.quote(part) for part in prepared.argv))

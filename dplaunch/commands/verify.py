@@ -45,6 +45,7 @@ from dplaunch.planning.model_facts import (
     ModelFacts,
     load_config_json,
 )
+from dplaunch.run_directory.layout import LAUNCH_SCRIPT, METRICS_FILE, RUN_FILE
 
 # relative per-step loss gap allowed between the plan and DDP, by precision
 TOLERANCES = {"no": 1e-3, "bf16": 2e-2, "fp16": 1e-2}
@@ -187,7 +188,7 @@ def comparison_table(plan: list[float], reference: list[float], plan_label: str)
 def _step_losses(run_dir: Path) -> list[float]:
     from dplaunch.report import read_metrics
 
-    if not (run_dir / "metrics.jsonl").is_file():
+    if not (run_dir / METRICS_FILE).is_file():
         return []
     return [float(record.get("loss", math.nan)) for record in read_metrics(run_dir).train]
 
@@ -205,7 +206,7 @@ def _fault_entry(prepared: Any, fault: str) -> None:
         fault,
         *argv[position + 1 :],
     ]
-    prepared.files["launch.sh"] = render_launch_script(prepared.argv, prepared.env, Path.cwd())
+    prepared.files[LAUNCH_SCRIPT] = render_launch_script(prepared.argv, prepared.env, Path.cwd())
 
 
 def reference_mismatch(
@@ -241,17 +242,16 @@ def reference_mismatch(
 
 
 def _check_reference(reference: Path, plan_run: Any) -> None:
-    import yaml
-
     from dplaunch.report import read_metrics
+    from dplaunch.run_directory.files import read_run_file
 
-    if not (reference / "run.yaml").is_file() or not (reference / "metrics.jsonl").is_file():
+    if not (reference / RUN_FILE).is_file() or not (reference / METRICS_FILE).is_file():
         raise UserError(
             "--reference", f"{reference} is not a finished dplaunch run", "give a run directory"
         )
     problem = reference_mismatch(
         plan_run.config.model_dump(mode="json"),
-        yaml.safe_load((reference / "run.yaml").read_text()),
+        read_run_file(reference),
         read_metrics(reference).header,
     )
     if problem:
@@ -264,8 +264,9 @@ def _check_reference(reference: Path, plan_run: Any) -> None:
 
 def run_verify(flags: Any, options: VerifyOptions) -> int:
     """Run the plan and DDP for K steps each; print the losses; 0 = PASS, 1 = FAIL."""
-    from dplaunch.commands.train import print_prepared, start
+    from dplaunch.commands.train import start
     from dplaunch.launching.prepare import prepare_training_run
+    from dplaunch.launching.preview import print_prepared
     from dplaunch.launching.rundir import check_run_dir
 
     if options.steps < 1:

@@ -34,7 +34,6 @@ from dplaunch.launching.prepare import (
     own_host_names,
     rank_environment,
 )
-from dplaunch.launching.rundir import ERRORS_DIR
 from dplaunch.launching.workers import Worker, render_workers_spec
 from dplaunch.planning.devices import visible_gpu_count
 from dplaunch.planning.plan import Machine, Plan, make_plan
@@ -46,6 +45,7 @@ from dplaunch.rendering.tf_config import (
     worker_devices,
     workers_per_node,
 )
+from dplaunch.run_directory.layout import ERRORS_DIR
 
 FRAMEWORKS = ("auto", "pytorch", "tensorflow", "horovod")
 TENSORFLOW_MODULES = frozenset({"tensorflow", "keras", "tf_keras"})

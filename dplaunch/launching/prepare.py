@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import socket
@@ -28,7 +27,6 @@ from dplaunch.errors import UserError
 from dplaunch.launching.deepspeed_ops import check_ops_can_be_built, torch_extensions_dir
 from dplaunch.launching.ports import claim_free_port, claim_gpu, claim_port
 from dplaunch.launching.process import ERRORS_DIR_ENV
-from dplaunch.launching.rundir import ERRORS_DIR
 from dplaunch.planning.data_check import check_data
 from dplaunch.planning.devices import (
     Gpu,
@@ -46,11 +44,7 @@ from dplaunch.planning.model_facts import (
     load_config_json,
 )
 from dplaunch.planning.plan import Machine, Plan, make_plan
-from dplaunch.rendering.accelerate_config import (
-    DEEPSPEED_CONFIG_NAME,
-    accelerate_config_name,
-    render_accelerate_config,
-)
+from dplaunch.rendering.accelerate_config import accelerate_config_name, render_accelerate_config
 from dplaunch.rendering.deepspeed_config import render_deepspeed_config
 from dplaunch.rendering.launch_command import (
     hostfile_launch_argv,
@@ -58,6 +52,8 @@ from dplaunch.rendering.launch_command import (
     launch_script_name,
     render_launch_script,
 )
+from dplaunch.run_directory.files import plan_text
+from dplaunch.run_directory.layout import DEEPSPEED_FILE, ERRORS_DIR, PLAN_FILE, RUN_FILE
 
 # seconds a host name may take to resolve before the check gives up (and lets the launch try)
 MASTER_ADDR_RESOLVE_SECONDS = 5.0
@@ -376,12 +372,12 @@ def render_files(
     files: dict[str, str] = {}
     run_abs = run_dir.absolute()
     if plan.uses_deepspeed:
-        files[DEEPSPEED_CONFIG_NAME] = render_deepspeed_config(plan, max_grad_norm=max_grad_norm)
+        files[DEEPSPEED_FILE] = render_deepspeed_config(plan, max_grad_norm=max_grad_norm)
     # node R > 0 of a multi-node run writes accelerate-nodeR.yaml and launch-nodeR.sh
     accelerate_name = accelerate_config_name(plan)
-    files[accelerate_name] = render_accelerate_config(plan, str(run_abs / DEEPSPEED_CONFIG_NAME))
-    files["run.yaml"] = dump_run_config(config)
-    files["plan.json"] = json.dumps(plan.to_dict(), indent=2) + "\n"
+    files[accelerate_name] = render_accelerate_config(plan, str(run_abs / DEEPSPEED_FILE))
+    files[RUN_FILE] = dump_run_config(config)
+    files[PLAN_FILE] = plan_text(plan.to_dict())
     env = {
         **rank_environment(plan, threads),
         **hang_dump_environment(plan, run_abs / ERRORS_DIR),
@@ -409,8 +405,9 @@ def rank_environment(plan: Plan, threads: tuple[str, str] | None = None) -> dict
             "cpu"  # DeepSpeed would otherwise probe for CUDA and warn in every rank
         )
         if not plan.uses_deepspeed or plan.engine == "pipeline":
-            # an unmodified Accelerate script sees a real gloo world only with this (DESIGN.md); with
-            # DeepSpeed it would make Accelerate drop the DeepSpeed plugin, so there gloo is asked for in code
+            # an unmodified Accelerate script sees a real gloo world only with this (without it,
+            # every rank runs as world size 1); with DeepSpeed it would make Accelerate drop the
+            # DeepSpeed plugin, so there gloo is asked for in code
             env["ACCELERATE_USE_CPU"] = "1"
     if threads is not None:
         env["OMP_NUM_THREADS"] = threads[0]

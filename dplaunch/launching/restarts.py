@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dplaunch.launching.process import gist
+from dplaunch.run_directory.files import write_text_atomic
 
 # the ranks of a restarted launch read how many restarts came before (the summary counts them)
 RESTARTS_ENV = "DPLAUNCH_RESTARTS"
@@ -248,9 +249,7 @@ def _wait_for_file(path: Path, limit_s: float) -> str | None:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    from dplaunch.train.checkpoint import write_file_atomic  # torch-free part of the module
-
-    write_file_atomic(path, text + "\n")
+    write_text_atomic(path, text + "\n")
 
 
 def restarts_so_far(environ: Any = os.environ) -> int:

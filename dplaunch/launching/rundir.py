@@ -1,4 +1,7 @@
-"""The run directory: created only after the plan is valid, files written atomically."""
+"""The launcher's side of the run directory: is it usable, then write the rendered files into it.
+
+Created only after the plan is valid; the names and formats of its files: dplaunch/run_directory/.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +11,8 @@ import tempfile
 from pathlib import Path
 
 from dplaunch.errors import UserError
-
-# files a finished or running training run leaves; their presence means "this is a run"
-RUN_MARKERS = ("metrics.jsonl", "checkpoints")
-# RUN/errors/rank-N.txt: the traceback of a failing rank (written by dplaunch.train.__main__)
-ERRORS_DIR = "errors"
+from dplaunch.run_directory.files import write_text_atomic
+from dplaunch.run_directory.layout import CHECKPOINTS_DIR, RUN_MARKERS
 
 
 def check_run_dir(run_dir: Path, *, resuming: bool) -> str:
@@ -21,7 +21,7 @@ def check_run_dir(run_dir: Path, *, resuming: bool) -> str:
     if existing and not resuming:
         fix = (
             "pass --resume auto to continue it, or choose another --output-dir"
-            if "checkpoints" in existing
+            if CHECKPOINTS_DIR in existing
             else "choose another --output-dir (it holds no checkpoint to continue from)"
         )
         raise UserError("output_dir", f"{run_dir} already holds a run ({', '.join(existing)})", fix)
@@ -72,31 +72,8 @@ def _check_writable(directory: Path, field: str) -> None:
         ) from None
 
 
-def write_text_atomic(path: Path, text: str, mode: int | None = None) -> None:
-    """Write via a temporary file and rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(handle, "w") as out:
-            out.write(text)
-        if mode is not None:
-            os.chmod(temp, mode & ~_umask())
-        else:
-            os.chmod(temp, 0o666 & ~_umask())
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-
-
 def write_run_files(run_dir: Path, files: dict[str, str]) -> None:
     """Create the run directory (with the user's umask) and write the rendered files into it."""
     run_dir.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
         write_text_atomic(run_dir / name, text, 0o777 if name.endswith(".sh") else None)
-
-
-def _umask() -> int:
-    current = os.umask(0)
-    os.umask(current)
-    return current

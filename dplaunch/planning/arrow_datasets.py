@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dplaunch.errors import UserError
+from dplaunch.planning.hub import hf_home, hub_offline, looks_like_path
 
 # how long the Hub may take to say whether a dataset that is not cached exists
 HUB_TIMEOUT_S = 10.0
@@ -196,8 +197,6 @@ def check_hub_dataset(
     the same revision), None when the ranks will download the dataset."""
     if isinstance(name, list):
         raise UserError(field, f"{name} names no local file", "a list must name local data files")
-    from dplaunch.planning.model_facts import looks_like_path
-
     if looks_like_path(name):
         raise UserError(
             field,
@@ -259,21 +258,8 @@ def check_hub_dataset(
 
 def datasets_cache_dir() -> Path:
     """Where `datasets` keeps prepared datasets (HF_DATASETS_CACHE, else HF_HOME/datasets)."""
-    from dplaunch.planning.model_facts import hf_home
-
     cache = os.environ.get("HF_DATASETS_CACHE")
     return Path(cache).expanduser() if cache else hf_home() / "datasets"
-
-
-def hub_offline(for_datasets: bool = True) -> bool:
-    """Offline as `datasets` decides it (HF_DATASETS_OFFLINE when set, else HF_HUB_OFFLINE), or
-    for models and tokenizers (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE)."""
-    true = {"1", "ON", "YES", "TRUE"}
-    datasets_offline = os.environ.get("HF_DATASETS_OFFLINE") if for_datasets else None
-    if datasets_offline is not None:
-        return datasets_offline.upper() in true
-    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
-    return value.upper() in true
 
 
 def _cache_folder_name(name: str) -> str:

@@ -14,8 +14,9 @@ from typing import Any
 
 from dplaunch.config.schema import BYTE_LEVEL, ModelConfig
 from dplaunch.errors import UserError
+from dplaunch.planning.hub import hf_home, hub_offline, looks_like_path
 
-# families whose decoder DeepSpeed AutoTP knows how to split (DESIGN.md), by HF model_type
+# families whose decoder DeepSpeed AutoTP knows how to split (its presets), by HF model_type
 AUTOTP_FAMILIES = (
     "llama",
     "mistral",
@@ -125,11 +126,6 @@ TOKENIZER_FILES = (
 _RUN_FILE_SUFFIXES = (".yaml", ".yml")
 
 
-def looks_like_path(name: str) -> bool:
-    """A name that can only be a local path (a hub id is `owner/name` at most)."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1
-
-
 def find_model_file(
     name_or_path: str,
     wanted: tuple[str, ...],
@@ -199,7 +195,6 @@ def check_tokenizer(model: ModelConfig, field: str = "model.tokenizer") -> None:
     checked with model.name_or_path), a folder, or a cached hub id (found as model.name_or_path
     is). A hub id that is not cached passes while the Hub is on: the ranks download it (a model
     trained from scratch with the tokenizer of gpt2, say). Offline it must be cached."""
-    from dplaunch.planning.arrow_datasets import hub_offline
 
     name_or_path = model.tokenizer
     if name_or_path is None and model.name_or_path is None:
@@ -308,15 +303,6 @@ def _known_to_transformers(model_type: str) -> bool:
     except ImportError:
         return True  # nothing to ask: do not refuse
     return model_type in CONFIG_MAPPING_NAMES
-
-
-def hf_home() -> Path:
-    """Hugging Face's home folder, as huggingface_hub and datasets find it: HF_HOME, else
-    $XDG_CACHE_HOME/huggingface, else ~/.cache/huggingface."""
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface"
-    )
-    return Path(os.path.expandvars(os.path.expanduser(home)))
 
 
 def hub_cache_dir() -> Path:

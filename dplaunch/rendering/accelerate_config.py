@@ -7,8 +7,7 @@ from typing import Any
 import yaml
 
 from dplaunch.planning.plan import Plan
-
-DEEPSPEED_CONFIG_NAME = "deepspeed.json"
+from dplaunch.run_directory.layout import ACCELERATE_FILE, DEEPSPEED_FILE, node_file
 
 
 def accelerate_config_name(plan: Plan) -> str:
@@ -17,7 +16,7 @@ def accelerate_config_name(plan: Plan) -> str:
     Nodes that share a run directory (one filesystem on a cluster) would otherwise overwrite
     each other's machine_rank between writing the file and `accelerate launch` reading it.
     """
-    return "accelerate.yaml" if plan.node_rank == 0 else f"accelerate-node{plan.node_rank}.yaml"
+    return node_file(ACCELERATE_FILE, plan.node_rank)
 
 
 def accelerate_config_dict(plan: Plan, deepspeed_config_path: str | None = None) -> dict[str, Any]:
@@ -27,7 +26,7 @@ def accelerate_config_dict(plan: Plan, deepspeed_config_path: str | None = None)
     elif plan.world_size > 1:
         # CPU ranks too: Accelerate's MULTI_CPU type starts a single process (it expects mpirun);
         # MULTI_GPU + use_cpu makes `accelerate launch` start torchrun with ACCELERATE_USE_CPU set,
-        # which gives the script a real gloo world (see DESIGN.md)
+        # which gives the script a real gloo world (without it each rank runs as world size 1)
         distributed_type = "MULTI_GPU"
     else:
         distributed_type = "NO"
@@ -54,7 +53,7 @@ def accelerate_config_dict(plan: Plan, deepspeed_config_path: str | None = None)
     if distributed_type == "DEEPSPEED":
         # with a DeepSpeed JSON, precision lives in the JSON; Accelerate refuses it here as well
         config["deepspeed_config"] = {
-            "deepspeed_config_file": deepspeed_config_path or DEEPSPEED_CONFIG_NAME,
+            "deepspeed_config_file": deepspeed_config_path or DEEPSPEED_FILE,
             "zero3_init_flag": False,
             "deepspeed_multinode_launcher": "standard",
         }

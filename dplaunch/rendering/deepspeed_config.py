@@ -14,8 +14,9 @@ BUCKET_SIZE = 200_000_000
 def deepspeed_batch_world(plan: Plan) -> int:
     """The rank count DeepSpeed multiplies into train_batch_size.
 
-    With AutoTP, DeepSpeed still counts every rank (DESIGN.md), although tensor-parallel ranks share
-    their batch; the pipeline engine counts only its data-parallel ranks.
+    With AutoTP, DeepSpeed's batch assertion still counts every rank (micro × ga × all ranks),
+    although tensor-parallel ranks share their batch; the pipeline engine counts only its
+    data-parallel ranks.
     """
     if plan.pipeline_parallel_size > 1:
         return plan.data_parallel_size

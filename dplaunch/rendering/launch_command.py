@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from dplaunch.planning.plan import Plan
+from dplaunch.run_directory.layout import ACCELERATE_FILE, LAUNCH_SCRIPT, node_file
 
 ACCELERATE_LAUNCH = ["-m", "accelerate.commands.launch"]
 DEEPSPEED_RUNNER = ["-u", "-m", "deepspeed.launcher.runner"]
@@ -14,7 +15,7 @@ DEEPSPEED_RUNNER = ["-u", "-m", "deepspeed.launcher.runner"]
 
 def launch_script_name(plan: Plan) -> str:
     """launch.sh, or launch-nodeR.sh on node R > 0 (nodes may share the run directory)."""
-    return "launch.sh" if plan.node_rank == 0 else f"launch-node{plan.node_rank}.sh"
+    return node_file(LAUNCH_SCRIPT, plan.node_rank)
 
 
 def launch_argv(
@@ -23,7 +24,7 @@ def launch_argv(
     target: list[str],
     *,
     python: str | None = None,
-    accelerate_config: str = "accelerate.yaml",
+    accelerate_config: str = ACCELERATE_FILE,
 ) -> list[str]:
     """argv that starts this node's ranks: `accelerate launch --config_file RUN/accelerate.yaml …`.
 

@@ -19,6 +19,8 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
+from dplaunch.run_directory.layout import REQUEUE_MARK_PREFIX
+
 # SLURM time limits: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (or "infinite"/"UNLIMITED")
 _TIME_RE = re.compile(r"^(\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|infinite|unlimited)$", re.I)
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -155,7 +157,7 @@ def render_sbatch(spec: SbatchSpec) -> str:
     if not spec.requeue:
         lines.append(" ".join(srun) + " " + shlex.join(spec.command))
         return "\n".join(lines) + "\n"
-    mark = shlex.quote(f"{log_dir}/.requeue-") + '"$SLURM_JOB_ID"'
+    mark = shlex.quote(f"{log_dir}/{REQUEUE_MARK_PREFIX}") + '"$SLURM_JOB_ID"'
     lines += [
         f"# {REQUEUE_EXIT_STATUS} from a node's launcher: the ranks saved a checkpoint on SLURM's "
         "time-limit signal;",

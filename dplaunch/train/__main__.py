@@ -7,7 +7,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from dplaunch.launching.rundir import ERRORS_DIR
+from dplaunch.run_directory.layout import ERRORS_DIR, rank_error_file
 from dplaunch.train.rank_process import begin_rank, exit_rank, note_failure_stack
 
 # the terminal line stays short; the whole message and traceback are in the file
@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
 def report_failure(run_dir: Path, error: BaseException) -> int:
     """Write this rank's traceback to RUN/errors/rank-N.txt, print one line about it; return 1."""
     rank = os.environ.get("RANK", "0")
-    report = run_dir / ERRORS_DIR / f"rank-{rank}.txt"
+    report = run_dir / ERRORS_DIR / rank_error_file(rank)
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text("".join(traceback.format_exception(error)))
     note_failure_stack(error)

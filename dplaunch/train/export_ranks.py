@@ -17,7 +17,7 @@ from dplaunch.train.rank_process import begin_rank, exit_rank
 
 def export_rank(run_dir: Path, checkpoint: Path, out: Path) -> int:
     """Load this rank's shard of the checkpoint's weights and write the consolidated model."""
-    from dplaunch.train.checkpoint import load_module_weights
+    from dplaunch.train.export_weights import load_module_weights
     from dplaunch.train.loop import build_engine, build_model, read_run, start_rank
     from dplaunch.train.modeling import load_tokenizer
 

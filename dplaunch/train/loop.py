@@ -2,13 +2,12 @@
 
 Runs in every rank under `accelerate launch`. Reads the run directory's run.yaml and plan.json,
 so the ranks do exactly what the launcher planned and printed, and resume.json, the checkpoint the
-launcher chose to continue from. Checkpoints (periodic, on SIGUSR1/SIGTERM, at
-train.stop_after_steps) go through dplaunch/train/checkpoint.py.
+launcher chose to continue from (dplaunch/run_directory/). Checkpoints (periodic, on
+SIGUSR1/SIGTERM, at train.stop_after_steps) go through dplaunch/train/checkpoint.py.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
@@ -18,19 +17,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from dplaunch.config.schema import RunConfig
 from dplaunch.launching.restarts import restarts_so_far
 from dplaunch.planning.plan import Plan
-from dplaunch.train.checkpoint import (
-    EXIT_CHECKPOINTED,
-    EXPORT_DIR,
-    RESUME_FILE,
-    Checkpointer,
-    ControlChannel,
-    StopSignals,
+from dplaunch.run_directory.files import (
+    read_deepspeed_file,
+    read_plan_file,
+    read_resume,
+    read_run_file,
 )
+from dplaunch.run_directory.layout import DEEPSPEED_FILE, EXPORT_DIR
+from dplaunch.stop_signals import EXIT_CHECKPOINTED, StopSignals
+from dplaunch.train.checkpoint import Checkpointer
+from dplaunch.train.control import ControlChannel
 from dplaunch.train.data import Batcher, Sharding, load_splits, tokenize, tokenized_cache_file
 from dplaunch.train.engines import AccelerateEngine, StepEngine, build_optimizer
 from dplaunch.train.metrics import (
@@ -64,27 +64,9 @@ class RankPlace:
 
 def read_run(run_dir: Path) -> tuple[RunConfig, Plan]:
     """The resolved run file and the plan the launcher wrote."""
-    config = RunConfig.model_validate(yaml.safe_load((run_dir / "run.yaml").read_text()))
-    plan = Plan.from_dict(json.loads((run_dir / "plan.json").read_text()))
+    config = RunConfig.model_validate(read_run_file(run_dir))
+    plan = Plan.from_dict(read_plan_file(run_dir))
     return config, plan
-
-
-def read_resume(run_dir: Path) -> dict[str, Any] | None:
-    """What the launcher decided to resume from (resume.json), or None for a fresh start."""
-    path = run_dir / RESUME_FILE
-    if not path.is_file():
-        return None
-    resume = json.loads(path.read_text())
-    if not resume.get("checkpoint"):
-        return None
-    if not all(Path(resume[key]).exists() for key in ("checkpoint", "load_dir")):
-        # launch.sh rerun after train.keep_last rotated the launch's checkpoint away
-        raise FileNotFoundError(
-            f"{path} resumes from {resume['checkpoint']}, which is gone (train.keep_last keeps "
-            "only the newest): continue with `dplaunch train RUN_FILE -o "
-            f"{run_dir} --resume auto`"
-        )
-    return resume
 
 
 def make_accelerator(
@@ -112,10 +94,10 @@ def make_accelerator(
         kwargs["dynamo_backend"] = "inductor"
     if plan.engine == "deepspeed":
         # not cpu=True: that makes Accelerate drop the DeepSpeed plugin; gloo comes from the handler
-        ds_config: Any = str(run_dir / "deepspeed.json")
+        ds_config: Any = str(run_dir / DEEPSPEED_FILE)
         if load_universal:
-            # a ZeRO checkpoint re-sharded for this data-parallel size (see checkpoint.py)
-            ds_config = json.loads((run_dir / "deepspeed.json").read_text())
+            # a ZeRO checkpoint re-sharded for this data-parallel size (see launching/reshard.py)
+            ds_config = read_deepspeed_file(run_dir)
             ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds_config)
     else:
@@ -159,6 +141,26 @@ def start_rank(
     return accelerator, place, say
 
 
+@dataclass
+class RankRun:
+    """What a rank's steps use, built once by train(): the run, this rank, its engine and data,
+    and where its results go."""
+
+    config: RunConfig
+    plan: Plan
+    accelerator: Any
+    place: RankPlace
+    say: Callable[[str], None]
+    engine: StepEngine
+    batcher: Batcher
+    eval_batcher: Batcher | None
+    total_steps: int
+    metrics: MetricsWriter
+    checkpointer: Checkpointer
+    control: ControlChannel
+    signals: StopSignals
+
+
 def train(run_dir: Path) -> int:
     """Train as planned; return the process exit status."""
     # first of all: a SIGUSR1/SIGTERM during start-up is kept for the first step boundary
@@ -172,6 +174,78 @@ def train(run_dir: Path) -> int:
     control = ControlChannel(plan.timeout_minutes)
 
     tokenizer = load_tokenizer(config.model)
+    train_set, eval_set = _load_data(accelerator, tokenizer, config, say)
+    batcher, eval_batcher, total_steps = _batchers(
+        train_set, eval_set, tokenizer, config, plan, place
+    )
+
+    model = build_model(config, tokenizer, accelerator)
+    # counted before the engine shards anything (ZeRO-3 partitions keep the full size in ds_numel)
+    parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    engine = build_engine(plan, config, accelerator, model, total_steps, run_dir)
+    for line in getattr(engine, "layout_lines", lambda: [])():
+        say(f"[dplaunch] {line}")
+    checkpointer = Checkpointer(
+        run_dir,
+        engine,
+        control,
+        rank=place.rank,
+        keep_last=config.train.keep_last,
+        meta={**plan.header(), "engine": plan.engine, "total_steps": total_steps},
+        say=say,
+        write_model_files=_model_files_writer(model, tokenizer),
+    )
+    start_step = _resume(checkpointer, resume, batcher, say)
+    metrics = MetricsWriter(run_dir, enabled=place.is_main)
+    metrics.write(
+        "header",
+        **plan.header(),
+        total_steps=total_steps,
+        train_samples=len(train_set),
+        eval_samples=len(eval_set) if eval_set is not None else 0,
+        steps_per_epoch=batcher.steps_per_epoch,
+        parameters=parameters,
+        task=config.model.task,
+        resumed_from_step=start_step if resume is not None else None,
+    )
+    say(
+        f"[dplaunch] {plan.batch_line()}; {total_steps} steps, {batcher.steps_per_epoch} per epoch, "
+        f"{len(train_set)} training samples, {parameters / 1e6:.1f}M parameters"
+    )
+    run = RankRun(
+        config=config,
+        plan=plan,
+        accelerator=accelerator,
+        place=place,
+        say=say,
+        engine=engine,
+        batcher=batcher,
+        eval_batcher=eval_batcher,
+        total_steps=total_steps,
+        metrics=metrics,
+        checkpointer=checkpointer,
+        control=control,
+        signals=signals,
+    )
+
+    if config.train.eval_every and eval_batcher is not None and resume is None:
+        _evaluate(run, 0)
+    step, stop_reason = _run_steps(run, start_step)
+    if stop_reason is not None:
+        return _stop_early(run, step, stop_reason)
+
+    export_dir = run_dir / EXPORT_DIR
+    engine.export(str(export_dir), tokenizer)
+    say(f"[dplaunch] exported the trained model to {export_dir}")
+    metrics.close()
+    accelerator.end_training()
+    return 0
+
+
+def _load_data(
+    accelerator: Any, tokenizer: Any, config: RunConfig, say: Any
+) -> tuple[Any, Any | None]:
+    """The tokenised training set and evaluation set (None when the run has none)."""
     # rank 0 first: loading may download and writes the datasets cache, which the others then read
     with accelerator.main_process_first():
         train_raw, eval_raw = load_splits(config.data, config.train.seed)
@@ -181,6 +255,18 @@ def train(run_dir: Path) -> int:
         if eval_raw is not None
         else None
     )
+    return train_set, eval_set
+
+
+def _batchers(
+    train_set: Any,
+    eval_set: Any | None,
+    tokenizer: Any,
+    config: RunConfig,
+    plan: Plan,
+    place: RankPlace,
+) -> tuple[Batcher, Batcher | None, int]:
+    """This rank's training and evaluation batchers, and the run's number of steps."""
     sharding = Sharding(
         place.data_parallel_rank,
         plan.data_parallel_size,
@@ -212,94 +298,46 @@ def train(run_dir: Path) -> int:
         if eval_set is not None and len(eval_set) > 0
         else None
     )
+    return batcher, eval_batcher, total_steps
 
-    model = build_model(config, tokenizer, accelerator)
-    # counted before the engine shards anything (ZeRO-3 partitions keep the full size in ds_numel)
-    parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    engine = build_engine(plan, config, accelerator, model, total_steps, run_dir)
-    for line in getattr(engine, "layout_lines", lambda: [])():
-        say(f"[dplaunch] {line}")
-    checkpointer = Checkpointer(
-        run_dir,
-        engine,
-        control,
-        rank=place.rank,
-        keep_last=config.train.keep_last,
-        meta={**plan.header(), "engine": plan.engine, "total_steps": total_steps},
-        say=say,
-        write_model_files=_model_files_writer(model, tokenizer),
-    )
-    start_step = 0
-    if resume is not None:
-        started = time.perf_counter()
-        start_step = checkpointer.load(resume)
-        epoch, in_epoch = divmod(start_step, batcher.steps_per_epoch)
-        say(
-            f"[dplaunch] resumed from {resume['checkpoint']} in {time.perf_counter() - started:.2f} s: "
-            f"step {start_step} (epoch {epoch}, step {in_epoch} of {batcher.steps_per_epoch}); "
-            f"the next batch is step {start_step + 1}"
-        )
-    metrics = MetricsWriter(run_dir, enabled=place.is_main)
-    metrics.write(
-        "header",
-        **plan.header(),
-        total_steps=total_steps,
-        train_samples=len(train_set),
-        eval_samples=len(eval_set) if eval_set is not None else 0,
-        steps_per_epoch=batcher.steps_per_epoch,
-        parameters=parameters,
-        task=config.model.task,
-        resumed_from_step=start_step if resume is not None else None,
-    )
-    say(
-        f"[dplaunch] {plan.batch_line()}; {total_steps} steps, {batcher.steps_per_epoch} per epoch, "
-        f"{len(train_set)} training samples, {parameters / 1e6:.1f}M parameters"
-    )
 
-    if config.train.eval_every and eval_batcher is not None and resume is None:
-        _evaluate(engine, eval_batcher, accelerator, place, metrics, 0, plan, say)
-    step, stop_reason = _run_steps(
-        engine,
-        batcher,
-        eval_batcher,
-        accelerator,
-        place,
-        metrics,
-        config,
-        plan,
-        start_step,
-        total_steps,
-        say,
-        checkpointer,
-        control,
-        signals,
-    )
-    if stop_reason is not None:
-        # stopped early (a signal or train.stop_after_steps): checkpoint, no export, the launcher requeues
-        if checkpointer.last_saved_step == step and checkpointer.holds_last_saved():
-            # the periodic save of this step, or the checkpoint this launch resumed from (when
-            # it is this run's: `--resume auto` looks only here)
-            saved = checkpointer.last_saved_path
-        else:
-            saved = checkpointer.save(step, batcher.steps_per_epoch, stop_reason)
-        status = 0 if stop_reason == STOP_AFTER_STEPS else EXIT_CHECKPOINTED
-        metrics.write("stop", step=step, reason=stop_reason, checkpoint=str(saved))
-        checkpointer.write_stop_record(step, stop_reason, saved, status)
-        say(
-            f"[dplaunch] stopped at step {step}/{total_steps} ({stop_reason}); checkpoint {saved}; "
-            "continue with `dplaunch train ... --resume auto`"
-        )
-        metrics.close()
-        accelerator.end_training()
-        # the rank itself exits 0 (torchrun would report any other status as a crash);
-        # `dplaunch train` turns the stop record into its exit status
+def _resume(
+    checkpointer: Checkpointer, resume: dict[str, Any] | None, batcher: Batcher, say: Any
+) -> int:
+    """Load the checkpoint resume.json names; the step training continues after (0: a fresh start)."""
+    if resume is None:
         return 0
+    started = time.perf_counter()
+    start_step = checkpointer.load(resume)
+    epoch, in_epoch = divmod(start_step, batcher.steps_per_epoch)
+    say(
+        f"[dplaunch] resumed from {resume['checkpoint']} in {time.perf_counter() - started:.2f} s: "
+        f"step {start_step} (epoch {epoch}, step {in_epoch} of {batcher.steps_per_epoch}); "
+        f"the next batch is step {start_step + 1}"
+    )
+    return start_step
 
-    export_dir = run_dir / EXPORT_DIR
-    engine.export(str(export_dir), tokenizer)
-    say(f"[dplaunch] exported the trained model to {export_dir}")
-    metrics.close()
-    accelerator.end_training()
+
+def _stop_early(run: RankRun, step: int, stop_reason: str) -> int:
+    """Stopped early (a signal or train.stop_after_steps): checkpoint, no export, the launcher requeues."""
+    checkpointer = run.checkpointer
+    if checkpointer.last_saved_step == step and checkpointer.holds_last_saved():
+        # the periodic save of this step, or the checkpoint this launch resumed from (when
+        # it is this run's: `--resume auto` looks only here)
+        saved = checkpointer.last_saved_path
+    else:
+        saved = checkpointer.save(step, run.batcher.steps_per_epoch, stop_reason)
+    status = 0 if stop_reason == STOP_AFTER_STEPS else EXIT_CHECKPOINTED
+    run.metrics.write("stop", step=step, reason=stop_reason, checkpoint=str(saved))
+    checkpointer.write_stop_record(step, stop_reason, saved, status)
+    run.say(
+        f"[dplaunch] stopped at step {step}/{run.total_steps} ({stop_reason}); checkpoint {saved}; "
+        "continue with `dplaunch train ... --resume auto`"
+    )
+    run.metrics.close()
+    run.accelerator.end_training()
+    # the rank itself exits 0 (torchrun would report any other status as a crash);
+    # `dplaunch train` turns the stop record into its exit status
     return 0
 
 
@@ -365,7 +403,7 @@ def build_engine(
     if plan.engine == "pipeline":
         from dplaunch.train.pipeline import create_pipeline_engine
 
-        ds_config = json.loads((run_dir / "deepspeed.json").read_text())
+        ds_config = read_deepspeed_file(run_dir)
         return create_pipeline_engine(
             model,
             num_stages=plan.pipeline_parallel_size,
@@ -393,24 +431,12 @@ def _innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _run_steps(
-    engine: StepEngine,
-    batcher: Batcher,
-    eval_batcher: Batcher | None,
-    accelerator: Any,
-    place: RankPlace,
-    metrics: MetricsWriter,
-    config: RunConfig,
-    plan: Plan,
-    start_step: int,
-    total_steps: int,
-    say: Any,
-    checkpointer: Checkpointer,
-    control: ControlChannel,
-    signals: StopSignals,
-) -> tuple[int, str | None]:
+def _run_steps(run: RankRun, start_step: int) -> tuple[int, str | None]:
     """Train from start_step; return (the step reached, why it stopped early or None)."""
-    train = config.train
+    engine, batcher, eval_batcher, metrics = run.engine, run.batcher, run.eval_batcher, run.metrics
+    accelerator, place, say, total_steps = run.accelerator, run.place, run.say, run.total_steps
+    checkpointer, control, signals = run.checkpointer, run.control, run.signals
+    train = run.config.train
     device = accelerator.device
     # losses and token counts stay on the device between log steps: no host sync per micro-step
     interval = torch.zeros(2, device=device)
@@ -461,7 +487,7 @@ def _run_steps(
             last_log, paused = now, 0.0
         if eval_batcher is not None and train.eval_every and step % train.eval_every == 0:
             began = time.perf_counter()
-            _evaluate(engine, eval_batcher, accelerator, place, metrics, step, plan, say)
+            _evaluate(run, step)
             last_eval_step = step
             paused += time.perf_counter() - began
         if train.checkpoint_every and step % train.checkpoint_every == 0:
@@ -473,7 +499,7 @@ def _run_steps(
     if stop_reason is not None:
         return step, stop_reason
     if eval_batcher is not None and last_eval_step != step:
-        _evaluate(engine, eval_batcher, accelerator, place, metrics, step, plan, say)
+        _evaluate(run, step)
     # restarts: how many automatic restarts (launch.max_restarts) this run needed to get here
     metrics.write(
         "summary",
@@ -484,16 +510,10 @@ def _run_steps(
     return step, None
 
 
-def _evaluate(
-    engine: StepEngine,
-    batcher: Batcher,
-    accelerator: Any,
-    place: RankPlace,
-    metrics: MetricsWriter,
-    step: int,
-    plan: Plan,
-    say: Any,
-) -> None:
+def _evaluate(run: RankRun, step: int) -> None:
+    """Loss (and accuracy) on the whole evaluation set, summed over the data-parallel shards."""
+    engine, batcher, accelerator, place = run.engine, run.eval_batcher, run.accelerator, run.place
+    plan, metrics, say = run.plan, run.metrics, run.say
     sums = torch.zeros(3, device=accelerator.device)
     for batch, real in batcher.eval_micro_batches(plan.micro_batch_size):
         losses, counts, correct = engine.eval_batch(batch)
@@ -524,7 +544,7 @@ def _evaluate(
 
 def _model_files_writer(model: Any, tokenizer: Any) -> Any:
     """What rank 0 writes into each checkpoint besides the weights: the HF config files and the
-    tokenizer, from which `dplaunch export` rebuilds the model (checkpoint.MODEL_FILES_DIR)."""
+    tokenizer, from which `dplaunch export` rebuilds the model (run_directory.layout.MODEL_FILES_DIR)."""
 
     def write(folder: Path) -> None:
         model.config.save_pretrained(folder)

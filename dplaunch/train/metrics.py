@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from dplaunch.run_directory.layout import METRICS_FILE, TENSORBOARD_DIR
+
 # set by `dplaunch train` for its ranks when its own output is an interactive terminal: the
 # terminal's width in columns. Unset (a file, a pipe, a SLURM log): one line per logged step.
 PROGRESS_ENV = "DPLAUNCH_PROGRESS"
@@ -166,10 +168,10 @@ class MetricsWriter:
         self._opener: threading.Thread | None = None
         if not enabled:
             return
-        self._file = (run_dir / "metrics.jsonl").open("a", buffering=1)
+        self._file = (run_dir / METRICS_FILE).open("a", buffering=1)
         self._opener = threading.Thread(
             target=self._open_board,
-            args=(run_dir / "tensorboard",),
+            args=(run_dir / TENSORBOARD_DIR,),
             name="dplaunch-tensorboard",
             daemon=True,
         )

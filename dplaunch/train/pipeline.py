@@ -34,12 +34,12 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
+from dplaunch.run_directory.layout import PIPELINE_TAG
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2")
 
 # key of the token embedding that the lm_head shares when the embeddings are tied
 TIED_EMBEDDING_KEY = "token_embedding"
-# DeepSpeed checkpoint tag used by the loop's save()/load()
-CHECKPOINT_TAG = "pipeline"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,7 +451,7 @@ class PipelineTrainEngine:
 
     def save(self, directory: str) -> None:
         """The loop's checkpoint call: layers, optimizer and scheduler of every stage."""
-        self.save_checkpoint(directory, CHECKPOINT_TAG, {})
+        self.save_checkpoint(directory, PIPELINE_TAG, {})
 
     def load(self, directory: str) -> None:
         """The loop's resume call: restore what save() wrote, with the run file's lr and
@@ -460,7 +460,7 @@ class PipelineTrainEngine:
 
         groups = self.engine.optimizer.param_groups
         run_file = RunFileHyperparameters(groups, self.engine.lr_scheduler)
-        self.load_checkpoint(directory, CHECKPOINT_TAG)
+        self.load_checkpoint(directory, PIPELINE_TAG)
         run_file.restore(self.engine.optimizer.param_groups)
 
     def export(self, directory: str, tokenizer: Any) -> None:

@@ -1,0 +1,98 @@
+"""Every name in a run directory, declared once: the launcher writes and the ranks read by these.
+
+    RUN/
+      run.yaml, plan.json   the resolved run file and the plan (the ranks do what was printed)
+      deepspeed.json        DeepSpeed's config, when the plan uses DeepSpeed
+      accelerate.yaml       `accelerate launch --config_file` (accelerate-nodeR.yaml on node R > 0)
+      launch.sh             the exact launch command (launch-nodeR.sh on node R > 0)
+      resume.json           the checkpoint the ranks continue from (written by every `dplaunch train`)
+      stopped.json          why rank 0 stopped before the last step (read by `dplaunch train`)
+      metrics.jsonl         one record per line, rank 0 only; tensorboard/ mirrors its scalars
+      errors/rank-N.txt     the traceback of a failing rank
+      checkpoints/          complete step-N/ folders, `latest`, saves in progress (see below)
+      model/                the trained model a finished run exports (save_pretrained)
+      job.sbatch, logs/     the SLURM job's script and logs (`dplaunch slurm`)
+      .requeue-JOBID        a job's ranks checkpointed to be requeued (in logs/ from job.sbatch)
+
+    RUN/checkpoints/
+      step-4/               complete: every rank finished writing before it got this name
+        checkpoint.json     the data position (step, epoch) and the layout that wrote it; written last
+        run.yaml, plan.json the resolved run file and plan of the run that wrote it
+        hf/                 the model's HF config files and tokenizer (`dplaunch export` needs no Hub)
+        pytorch_model/      DeepSpeed's checkpoint under ZeRO/TP (pipeline/ for the pipeline engine)
+        rng-rank-N.pt       every rank's RNG, for engines whose own save has none
+      latest                "step-4": the newest complete checkpoint
+      .tmp-step-6/          a save in progress (or killed): never read, removed by the next save
+      universal-step-4/     step-4 re-sharded for another data-parallel size; `done` when finished
+
+Pure names: no file is read or written here (dplaunch.run_directory.files does that).
+"""
+
+from __future__ import annotations
+
+import re
+
+RUN_FILE = "run.yaml"
+PLAN_FILE = "plan.json"
+DEEPSPEED_FILE = "deepspeed.json"
+ACCELERATE_FILE = "accelerate.yaml"
+LAUNCH_SCRIPT = "launch.sh"
+# the launcher tells the ranks where to resume from (always written by `dplaunch train`)
+RESUME_FILE = "resume.json"
+# rank 0 says why it stopped before the last step (signal or train.stop_after_steps)
+STOP_FILE = "stopped.json"
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+# RUN/errors/rank-N.txt: the traceback of a failing rank (written by dplaunch.train.__main__)
+ERRORS_DIR = "errors"
+CHECKPOINTS_DIR = "checkpoints"
+# RUN/model: the trained model a finished run exports (save_pretrained)
+EXPORT_DIR = "model"
+# `dplaunch slurm`: RUN/job.sbatch and the job's RUN/logs/
+SBATCH_SCRIPT = "job.sbatch"
+LOGS_DIR = "logs"
+# + the SLURM job id: the job's ranks checkpointed on the time-limit signal, so requeue it
+REQUEUE_MARK_PREFIX = ".requeue-"
+# files a finished or running training run leaves; their presence means "this is a run"
+RUN_MARKERS = (METRICS_FILE, CHECKPOINTS_DIR)
+
+# inside RUN/checkpoints/
+LATEST_FILE = "latest"
+META_FILE = "checkpoint.json"
+# the model's HF config (config.json, generation_config.json) and tokenizer, in every checkpoint:
+# `dplaunch export` builds the model from them, without the pretrained weights or the Hub
+MODEL_FILES_DIR = "hf"
+TEMP_PREFIX = ".tmp-"
+# a ZeRO checkpoint converted for another data-parallel size: RUN/checkpoints/universal-step-N
+UNIVERSAL_PREFIX = "universal-"
+# written last into a universal conversion: what it was made from
+UNIVERSAL_DONE_FILE = "done"
+# accelerate's tag of the DeepSpeed checkpoint inside save_state's directory
+DEEPSPEED_TAG = "pytorch_model"
+# the pipeline engine's tag (dplaunch/train/pipeline.py)
+PIPELINE_TAG = "pipeline"
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def node_file(name: str, node_rank: int) -> str:
+    """NAME on node 0, NAME-nodeR on node R > 0 (nodes may share the run directory)."""
+    if node_rank == 0:
+        return name
+    stem, dot, suffix = name.partition(".")
+    return f"{stem}-node{node_rank}{dot}{suffix}"
+
+
+def step_dir(step: int) -> str:
+    """The name of the complete checkpoint of STEP."""
+    return f"step-{step}"
+
+
+def rank_error_file(rank: int | str) -> str:
+    """The traceback file of a failing rank, in RUN/errors/."""
+    return f"rank-{rank}.txt"
+
+
+def rng_state_file(rank: int) -> str:
+    """A rank's RNG state file inside a checkpoint."""
+    return f"rng-rank-{rank}.pt"

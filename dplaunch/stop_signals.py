@@ -1,0 +1,41 @@
+"""Stopping early on a signal: what SLURM (or a user) sends, and the exit status that says so.
+
+SIGUSR1 (SLURM's time-limit warning) or SIGTERM makes the ranks checkpoint at the next step
+boundary and stop; `dplaunch train` then exits 75, on which the SLURM script requeues. The
+launcher notes SIGUSR1 the same way while it re-shards a checkpoint, before any rank exists.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+# "checkpointed on a signal; continue with --resume auto" (EX_TEMPFAIL): the SLURM script requeues on it
+EXIT_CHECKPOINTED = 75
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+class StopSignals:
+    """SIGUSR1/SIGTERM set a flag; the loop stops at the next step boundary. Repeats are harmless.
+
+    The launcher notes SIGUSR1 alone the same way while it re-shards a checkpoint (``signals``).
+    """
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
+        self.received: str | None = None
+        self._signals = signals
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for sig in self._signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        # only a flag: the save in progress (if any) goes on untouched, a second signal changes nothing
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()

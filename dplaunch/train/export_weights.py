@@ -1,0 +1,65 @@
+"""Consolidated weights of a checkpoint for `dplaunch export`: read from the files in one process,
+or (tensor parallel) loaded into the ranks of the export job, whose engine joins the shards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dplaunch.errors import UserError
+from dplaunch.run_directory.layout import DEEPSPEED_TAG, PIPELINE_TAG
+from dplaunch.train.checkpoint import CheckpointError
+
+
+def consolidated_state_dict(directory: Path, engine: str) -> dict[str, Any]:
+    """The full model state dict of a DDP or ZeRO-1/2/3 checkpoint (fp32 master weights for ZeRO)."""
+    if engine == "ddp":
+        from safetensors.torch import load_file
+
+        state = load_file(str(directory / "model.safetensors"))
+        # checkpoints hold the unwrapped model; strip DDP's prefix should an older one have it
+        return {name.removeprefix("module."): tensor for name, tensor in state.items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    # zero_to_fp32: every rank's partition of the fp32 master weights, joined (ZeRO-3 included)
+    return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=DEEPSPEED_TAG)
+
+
+def tensor_parallel_weight_files(directory: Path, tp: int) -> list[Path]:
+    """The model-state file of each AutoTP rank in a DeepSpeed checkpoint (DeepSpeed's names)."""
+    return [directory / DEEPSPEED_TAG / f"mp_rank_{rank:02d}_model_states.pt" for rank in range(tp)]
+
+
+def load_module_weights(deepspeed_engine: Any, directory: Path) -> None:
+    """Only the model weights of a DeepSpeed checkpoint into a running engine (each rank its AutoTP shard).
+
+    No optimizer, scheduler or RNG state is read (the export job of a tensor-parallel checkpoint).
+    """
+    loaded, _ = deepspeed_engine.load_checkpoint(
+        str(directory),
+        tag=DEEPSPEED_TAG,
+        load_module_only=True,
+        load_optimizer_states=False,
+        load_lr_scheduler_states=False,
+    )
+    if loaded is None:
+        raise CheckpointError(f"{directory / DEEPSPEED_TAG} holds no DeepSpeed model states")
+
+
+def load_pipeline_layers(directory: Path, model: Any) -> None:
+    """Fill an HF model with a pipeline checkpoint's per-layer files (every stage's layers)."""
+    import torch
+
+    from dplaunch.train.pipeline import pipeline_layers
+
+    for index, layer in enumerate(pipeline_layers(model)):
+        files = sorted((directory / PIPELINE_TAG).glob(f"layer_{index:02d}-*model_states.pt"))
+        if not files:
+            raise UserError(
+                "CHECKPOINT",
+                f"{directory} has no file for pipeline layer {index}",
+                "export a complete pipeline checkpoint written for this run file",
+            )
+        # specs (tied embedding, lm_head) build modules around the HF model's own submodules
+        module = layer if isinstance(layer, torch.nn.Module) else layer.build()
+        module.load_state_dict(torch.load(files[0], map_location="cpu", weights_only=True))
