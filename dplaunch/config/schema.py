@@ -9,7 +9,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Task = Literal["causal-lm", "sequence-classification"]
+Task = Literal["causal-lm", "sequence-classification", "sft"]
+# tasks that train a causal LM (sft: on formatted examples, the loss on their answers)
+CAUSAL_TASKS = ("causal-lm", "sft")
+SftFormat = Literal["conversational", "prompt-completion", "text"]
 MixedPrecision = Literal["no", "fp16", "bf16"]
 Offload = Literal["none", "optimizer", "all"]
 Scheduler = Literal[
@@ -87,8 +90,21 @@ class DataConfig(Section):
     # names or numbers; model.num_labels follows, and the exported config gets id2label
     label_names: list[str] | None = None
     max_length: int = Field(128, ge=8)
-    # concatenate texts into full max_length blocks (causal-lm only); default on for causal-lm
+    # concatenate texts into full max_length blocks (causal-lm only); default on for causal-lm.
+    # sft: pack whole examples into blocks of at most max_length tokens, each example attending
+    # only to itself (position ids restart per example); default off for sft
     packing: bool | None = None
+    # sft: the examples' format; unset = from the columns (messages → conversational, prompt and
+    # completion → prompt-completion, data.text_column → text)
+    format: SftFormat | None = None
+    # sft: a Jinja chat template (the text, or a file holding it) used instead of the tokenizer's
+    chat_template: str | None = None
+    # sft: the tokens the loss is on: the answers (assistant turns with their end-of-turn token,
+    # completions) or every token
+    loss_on: Literal["answers", "all"] = "answers"
+    # sft: an example longer than max_length is cut to it, or left out; one with no answer token
+    # left after the cut is always left out (counted before launch)
+    truncation: Literal["truncate", "drop"] = "truncate"
     # processes that tokenise the data when it is not cached yet (0: the rank itself)
     num_workers: int = Field(0, ge=0)
 
@@ -149,6 +165,9 @@ class TrainConfig(Section):
     stop_after_steps: int | None = Field(None, ge=1)
     # torch.compile the model (measured effect in the README's Performance section)
     compile: bool = False
+    # sft: a file of prompts (JSON lines {"prompt": text or messages}, or one text per line) that
+    # rank 0 answers greedily at each evaluation, logged to metrics.jsonl and TensorBoard
+    sample_prompts: str | None = None
 
     @model_validator(mode="after")
     def _micro_fits(self) -> TrainConfig:
@@ -238,6 +257,23 @@ class RunConfig(Section):
                 "model.num_labels",
                 f"is {self.model.num_labels}, but data.label_names lists {len(names)} classes",
                 "make them agree, or leave model.num_labels out (it follows data.label_names)",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sft_keys(self) -> RunConfig:
+        if self.model.task == "sft":
+            return self
+        data, train = self.data, self.train
+        given = [f"data.{key}" for key in ("format", "chat_template", "loss_on", "truncation")]
+        given = [key for key in given if key.split(".")[1] in data.model_fields_set]
+        if "sample_prompts" in train.model_fields_set and train.sample_prompts is not None:
+            given.append("train.sample_prompts")
+        if given:
+            raise FieldProblem(
+                given[0],
+                f"is for supervised fine-tuning, but model.task is {self.model.task}",
+                "remove it, or set model.task: sft",
             )
         return self
 

@@ -31,7 +31,16 @@ from dplaunch.train.checkpoint import (
     ControlChannel,
     StopSignals,
 )
-from dplaunch.train.data import Batcher, Sharding, load_splits, tokenize, tokenized_cache_file
+from dplaunch.train.data import (
+    Batcher,
+    Sharding,
+    attach_chat_template,
+    batch_tokens,
+    for_evaluation,
+    load_splits,
+    tokenize,
+    tokenized_cache_file,
+)
 from dplaunch.train.engines import AccelerateEngine, StepEngine, build_optimizer
 from dplaunch.train.metrics import MetricsWriter
 from dplaunch.train.modeling import load_model, load_tokenizer
@@ -167,12 +176,14 @@ def train(run_dir: Path) -> int:
     control = ControlChannel(plan.timeout_minutes)
 
     tokenizer = load_tokenizer(config.model)
+    attach_chat_template(tokenizer, config.data, config.model.task)
     # rank 0 first: loading may download and writes the datasets cache, which the others then read
     with accelerator.main_process_first():
         train_raw, eval_raw = load_splits(config.data, config.train.seed)
     train_set = _tokenized(accelerator, train_raw, tokenizer, config, "training", say)
+    eval_config = config.model_copy(update={"data": for_evaluation(config.data, config.model.task)})
     eval_set = (
-        _tokenized(accelerator, eval_raw, tokenizer, config, "evaluation", say)
+        _tokenized(accelerator, eval_raw, tokenizer, eval_config, "evaluation", say)
         if eval_raw is not None
         else None
     )
@@ -209,6 +220,8 @@ def train(run_dir: Path) -> int:
     )
 
     model = build_model(config, tokenizer, accelerator)
+    # flash-attention keeps packed examples apart only in one flattened row (data.py)
+    batcher.flatten_packed = "flash" in str(getattr(model.config, "_attn_implementation", ""))
     # counted before the engine shards anything (ZeRO-3 partitions keep the full size in ds_numel)
     parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     engine = build_engine(plan, config, accelerator, model, total_steps, run_dir)
@@ -432,7 +445,7 @@ def _run_steps(
         loss = engine.train_step(micro_batches)
         interval[0] += loss
         if place.counts_tokens:
-            interval[1] += sum(int(b["attention_mask"].sum()) for b in micro_batches)
+            interval[1] += sum(batch_tokens(b) for b in micro_batches)
         interval_steps += 1
         step += 1
         if step % train.log_every == 0 or step == total_steps:

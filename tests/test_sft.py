@@ -1,0 +1,249 @@
+"""Supervised fine-tuning: the loss is on the answers only, packed examples never see each other,
+and the step's loss is the mean over the trained tokens of the global batch on any rank count."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dplaunch.config.schema import DataConfig  # noqa: E402
+from dplaunch.train.data import IGNORE_INDEX, Batcher, Sharding, tokenize  # noqa: E402
+from dplaunch.train.tokenizer import byte_level_tokenizer  # noqa: E402
+
+# each turn is "<s>ROLE\nCONTENT</s>"; the generation prompt is "<s>assistant\n"
+TEMPLATE = (
+    "{% for m in messages %}{{ bos_token + m['role'] + '\\n' + m['content'] + eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ bos_token + 'assistant\\n' }}{% endif %}"
+)
+BOS, EOS = 1, 2
+
+
+def _ids(text: str) -> list[int]:
+    # the byte-level tokenizer: byte b is token 3 + its place in the byte alphabet; ASCII letters,
+    # digits and "\n" are in byte order there, so they are counted by hand as below
+    return byte_level_tokenizer()(text, add_special_tokens=False)["input_ids"]
+
+
+def _tokenized(records: list[dict], **data) -> list[dict]:
+    from datasets import Dataset
+
+    config = DataConfig(dataset="unused.jsonl", chat_template=TEMPLATE, max_length=128, **data)
+    return list(tokenize(Dataset.from_list(records), byte_level_tokenizer(), config, "sft"))
+
+
+def test_a_conversation_trains_on_the_assistant_turns_with_their_end_of_turn_token_only():
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "2+2"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "3+3"},
+        {"role": "assistant", "content": "6"},
+    ]
+    (row,) = _tokenized([{"messages": messages}])
+    # by hand: five turns "<s>role\ncontent</s>"; trained are "4</s>" and "6</s>"
+    turns = [
+        ([BOS], _ids("system\nbe brief"), [EOS], False),
+        ([BOS], _ids("user\n2+2"), [EOS], False),
+        ([BOS], _ids("assistant\n"), [], False),
+        ([], _ids("4"), [EOS], True),
+        ([BOS], _ids("user\n3+3"), [EOS], False),
+        ([BOS], _ids("assistant\n"), [], False),
+        ([], _ids("6"), [EOS], True),
+    ]
+    expected_ids, expected_labels = [], []
+    for bos, body, eos, trained in turns:
+        tokens = bos + body + eos
+        expected_ids += tokens
+        expected_labels += tokens if trained else [IGNORE_INDEX] * len(tokens)
+    assert row["input_ids"] == expected_ids
+    assert row["labels"] == expected_labels
+    assert sum(label != IGNORE_INDEX for label in row["labels"]) == 4
+
+
+def test_prompt_completion_trains_on_the_completion_and_the_end_of_sequence_token():
+    rows = _tokenized(
+        [
+            {"prompt": "Q: 1+1? A:", "completion": " 2"},
+            {"prompt": "Q: 2+2? A:", "completion": " 4"},
+        ]
+    )
+    prompt = _ids("Q: 1+1? A:")
+    assert rows[0]["input_ids"] == prompt + _ids(" 2") + [EOS]
+    assert rows[0]["labels"] == [IGNORE_INDEX] * len(prompt) + _ids(" 2") + [EOS]
+
+
+def test_prompt_completion_as_messages_trains_on_the_completion_turn():
+    (row,) = _tokenized(
+        [
+            {
+                "prompt": [{"role": "user", "content": "hi"}],
+                "completion": [{"role": "assistant", "content": "yo"}],
+            }
+        ]
+    )
+    prompt = [BOS] + _ids("user\nhi") + [EOS] + [BOS] + _ids("assistant\n")
+    answer = _ids("yo") + [EOS]
+    assert row["input_ids"] == prompt + answer
+    assert row["labels"] == [IGNORE_INDEX] * len(prompt) + answer
+
+
+def test_loss_on_all_trains_every_token_but_the_first():
+    (row,) = _tokenized([{"prompt": "ab", "completion": "c"}], loss_on="all")
+    assert row["labels"] == [IGNORE_INDEX, *row["input_ids"][1:]]
+
+
+def test_truncation_cuts_or_drops_and_an_example_without_answer_left_is_dropped():
+    long_answer = {"prompt": "p", "completion": "x" * 40}
+    long_prompt = {"prompt": "q" * 40, "completion": "y"}
+    short = {"prompt": "a", "completion": "b"}
+    from datasets import Dataset
+
+    records = Dataset.from_list([long_answer, long_prompt, short])
+    config = DataConfig(dataset="unused.jsonl", max_length=16)
+    cut = list(tokenize(records, byte_level_tokenizer(), config, "sft"))
+    # the long answer is cut to 16 tokens; the long prompt leaves no answer token: dropped
+    assert [len(row["input_ids"]) for row in cut] == [16, 3]
+    dropped = list(
+        tokenize(
+            records,
+            byte_level_tokenizer(),
+            config.model_copy(update={"truncation": "drop"}),
+            "sft",
+        )
+    )
+    assert [len(row["input_ids"]) for row in dropped] == [3]
+
+
+CONVERSATIONS = [
+    {
+        "messages": [
+            {"role": "user", "content": "add 3 and " + "4" * (1 + n % 5)},
+            {"role": "assistant", "content": f"the sum is {n}"},
+            *(
+                [
+                    {"role": "user", "content": "and twice that?"},
+                    {"role": "assistant", "content": str(2 * n)},
+                ]
+                if n % 3 == 0
+                else []
+            ),
+        ]
+    }
+    for n in range(12)
+]
+
+
+def _tiny_llama(attention: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=259,
+        max_position_embeddings=256,
+        attn_implementation=attention,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def _per_token_losses(model, batch) -> torch.Tensor:
+    labels = batch["labels"]
+    with torch.no_grad():
+        # no KV cache, as the engine runs it: with one transformers does not look for packing
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = model(**inputs, use_cache=False).logits.float()
+    losses = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.size(-1)),
+        labels[:, 1:].reshape(-1),
+        reduction="none",
+        ignore_index=IGNORE_INDEX,
+    )
+    return losses.view(labels[:, 1:].shape)
+
+
+def _example_losses_packed(model, batcher: Batcher) -> dict[tuple[int, ...], float]:
+    """Each example's summed answer loss, keyed by its token ids, from packed micro-batches."""
+    found = {}
+    indices = list(range(len(batcher.dataset)))
+    for start in range(0, len(indices), 2):
+        batch = batcher.collate(indices[start : start + 2])
+        losses = _per_token_losses(model, batch)
+        for r in range(batch["input_ids"].shape[0]):
+            positions = batch["position_ids"][r].tolist()
+            starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
+            for a, b in zip(starts, starts[1:], strict=False):
+                if b - a < 2:
+                    continue  # padding: one-token segments
+                ids = tuple(batch["input_ids"][r, a:b].tolist())
+                found[ids] = float(losses[r, a : b - 1].sum())
+    return found
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("flatten", [False, True])
+def test_packed_examples_have_the_losses_they_have_alone(attention, flatten):
+    from datasets import Dataset
+
+    config = DataConfig(dataset="unused.jsonl", chat_template=TEMPLATE, max_length=96, packing=True)
+    records = Dataset.from_list(CONVERSATIONS)
+    packed = tokenize(records, byte_level_tokenizer(), config, "sft")
+    assert len(packed) < len(CONVERSATIONS)  # several examples share a block
+    sharding = Sharding(0, 1, 2, 1)
+    batcher = Batcher(packed, sharding, pad_id=0, task="sft", seed=0)
+    batcher.flatten_packed = flatten
+    model = _tiny_llama(attention)
+    together = _example_losses_packed(model, batcher)
+
+    alone = tokenize(
+        records, byte_level_tokenizer(), config.model_copy(update={"packing": False}), "sft"
+    )
+    assert len(together) == len(alone)
+    for row in alone:
+        batch = {
+            "input_ids": torch.tensor([row["input_ids"]]),
+            "attention_mask": torch.ones(1, len(row["input_ids"]), dtype=torch.long),
+            "labels": torch.tensor([row["labels"]]),
+        }
+        own = float(_per_token_losses(model, batch).sum())
+        assert together[tuple(row["input_ids"])] == pytest.approx(own, abs=1e-5, rel=0)
+
+
+def test_packing_without_isolation_would_differ():
+    """The check above has teeth: the same packed row with a plain causal mask gives other losses."""
+    from datasets import Dataset
+
+    config = DataConfig(dataset="unused.jsonl", chat_template=TEMPLATE, max_length=96, packing=True)
+    packed = tokenize(Dataset.from_list(CONVERSATIONS), byte_level_tokenizer(), config, "sft")
+    batcher = Batcher(packed, Sharding(0, 1, 1, 1), pad_id=0, task="sft", seed=0)
+    shared = next(i for i, row in enumerate(packed) if row["position_ids"].count(0) > 1)
+    batch = batcher.collate([shared])
+    model = _tiny_llama("sdpa")
+    isolated = _per_token_losses(model, batch)
+    leaky = dict(batch)
+    leaky["attention_mask"] = torch.ones_like(batch["input_ids"])
+    assert (isolated - _per_token_losses(model, leaky)).abs().max() > 1e-3
+
+
+def test_micro_batches_are_weighted_by_their_answer_tokens():
+    from datasets import Dataset
+
+    config = DataConfig(dataset="unused.jsonl", chat_template=TEMPLATE, max_length=96)
+    rows = tokenize(Dataset.from_list(CONVERSATIONS), byte_level_tokenizer(), config, "sft")
+    # 2 ranks × 2 micro-batches of 2: every micro-batch's share n·4/N of the step's N answer tokens
+    order = torch.arange(len(rows)).numpy()
+    answers = [sum(label != IGNORE_INDEX for label in row["labels"]) for row in rows]
+    total = sum(answers[:8])
+    for rank in (0, 1):
+        batcher = Batcher(rows, Sharding(rank, 2, 2, 2), pad_id=0, task="sft", seed=0)
+        for m, batch in enumerate(batcher.step_micro_batches(order, 0)):
+            first = rank * 4 + m * 2
+            share = (answers[first] + answers[first + 1]) * 4 / total
+            assert float(batch["loss_scale"]) == pytest.approx(share)
+            assert int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()) == (
+                answers[first] + answers[first + 1]
+            )
