@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from dplaunch.config.schema import CAUSAL_TASKS
 from dplaunch.errors import UserError
 from dplaunch.planning.estimate import (
     GIB,
@@ -97,7 +96,7 @@ def _powers_of_two(limit: int) -> list[int]:
 def _layouts(facts: ModelFacts, count, gpus: int, gpus_per_node: int, task: str):
     """(tp, pp) pairs DeepSpeed can run for this model on this many GPUs."""
     can_tp = facts.model_type in AUTOTP_FAMILIES
-    can_pp = facts.model_type in PIPELINE_FAMILIES and task in CAUSAL_TASKS
+    can_pp = facts.model_type in PIPELINE_FAMILIES and task == "causal-lm"
     tps = [
         tp
         for tp in TP_DEGREES

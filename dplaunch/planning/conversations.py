@@ -288,6 +288,55 @@ def encode_examples(
     return out
 
 
+def read_sample_prompts(path: str) -> list[str | list[dict]]:
+    """train.sample_prompts: JSON lines {"prompt": text or a list of messages}; ValueError naming
+    the line that is not one."""
+    prompts: list[str | list[dict]] = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            prompt = record.get("prompt") if isinstance(record, dict) else None
+            problem = (
+                _messages_problem(prompt, "prompt", need_answer=False)
+                if isinstance(prompt, list)
+                else None
+                if isinstance(prompt, str)
+                else ("is not a JSON object with a prompt (a text or a list of messages)", "")
+            )
+            if problem is not None:
+                raise ValueError(f"line {number} of {path} {problem[0]}")
+            prompts.append(prompt)
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def pack_lengths(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Examples of these token LENGTHS into blocks of at most CAPACITY tokens: best fit, longest
+    first (as TRL's "bfd"); each block lists its examples' indices in their order. Deterministic."""
+    import bisect
+
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    blocks: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (tokens left, block), sorted
+    for index in order:
+        size = lengths[index]
+        place = bisect.bisect_left(free, (size, -1))
+        if place == len(free):
+            blocks.append([index])
+            bisect.insort(free, (capacity - size, len(blocks) - 1))
+            continue
+        left, block = free.pop(place)
+        blocks[block].append(index)
+        bisect.insort(free, (left - size, block))
+    return [sorted(block) for block in blocks]
+
+
 def special_tokens_of(tokenizer_config: Mapping[str, Any]) -> dict[str, str]:
     """The special tokens a chat template may name (bos_token, eos_token…), from a
     tokenizer_config.json or a tokenizer's special_tokens_map (values may be {content: …})."""

@@ -315,29 +315,13 @@ def _sft_rows(tokenizer: Any, data: DataConfig, columns: list[str]) -> Any:
 
 
 def pack_examples(batch: Any, max_length: int) -> dict[str, list]:
-    """Whole examples into blocks of at most MAX_LENGTH tokens (best fit, longest first), with
+    """Whole examples into blocks of at most MAX_LENGTH tokens (conversations.pack_lengths), with
     position ids that restart at each example: the attention of every backend keeps the examples
-    apart from them (see Batcher.collate). Blocks, and examples in a block, in a fixed order."""
-    import bisect
-
+    apart from them (see Batcher.collate)."""
     ids = batch.column("input_ids").to_pylist()
     labels = batch.column("labels").to_pylist()
-    order = sorted(range(len(ids)), key=lambda i: (-len(ids[i]), i))
-    blocks: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (tokens left, block), sorted
-    for index in order:
-        size = len(ids[index])
-        place = bisect.bisect_left(free, (size, -1))
-        if place == len(free):
-            blocks.append([index])
-            bisect.insort(free, (max_length - size, len(blocks) - 1))
-            continue
-        left, block = free.pop(place)
-        blocks[block].append(index)
-        bisect.insort(free, (left - size, block))
     out: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
-    for block in blocks:
-        members = sorted(block)
+    for members in conversations.pack_lengths([len(row) for row in ids], max_length):
         out["input_ids"].append([t for i in members for t in ids[i]])
         out["labels"].append([t for i in members for t in labels[i]])
         out["position_ids"].append([p for i in members for p in range(len(ids[i]))])

@@ -38,6 +38,7 @@ from dplaunch.train.data import (
     batch_tokens,
     for_evaluation,
     load_splits,
+    sft_renderer,
     tokenize,
     tokenized_cache_file,
 )
@@ -264,8 +265,14 @@ def train(run_dir: Path) -> int:
         f"{len(train_set)} training samples, {parameters / 1e6:.1f}M parameters"
     )
 
+    sampler = None
+    if config.train.sample_prompts:
+        from dplaunch.train.samples import PromptSampler
+
+        renderer = sft_renderer(tokenizer, config.data)
+        sampler = PromptSampler(config.train.sample_prompts, tokenizer, renderer)
     if config.train.eval_every and eval_batcher is not None and resume is None:
-        _evaluate(engine, eval_batcher, accelerator, place, metrics, 0, plan, say)
+        _evaluate(engine, eval_batcher, accelerator, place, metrics, 0, plan, say, sampler)
     step, stop_reason = _run_steps(
         engine,
         batcher,
@@ -281,6 +288,7 @@ def train(run_dir: Path) -> int:
         checkpointer,
         control,
         signals,
+        sampler=sampler,
     )
     if stop_reason is not None:
         # stopped early (a signal or train.stop_after_steps): checkpoint, no export, the launcher requeues
@@ -414,6 +422,7 @@ def _run_steps(
     checkpointer: Checkpointer,
     control: ControlChannel,
     signals: StopSignals,
+    sampler: Any = None,
 ) -> tuple[int, str | None]:
     """Train from start_step; return (the step reached, why it stopped early or None)."""
     train = config.train
@@ -470,7 +479,7 @@ def _run_steps(
             last_log, paused = now, 0.0
         if eval_batcher is not None and train.eval_every and step % train.eval_every == 0:
             began = time.perf_counter()
-            _evaluate(engine, eval_batcher, accelerator, place, metrics, step, plan, say)
+            _evaluate(engine, eval_batcher, accelerator, place, metrics, step, plan, say, sampler)
             last_eval_step = step
             paused += time.perf_counter() - began
         if train.checkpoint_every and step % train.checkpoint_every == 0:
@@ -482,7 +491,7 @@ def _run_steps(
     if stop_reason is not None:
         return step, stop_reason
     if eval_batcher is not None and last_eval_step != step:
-        _evaluate(engine, eval_batcher, accelerator, place, metrics, step, plan, say)
+        _evaluate(engine, eval_batcher, accelerator, place, metrics, step, plan, say, sampler)
     metrics.write("summary", step=step, wall_s=round(time.time() - metrics.start, 3))
     return step, None
 
@@ -496,6 +505,7 @@ def _evaluate(
     step: int,
     plan: Plan,
     say: Any,
+    sampler: Any = None,
 ) -> None:
     sums = torch.zeros(3, device=accelerator.device)
     for batch, real in batcher.eval_micro_batches(plan.micro_batch_size):
@@ -523,6 +533,33 @@ def _evaluate(
             f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()
         )
     )
+    if sampler is not None:
+        _log_samples(sampler, engine, accelerator, place, metrics, step, plan, say)
+
+
+def _log_samples(
+    sampler: Any,
+    engine: StepEngine,
+    accelerator: Any,
+    place: RankPlace,
+    metrics: MetricsWriter,
+    step: int,
+    plan: Plan,
+    say: Any,
+) -> None:
+    """train.sample_prompts: rank 0 generates (every rank where forwards are collective: ZeRO-3,
+    TP) and logs the answers to metrics.jsonl, TensorBoard text and the log."""
+    synced = plan.zero_stage == 3 or plan.tensor_parallel_size > 1
+    if not (synced or place.is_main):
+        return
+    model = accelerator.unwrap_model(engine.model)
+    samples = sampler.answers(model, accelerator.device, synced=synced)
+    metrics.write("samples", step=step, samples=samples)
+    metrics.text(
+        "samples", "\n\n".join(f"{s['prompt']!r} → {s['answer']!r}" for s in samples), step
+    )
+    for sample in samples:
+        say(f"sample  {sample['prompt']!r} → {sample['answer']!r}")
 
 
 def _model_files_writer(model: Any, tokenizer: Any) -> Any:

@@ -35,7 +35,9 @@ def load_model(
         set_seed,
     )
 
-    auto = AutoModelForCausalLM if model.task in CAUSAL_TASKS else AutoModelForSequenceClassification
+    auto = (
+        AutoModelForCausalLM if model.task in CAUSAL_TASKS else AutoModelForSequenceClassification
+    )
     extra: dict[str, Any] = {}
     if model.task == "sequence-classification":
         extra["num_labels"] = model.num_labels
