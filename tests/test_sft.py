@@ -247,3 +247,61 @@ def test_micro_batches_are_weighted_by_their_answer_tokens():
             assert int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()) == (
                 answers[first] + answers[first + 1]
             )
+
+
+def test_sft_on_two_ranks_matches_one_rank_on_the_same_global_batch(tmp_path):
+    # packed chat examples: blocks of unequal length and unequal answer tokens. A global batch of
+    # 12 is micro 4 × accumulation 3 on 1 rank and micro 3 × 2 on 2, so the micro-batches hold
+    # other blocks; the step's loss is the mean over the answer tokens of all 12 either way
+    from safetensors.torch import load_file
+
+    from tests.helpers import SFT_CONFIG, max_relative_gap, read_metrics, train, train_losses
+
+    config = write_sft_config(tmp_path / "sft.yaml", SFT_CONFIG)
+    flags = ("--max-steps", "3", "--global-batch", "12", "--set", "train.log_every=1")
+    runs = {(1, 4): tmp_path / "dp1", (2, 3): tmp_path / "dp2"}
+    for (gpus, micro), run in runs.items():
+        train(run, "--cpu", "--gpus", str(gpus), "--micro-batch", str(micro), *flags, config=config)
+    shapes = [
+        (h["micro_batch_size"], h["gradient_accumulation_steps"])
+        for h in (read_metrics(run)[0] for run in runs.values())
+    ]
+    assert shapes == [(4, 3), (3, 2)]
+    one, two = (train_losses(run) for run in runs.values())
+    assert len(one) == 3 and max_relative_gap(two, one) < 1e-5, (one, two)
+    weights_1, weights_2 = (
+        load_file(str(run / "model" / "model.safetensors")) for run in runs.values()
+    )
+    for name in weights_1:
+        torch.testing.assert_close(weights_2[name], weights_1[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def write_sft_config(path, base):
+    """configs/sft.yaml with the tiny test model (hidden 64) and no evaluation or samples."""
+    import yaml
+
+    from tests.helpers import TINY_LLAMA, write_config
+
+    tiny = yaml.safe_load(TINY_LLAMA.read_text())["model"]["config"]
+    return write_config(
+        path,
+        base,
+        model={"config": tiny},
+        data={"eval_dataset": None},
+        train={"sample_prompts": None, "eval_every": None},
+    )
+
+
+def test_sft_stopped_at_step_2_resumes_with_bit_identical_losses(tmp_path):
+    from tests.helpers import SFT_CONFIG, train, train_losses
+
+    config = write_sft_config(tmp_path / "sft.yaml", SFT_CONFIG)
+    flags = ("--cpu", "--gpus", "1", "--max-steps", "4", "--global-batch", "6")
+    flags += ("--set", "train.log_every=1")
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    train(straight, *flags, config=config)
+    result = train(stopped, *flags, "--set", "train.stop_after_steps=2", config=config)
+    assert "stopped at step 2 (train.stop_after_steps)" in result.stderr
+    train(stopped, *flags, "--resume", "auto", config=config)
+    assert train_losses(stopped) == train_losses(straight)
+    assert len(train_losses(straight)) == 4
