@@ -4,9 +4,11 @@
         dplaunch/resources/data/chat-eval.jsonl
 
 Conversations (a `messages` column, TRL's conversational format) about the short reviews of
-make_sentiment_data.py: the user asks whether a review is positive or negative (negations flip
-it), and in half of them then asks what was reviewed (the assistant copies it from the review).
-Some start with a system turn. The evaluation file is held out: other reviews, another seed.
+make_sentiment_data.py: the user asks whether a review is positive or negative, and in half of
+them then asks what was reviewed (the assistant names it as the review does). Some start with a
+system turn. Reviews with a negation are left out: a model this small (0.7 M parameters, one
+byte per token) needs far longer to learn them. The evaluation file is held out: other
+conversations, another seed.
 """
 
 import json
@@ -20,6 +22,8 @@ SYSTEM = "You judge reviews. Answer in a word or two."
 
 def conversation(rng: random.Random) -> dict:
     item = review(rng)
+    while " not " in item["text"]:
+        item = review(rng)
     text = item["text"]
     subject = next(s for s in SUBJECTS if s in text.lower())
     messages = [{"role": "system", "content": SYSTEM}] if rng.random() < 0.3 else []

@@ -8,7 +8,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dplaunch.config.schema import DataConfig  # noqa: E402
-from dplaunch.train.data import IGNORE_INDEX, Batcher, Sharding, tokenize  # noqa: E402
+from dplaunch.train.data import (  # noqa: E402
+    IGNORE_INDEX,
+    Batcher,
+    Sharding,
+    batch_tokens,
+    tokenize,
+)
 from dplaunch.train.tokenizer import byte_level_tokenizer  # noqa: E402
 
 # each turn is "<s>ROLE\nCONTENT</s>"; the generation prompt is "<s>assistant\n"
@@ -171,7 +177,10 @@ def _example_losses_packed(model, batcher: Batcher) -> dict[tuple[int, ...], flo
     found = {}
     indices = list(range(len(batcher.dataset)))
     for start in range(0, len(indices), 2):
-        batch = batcher.collate(indices[start : start + 2])
+        chunk = indices[start : start + 2]
+        batch = batcher.collate(chunk)
+        # the tokens counted for tokens/s are the blocks' own, not their padding
+        assert batch_tokens(batch) == sum(len(batcher.dataset[i]["input_ids"]) for i in chunk)
         losses = _per_token_losses(model, batch)
         for r in range(batch["input_ids"].shape[0]):
             positions = batch["position_ids"][r].tolist()
