@@ -314,3 +314,16 @@ def test_sft_stopped_at_step_2_resumes_with_bit_identical_losses(tmp_path):
     train(stopped, *flags, "--resume", "auto", config=config)
     assert train_losses(stopped) == train_losses(straight)
     assert len(train_losses(straight)) == 4
+
+
+def test_run_yaml_of_a_causal_lm_run_reads_back_in_the_ranks():
+    # run.yaml lists every key with its default: the sft keys' defaults are no sft setting
+    import yaml
+
+    from dplaunch.config.load import dump_run_config, load_run_config
+    from dplaunch.config.schema import RunConfig
+    from tests.helpers import SFT_CONFIG, TINY_LLAMA
+
+    for run_file in (TINY_LLAMA, SFT_CONFIG):
+        config = load_run_config(run_file)
+        assert RunConfig.model_validate(yaml.safe_load(dump_run_config(config))) == config

@@ -262,12 +262,16 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _sft_keys(self) -> RunConfig:
+        # values other than the defaults (run.yaml, as the ranks read it, lists every key)
         if self.model.task == "sft":
             return self
         data, train = self.data, self.train
-        given = [f"data.{key}" for key in ("format", "chat_template", "loss_on", "truncation")]
-        given = [key for key in given if key.split(".")[1] in data.model_fields_set]
-        if "sample_prompts" in train.model_fields_set and train.sample_prompts is not None:
+        given = [
+            f"data.{key}"
+            for key in ("format", "chat_template", "loss_on", "truncation")
+            if getattr(data, key) != DataConfig.model_fields[key].default
+        ]
+        if train.sample_prompts is not None:
             given.append("train.sample_prompts")
         if given:
             raise FieldProblem(
