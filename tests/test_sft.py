@@ -327,3 +327,33 @@ def test_run_yaml_of_a_causal_lm_run_reads_back_in_the_ranks():
     for run_file in (TINY_LLAMA, SFT_CONFIG):
         config = load_run_config(run_file)
         assert RunConfig.model_validate(yaml.safe_load(dump_run_config(config))) == config
+
+
+def test_examples_cut_or_left_out_are_counted_before_launch(tmp_path):
+    import json
+
+    from tests.helpers import SFT_CONFIG, run_dplaunch
+
+    def notes(*args):
+        result = run_dplaunch("train", SFT_CONFIG, "--dry-run", "-o", tmp_path / "r", *args)
+        assert result.returncode == 0, result.stderr
+        return [line for line in result.stdout.splitlines() if line.startswith("note: ")]
+
+    assert not any("exceed" in line for line in notes())
+    assert (
+        "note: 136 of 2,000 conversations exceed 200 tokens (data.max_length): truncated"
+        in notes("--set", "data.max_length=200")
+    )
+    # a prompt longer than max_length leaves no answer token: never trained on silently
+    data = tmp_path / "pairs.jsonl"
+    rows = [{"prompt": "p" * (60 if n < 3 else 5), "completion": "c"} for n in range(20)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    pairs = ("--set", f"data.dataset={data}", "--set", "data.max_length=40")
+    pairs += ("--set", "data.eval_dataset=null", "--set", "train.sample_prompts=null")
+    pairs += ("--global-batch", "4")
+    said = notes(*pairs)
+    assert "note: 3 of 20 examples exceed 40 tokens (data.max_length): truncated" in said
+    assert (
+        "note: 3 of 20 examples have no answer token left after truncation: dropped (raise "
+        "data.max_length to keep them)" in said
+    )
