@@ -264,13 +264,35 @@ def test_sft_on_two_ranks_matches_one_rank_on_the_same_global_batch(tmp_path):
     # other blocks; the step's loss is the mean over the answer tokens of all 12 either way
     from safetensors.torch import load_file
 
-    from tests.helpers import SFT_CONFIG, max_relative_gap, read_metrics, train, train_losses
+    from tests.helpers import (
+        REPO,
+        SFT_CONFIG,
+        max_relative_gap,
+        read_metrics,
+        train,
+        train_losses,
+    )
 
     config = write_sft_config(tmp_path / "sft.yaml", SFT_CONFIG)
     flags = ("--max-steps", "3", "--global-batch", "12", "--set", "train.log_every=1")
     runs = {(1, 4): tmp_path / "dp1", (2, 3): tmp_path / "dp2"}
+    # the 2-rank run also evaluates and answers the sample prompts at the end (rank 0 alone
+    # generates): neither may change the training
+    samples = ("--set", f"train.sample_prompts={REPO / 'examples' / 'sft-prompts.jsonl'}")
+    samples += ("--set", f"data.eval_dataset={REPO / 'dplaunch/resources/data/chat-eval.jsonl'}")
     for (gpus, micro), run in runs.items():
-        train(run, "--cpu", "--gpus", str(gpus), "--micro-batch", str(micro), *flags, config=config)
+        extra = samples if gpus == 2 else ()
+        train(
+            run,
+            "--cpu",
+            "--gpus",
+            str(gpus),
+            "--micro-batch",
+            str(micro),
+            *flags,
+            *extra,
+            config=config,
+        )
     shapes = [
         (h["micro_batch_size"], h["gradient_accumulation_steps"])
         for h in (read_metrics(run)[0] for run in runs.values())
@@ -283,6 +305,10 @@ def test_sft_on_two_ranks_matches_one_rank_on_the_same_global_batch(tmp_path):
     )
     for name in weights_1:
         torch.testing.assert_close(weights_2[name], weights_1[name], rtol=1e-4, atol=1e-5, msg=name)
+    (sampled,) = [r for r in read_metrics(runs[2, 3]) if r["type"] == "samples"]
+    assert sampled["step"] == 3 and len(sampled["samples"]) == 3
+    assert all(isinstance(s["answer"], str) for s in sampled["samples"])
+    assert any(runs[2, 3].glob("tensorboard/events.*"))
 
 
 def write_sft_config(path, base):
