@@ -63,7 +63,9 @@ def check_sft_examples(config: RunConfig) -> list[str]:
             f"(parallel.pp {config.parallel.pp})",
             "set data.packing: false, or use --pp 1",
         )
-    columns = _first_columns(config) or ()
+    columns = () if data.format else _first_columns(config)
+    if columns is None:
+        return []  # a hub dataset the ranks will download: its records are checked there
     fmt = conversations.resolve_format(data.format, columns, data.text_column)
     tokenizer = _LaunchTokenizer.of(config)
     template = (
