@@ -389,6 +389,7 @@ def launch(
 class Task(str, Enum):
     causal_lm = "causal-lm"
     sequence_classification = "sequence-classification"
+    sft = "sft"
 
 
 _WORKLOAD = "Workload"

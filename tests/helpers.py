@@ -16,6 +16,8 @@ from dplaunch.run_directory.layout import METRICS_FILE
 REPO = Path(__file__).resolve().parent.parent
 TINY_LLAMA = REPO / "examples" / "tiny-llama.yaml"
 DEFAULT_CONFIG = REPO / "configs" / "default.yaml"
+# supervised fine-tuning of a tiny Llama on chat data (byte-level tokenizer, inline chat template)
+SFT_CONFIG = REPO / "configs" / "sft.yaml"
 # a GPT-2 with tied input/output embeddings, for the pipeline's tied-weight handling
 TINY_GPT2_CONFIG = {
     "model_type": "gpt2",

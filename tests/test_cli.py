@@ -163,7 +163,7 @@ def test_the_embedded_default_fine_tunes_the_pretrained_model_on_two_ranks(tmp_p
     assert DEFAULT_CONFIG.resolve().name == "default.yaml"
 
 
-@pytest.mark.parametrize("name", ["default", "ddp", "zero2", "zero3-offload", "tp", "pp"])
+@pytest.mark.parametrize("name", ["default", "ddp", "zero2", "zero3-offload", "tp", "pp", "sft"])
 def test_every_shipped_run_file_plans_cleanly(tmp_path, name):
     result = run_dplaunch(
         "train",

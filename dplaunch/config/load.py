@@ -264,6 +264,12 @@ def _resolve_relative_paths(config: RunConfig, base_dir: Path | None) -> None:
         config.model.name_or_path = resolve(config.model.name_or_path)
     if config.model.tokenizer:
         config.model.tokenizer = resolve(config.model.tokenizer)
+    # a chat template given as a file (its text has {{ or {%), and the sample prompts' file
+    template = data.chat_template
+    if template and "{{" not in template and "{%" not in template:
+        data.chat_template = resolve(template)
+    if config.train.sample_prompts:
+        config.train.sample_prompts = resolve(config.train.sample_prompts)
 
 
 def _validation_error(exc: ValidationError) -> UserError:

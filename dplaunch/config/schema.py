@@ -9,7 +9,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Task = Literal["causal-lm", "sequence-classification"]
+Task = Literal["causal-lm", "sequence-classification", "sft"]
+# tasks that train a causal LM (sft: on formatted examples, the loss on their answers)
+CAUSAL_TASKS = ("causal-lm", "sft")
+SftFormat = Literal["conversational", "prompt-completion", "text"]
 MixedPrecision = Literal["no", "fp16", "bf16"]
 Offload = Literal["none", "optimizer", "all"]
 # attention kernels transformers runs (from_pretrained/from_config attn_implementation)
@@ -54,7 +57,10 @@ class ModelConfig(Section):
         None,
         description="Tokenizer hub id or folder; unset: `model.name_or_path`. `byte-level` is a built-in 259-token tokenizer (no files).",
     )
-    task: Task = Field("causal-lm", description="`causal-lm` or `sequence-classification`.")
+    task: Task = Field(
+        "causal-lm",
+        description="`causal-lm`, `sequence-classification`, or `sft`: a causal LM on conversations or prompt–completion pairs, the loss on their answers (see Fine-tuning chat models).",
+    )
     num_labels: int = Field(
         2,
         ge=2,
@@ -120,7 +126,23 @@ class DataConfig(Section):
     )
     packing: bool | None = Field(
         None,
-        description="Concatenate texts into full `max_length` blocks (causal-lm only); unset: on for causal-lm.",
+        description="causal-lm: concatenate texts into full `max_length` blocks (unset: on). sft: pack whole examples into blocks of at most `max_length` tokens, each example attending only to itself (position ids restart per example; unset: off).",
+    )
+    format: SftFormat | None = Field(
+        None,
+        description="sft: the examples' format; unset: from the columns (`messages` → conversational, `prompt` and `completion` → prompt-completion, `data.text_column` → text).",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="sft: a Jinja chat template (the text, or a file holding it, relative to the run file) used instead of the tokenizer's.",
+    )
+    loss_on: Literal["answers", "all"] = Field(
+        "answers",
+        description="sft: the tokens the loss is on: the answers (assistant turns with their end-of-turn token, completions) or every token.",
+    )
+    truncation: Literal["truncate", "drop"] = Field(
+        "truncate",
+        description="sft: an example longer than `max_length` is cut to it, or left out; one with no answer token left after the cut is always left out (both counted before launch).",
     )
     num_workers: int = Field(
         0,
@@ -220,6 +242,10 @@ class TrainConfig(Section):
     compile: bool = Field(
         False,
         description="`torch.compile` (inductor) the model; DDP and ZeRO only. Long runs: compiling costs time before the first step (see Performance).",
+    )
+    sample_prompts: str | None = Field(
+        None,
+        description='sft: a file of prompts (JSON lines `{"prompt": text or messages}`, or one text per line) that rank 0 answers greedily at each evaluation, logged to metrics.jsonl and TensorBoard.',
     )
 
     @model_validator(mode="after")
@@ -344,6 +370,27 @@ class RunConfig(Section):
                 "model.num_labels",
                 f"is {self.model.num_labels}, but data.label_names lists {len(names)} classes",
                 "make them agree, or leave model.num_labels out (it follows data.label_names)",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sft_keys(self) -> RunConfig:
+        # values other than the defaults (run.yaml, as the ranks read it, lists every key)
+        if self.model.task == "sft":
+            return self
+        data, train = self.data, self.train
+        given = [
+            f"data.{key}"
+            for key in ("format", "chat_template", "loss_on", "truncation")
+            if getattr(data, key) != DataConfig.model_fields[key].default
+        ]
+        if train.sample_prompts is not None:
+            given.append("train.sample_prompts")
+        if given:
+            raise FieldProblem(
+                given[0],
+                f"is for supervised fine-tuning, but model.task is {self.model.task}",
+                "remove it, or set model.task: sft",
             )
         return self
 

@@ -240,13 +240,22 @@ def prepare_training_run(
     if length_note is not None:
         plan_notes.append(length_note)
     check_tokenizer(config.model)
+    data_task = config.model.task
+    if data_task == "sft":
+        from dplaunch.planning.sft_check import sft_data_task
+
+        data_task = sft_data_task(config)
     dataset_classes = check_data(
         config.data,
-        config.model.task,
+        data_task,
         config.train.global_batch_size,
         num_labels=config.model.num_labels,
         classes_named="num_labels" in config.model.model_fields_set,
     )
+    if data_task == "sft":
+        from dplaunch.planning.sft_check import check_sft_examples
+
+        plan_notes.extend(check_sft_examples(config))
     if dataset_classes is not None:
         # as HF's run_glue: the dataset's ClassLabel names the classes (and counts them)
         config.data.label_names = list(dataset_classes)

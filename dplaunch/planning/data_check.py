@@ -176,7 +176,8 @@ def check_data(
             f"local files have a single split, so {data.eval_split!r} does not exist",
             "use data.eval_fraction or data.eval_dataset",
         )
-    if training is not None and training.rows_known and global_batch_size:
+    # sft: examples may be left out, so sft_check.py counts what is kept
+    if training is not None and training.rows_known and global_batch_size and task != "sft":
         _check_one_global_batch(training, data, packing, global_batch_size)
     return dataset_classes
 
@@ -389,6 +390,8 @@ class _Needs:
 
     @classmethod
     def of(cls, data: DataConfig, task: str, num_labels: int | None) -> _Needs:
+        if task == "sft":
+            return cls(())  # the examples' columns: sft_check.py reads every record
         texts = [("data.text_column", data.text_column)]
         if data.text_pair_column:
             texts.append(("data.text_pair_column", data.text_pair_column))

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dplaunch.config.schema import LaunchConfig, ParallelConfig, TrainConfig
+from dplaunch.config.schema import CAUSAL_TASKS, LaunchConfig, ParallelConfig, TrainConfig
 from dplaunch.errors import UserError
 from dplaunch.planning.mesh import Mesh
 from dplaunch.planning.model_facts import AUTOTP_FAMILIES, PIPELINE_FAMILIES, ModelFacts
@@ -353,7 +353,7 @@ def _check_parallel(
                 f"pp {pp} is more stages than the model's {model.num_layers} layers",
                 f"use pp ≤ {model.num_layers}",
             )
-        if task != "causal-lm":
+        if task not in CAUSAL_TASKS:
             raise UserError(
                 "parallel.pp",
                 f"pipeline parallelism (pp {pp}) trains causal LMs only, and model.task is {task!r}",

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from dplaunch.config.schema import DataConfig
+from dplaunch.planning import conversations
 from dplaunch.planning.arrow_datasets import saved_folder
+from dplaunch.planning.conversations import IGNORE_INDEX, TEXT, Renderer, TemplateError
 from dplaunch.planning.data_check import class_number, is_local, label_ids, local_format
-
-IGNORE_INDEX = -100
 
 
 def load_splits(data: DataConfig, seed: int) -> tuple[Any, Any | None]:
@@ -104,8 +104,13 @@ def tokenized_cache_file(dataset: Any, tokenizer: Any, data: DataConfig, task: s
                 "label_names",
                 "max_length",
                 "packing",
+                "format",
+                "loss_on",
+                "truncation",
             }
         ),
+        # the template's text, not its file's name
+        "chat_template": sft_renderer(tokenizer, data).template if task == "sft" else None,
         "task": task,
         "code": _tokenize_source(),
     }
@@ -117,7 +122,12 @@ def _tokenize_source() -> str:
     # the code that makes the tokens and labels; an install without sources falls back to the
     # version
     try:
-        return inspect.getsource(tokenize) + inspect.getsource(class_number)
+        return (
+            inspect.getsource(tokenize)
+            + inspect.getsource(class_number)
+            + inspect.getsource(_sft_rows)
+            + inspect.getsource(conversations)
+        )
     except OSError:
         from dplaunch import __version__
 
@@ -139,7 +149,9 @@ def tokenize(
     if cache_file is not None and cache_file.is_file():
         return Dataset.from_file(str(cache_file))
     workers = data.num_workers if data.num_workers > 1 else None
+    task = data_task(task, data, dataset.column_names)
     packing = task == "causal-lm" and (data.packing if data.packing is not None else True)
+    packing_examples = task == "sft" and bool(data.packing)
     eos = tokenizer.eos_token_id
     ids = label_ids(data.label_names)
 
@@ -152,7 +164,12 @@ def tokenize(
             )
         return number
 
+    if task == "sft":
+        encode_sft = _sft_rows(tokenizer, data, dataset.column_names)
+
     def encode(batch: dict[str, list]) -> dict[str, list]:
+        if task == "sft":
+            return encode_sft(batch)
         if task == "sequence-classification":
             pair = batch[data.text_pair_column] if data.text_pair_column else None
             out = tokenizer(
@@ -204,6 +221,15 @@ def tokenize(
             assembled = rows.with_format("arrow").map(
                 pack, batched=True, batch_size=10_000, desc="packing", **store(cache_file)
             )
+        elif packing_examples:
+            # whole examples into blocks of at most max_length, chosen within 10,000-row runs
+            assembled = rows.with_format("arrow").map(
+                lambda batch: pack_examples(batch, data.max_length),
+                batched=True,
+                batch_size=10_000,
+                desc="packing examples",
+                **store(cache_file),
+            )
         else:
             assembled = rows.map(batched=True, desc="storing", **store(cache_file))
         return assembled.with_format(None)
@@ -214,6 +240,105 @@ def tokenize(
                 path = Path(entry["filename"])
                 if path.name.startswith(rows_file.stem):
                     path.unlink(missing_ok=True)
+
+
+def data_task(task: str, data: DataConfig, columns: list[str]) -> str:
+    """The task the data is made for: sft on plain texts is causal-LM packing, as today."""
+    if (
+        task == "sft"
+        and conversations.resolve_format(data.format, columns, data.text_column) == TEXT
+    ):
+        return "causal-lm"
+    return task
+
+
+def for_evaluation(data: DataConfig, task: str) -> DataConfig:
+    """The data settings of the evaluation set: sft examples one per row (never packed), so the
+    evaluation loss and the sample answers are per example on every attention backend."""
+    return data.model_copy(update={"packing": False}) if task == "sft" else data
+
+
+def sft_renderer(tokenizer: Any, data: DataConfig) -> Renderer:
+    """The chat template (data.chat_template, else the tokenizer's) and the special tokens it names."""
+    template = (
+        conversations.read_chat_template(data.chat_template)
+        if data.chat_template
+        else tokenizer.chat_template
+    )
+    if isinstance(template, dict):  # named templates: the default one
+        template = template.get("default")
+    names = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
+    special = {name: getattr(tokenizer, name, None) for name in names}
+    special = {name: value for name, value in special.items() if isinstance(value, str)}
+    return Renderer(template, special, tokenizer.eos_token)
+
+
+def attach_chat_template(tokenizer: Any, data: DataConfig, task: str) -> None:
+    """Give the tokenizer the run's chat template, so the exported tokenizer renders prompts as
+    training did (apply_chat_template)."""
+    if task == "sft" and data.chat_template:
+        tokenizer.chat_template = conversations.read_chat_template(data.chat_template)
+
+
+def _sft_rows(tokenizer: Any, data: DataConfig, columns: list[str]) -> Any:
+    """The row pass of sft: records → input_ids and labels (IGNORE_INDEX where not trained)."""
+    fmt = conversations.resolve_format(data.format, columns, data.text_column)
+    renderer = sft_renderer(tokenizer, data)
+
+    def encode_texts(texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        out = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        return list(zip(out["input_ids"], out["offset_mapping"], strict=True))
+
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        records = [
+            dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)
+        ]
+        examples = []
+        for record in records:
+            problem = conversations.record_problem(record, fmt)
+            try:
+                if problem is not None:
+                    raise TemplateError(" — ".join(problem))
+                examples.append(renderer.example(record, fmt))
+            except TemplateError as error:  # past the launch check's budget
+                raise ValueError(f"a record {error}: {json.dumps(record)[:200]}") from None
+        encoded = conversations.encode_examples(
+            examples,
+            encode_texts,
+            max_length=data.max_length,
+            truncation=data.truncation,
+            loss_on=data.loss_on,
+        )
+        return {"input_ids": encoded.input_ids, "labels": encoded.labels}
+
+    return encode
+
+
+def pack_examples(batch: Any, max_length: int) -> dict[str, list]:
+    """Whole examples into blocks of at most MAX_LENGTH tokens (conversations.pack_lengths), with
+    position ids that restart at each example: the attention of every backend keeps the examples
+    apart from them (see Batcher.collate)."""
+    ids = batch.column("input_ids").to_pylist()
+    labels = batch.column("labels").to_pylist()
+    out: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
+    for members in conversations.pack_lengths([len(row) for row in ids], max_length):
+        out["input_ids"].append([t for i in members for t in ids[i]])
+        out["labels"].append([t for i in members for t in labels[i]])
+        out["position_ids"].append([p for i in members for p in range(len(ids[i]))])
+    return out
+
+
+def batch_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """The real (not padding) tokens of a micro-batch. Packed sft rows carry no attention mask:
+    their padding has position 0 each, and a packed example has 2 tokens or more, so a row's
+    tokens end at its last position above 0."""
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        return int(mask.sum())
+    positions = batch["position_ids"]
+    width = positions.shape[-1]
+    last = width - 1 - (positions > 0).flip(-1).int().argmax(-1)
+    return int((last + 1).sum())
 
 
 @dataclass(frozen=True)
@@ -240,6 +365,11 @@ class Batcher:
         self.task = task
         self.seed = seed
         self.steps_per_epoch = len(dataset) // sharding.global_batch_size
+        # sft examples carry their own labels (the answers); packed ones their position ids
+        self.own_labels = task == "sft" and "labels" in (dataset.column_names or ())
+        # flash-attention keeps packed examples apart only in one flattened row (varlen from the
+        # position ids); set by the loop from the model's attention implementation
+        self.flatten_packed = False
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The sample order of an epoch: a permutation seeded by (seed, epoch), as one int64
@@ -278,7 +408,7 @@ class Batcher:
         every token of the global batch, as one big batch would give: the same gradient on any
         rank count and micro-batch size (HF Trainer's num_items_in_batch). Equal-length rows
         (packed blocks) need none: every micro-batch then holds the same number of tokens."""
-        tokens = self._predicted_tokens
+        tokens = self._trained_tokens if self.own_labels else self._predicted_tokens
         shard = self.sharding
         total = max(int(tokens[step].sum()), 1)
         copies = shard.gradient_accumulation_steps * shard.data_parallel_size
@@ -298,8 +428,49 @@ class Batcher:
         lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
         return np.maximum(lengths - 1, 0)
 
+    @cached_property
+    def _trained_tokens(self) -> np.ndarray:
+        """Labels each sft sample's loss averages over (the first is never one), in dataset order."""
+        import pyarrow.compute as pc
+
+        column = self.dataset.with_format("arrow")["labels"]
+        parents = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
+        values = pc.list_flatten(column).to_numpy(zero_copy_only=False)
+        return np.bincount(parents[values != IGNORE_INDEX], minlength=len(column)).astype(np.int64)
+
+    def _collate_sft(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """sft rows with their own labels. Packed rows (position ids) get no attention mask, so
+        transformers isolates the examples: SDPA/eager build a block-diagonal causal mask from the
+        restarting position ids; flash-attention goes varlen from them, which needs one row, so
+        there the micro-batch is flattened into one row without padding."""
+        rows = [self.dataset[i] for i in indices]
+        packed = "position_ids" in rows[0]
+        if packed and self.flatten_packed:
+            rows = [{key: [v for row in rows for v in row[key]] for key in rows[0]}]
+        width = max(len(row["input_ids"]) for row in rows)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+        # padding of packed rows: position 0 each (one-token segments that attend to themselves)
+        positions = torch.zeros((len(rows), width), dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, row in enumerate(rows):
+            length = len(row["input_ids"])
+            input_ids[r, :length] = torch.tensor(row["input_ids"], dtype=torch.long)
+            labels[r, :length] = torch.tensor(row["labels"], dtype=torch.long)
+            attention[r, :length] = 1
+            if packed:
+                positions[r, :length] = torch.tensor(row["position_ids"], dtype=torch.long)
+        batch = {"input_ids": input_ids, "labels": labels}
+        if packed:
+            batch["position_ids"] = positions
+        else:
+            batch["attention_mask"] = attention
+        return batch
+
     def collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """Right-pad a micro-batch; causal-LM labels are the inputs with padding ignored."""
+        if self.own_labels:
+            return self._collate_sft(indices)
         blocks = self._packed_blocks
         if blocks is not None:
             # equal-length rows: one gather, no padding
@@ -331,6 +502,7 @@ class Batcher:
         dataset = self.dataset
         if (
             self.task == "sequence-classification"
+            or self.own_labels
             or not hasattr(dataset, "data")
             or getattr(dataset, "_indices", None) is not None  # a select/shuffle mapping
             or len(dataset) == 0

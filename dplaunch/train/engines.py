@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
+from dplaunch.config.schema import CAUSAL_TASKS
 from dplaunch.planning.plan import Plan
 
 
@@ -83,7 +84,7 @@ class AccelerateEngine:
         self.uses_deepspeed = accelerator.distributed_type.value == "DEEPSPEED"
         # a causal LM builds a KV cache in every forward unless told not to, in training too: a copy
         # of each layer's keys and values, held until the backward is done (2-5 % of a CPU step)
-        self.forward_options = {"use_cache": False} if task == "causal-lm" else {}
+        self.forward_options = {"use_cache": False} if task in CAUSAL_TASKS else {}
         if not self.uses_deepspeed:
             # DDP checkpoints hold the unwrapped model's weights, so they load on any rank count
             # (one rank has no DDP wrapper, and its keys lack the "module." prefix)

@@ -31,7 +31,17 @@ from dplaunch.run_directory.layout import DEEPSPEED_FILE, EXPORT_DIR
 from dplaunch.stop_signals import EXIT_CHECKPOINTED, StopSignals
 from dplaunch.train.checkpoint import Checkpointer
 from dplaunch.train.control import ControlChannel
-from dplaunch.train.data import Batcher, Sharding, load_splits, tokenize, tokenized_cache_file
+from dplaunch.train.data import (
+    Batcher,
+    Sharding,
+    attach_chat_template,
+    batch_tokens,
+    for_evaluation,
+    load_splits,
+    sft_renderer,
+    tokenize,
+    tokenized_cache_file,
+)
 from dplaunch.train.engines import AccelerateEngine, StepEngine, build_optimizer
 from dplaunch.train.metrics import (
     MetricsWriter,
@@ -159,6 +169,8 @@ class RankRun:
     checkpointer: Checkpointer
     control: ControlChannel
     signals: StopSignals
+    # train.sample_prompts: answered at each evaluation (None: no prompts)
+    sampler: Any = None
 
 
 def train(run_dir: Path) -> int:
@@ -174,12 +186,15 @@ def train(run_dir: Path) -> int:
     control = ControlChannel(plan.timeout_minutes)
 
     tokenizer = load_tokenizer(config.model)
+    attach_chat_template(tokenizer, config.data, config.model.task)
     train_set, eval_set = _load_data(accelerator, tokenizer, config, say)
     batcher, eval_batcher, total_steps = _batchers(
         train_set, eval_set, tokenizer, config, plan, place
     )
 
     model = build_model(config, tokenizer, accelerator)
+    # flash-attention keeps packed examples apart only in one flattened row (data.py)
+    batcher.flatten_packed = "flash" in str(getattr(model.config, "_attn_implementation", ""))
     # counted before the engine shards anything (ZeRO-3 partitions keep the full size in ds_numel)
     parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     engine = build_engine(plan, config, accelerator, model, total_steps, run_dir)
@@ -212,6 +227,12 @@ def train(run_dir: Path) -> int:
         f"[dplaunch] {plan.batch_line()}; {total_steps} steps, {batcher.steps_per_epoch} per epoch, "
         f"{len(train_set)} training samples, {parameters / 1e6:.1f}M parameters"
     )
+    sampler = None
+    if config.train.sample_prompts:
+        from dplaunch.train.samples import PromptSampler
+
+        renderer = sft_renderer(tokenizer, config.data)
+        sampler = PromptSampler(config.train.sample_prompts, tokenizer, renderer)
     run = RankRun(
         config=config,
         plan=plan,
@@ -226,6 +247,7 @@ def train(run_dir: Path) -> int:
         checkpointer=checkpointer,
         control=control,
         signals=signals,
+        sampler=sampler,
     )
 
     if config.train.eval_every and eval_batcher is not None and resume is None:
@@ -250,8 +272,10 @@ def _load_data(
     with accelerator.main_process_first():
         train_raw, eval_raw = load_splits(config.data, config.train.seed)
     train_set = _tokenized(accelerator, train_raw, tokenizer, config, "training", say)
+    # sft evaluation sets are never packed (data.for_evaluation)
+    eval_config = config.model_copy(update={"data": for_evaluation(config.data, config.model.task)})
     eval_set = (
-        _tokenized(accelerator, eval_raw, tokenizer, config, "evaluation", say)
+        _tokenized(accelerator, eval_raw, tokenizer, eval_config, "evaluation", say)
         if eval_raw is not None
         else None
     )
@@ -465,7 +489,7 @@ def _run_steps(run: RankRun, start_step: int) -> tuple[int, str | None]:
         loss = engine.train_step(micro_batches)
         interval[0] += loss
         if place.counts_tokens:
-            interval[1] += sum(int(b["attention_mask"].sum()) for b in micro_batches)
+            interval[1] += sum(batch_tokens(b) for b in micro_batches)
         interval_steps += 1
         step += 1
         if step % train.log_every == 0 or step == total_steps:
@@ -540,6 +564,25 @@ def _evaluate(run: RankRun, step: int) -> None:
             f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()
         )
     )
+    if run.sampler is not None:
+        _log_samples(run, step)
+
+
+def _log_samples(run: RankRun, step: int) -> None:
+    """train.sample_prompts: rank 0 generates (every rank where forwards are collective: ZeRO-3,
+    TP) and logs the answers to metrics.jsonl, TensorBoard text and the log."""
+    plan, accelerator = run.plan, run.accelerator
+    synced = plan.zero_stage == 3 or plan.tensor_parallel_size > 1
+    if not (synced or run.place.is_main):
+        return
+    model = accelerator.unwrap_model(run.engine.model)
+    samples = run.sampler.answers(model, accelerator.device, synced=synced)
+    run.metrics.write("samples", step=step, samples=samples)
+    run.metrics.text(
+        "samples", "\n\n".join(f"{s['prompt']!r} → {s['answer']!r}" for s in samples), step
+    )
+    for sample in samples:
+        run.say(f"sample  {sample['prompt']!r} → {sample['answer']!r}")
 
 
 def _model_files_writer(model: Any, tokenizer: Any) -> Any:

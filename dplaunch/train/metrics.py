@@ -215,6 +215,17 @@ class MetricsWriter:
                 for tag, value, step in scalars:
                     self._board.add_scalar(tag, value, step)
 
+    def text(self, tag: str, text: str, step: int) -> None:
+        """A text in TensorBoard (its TEXT tab) under TAG at STEP; metrics.jsonl gets it by write()."""
+        if not self.enabled:
+            return
+        if self._opener is not None:
+            self._opener.join()  # rare (each evaluation): wait for the writer rather than queue
+        with self._lock:
+            self._raise_board_error()
+            if self._board is not None:
+                self._board.add_text(tag, text, step)
+
     def close(self) -> None:
         if self._opener is not None:
             self._opener.join()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dplaunch.config.schema import BYTE_LEVEL, ModelConfig
+from dplaunch.config.schema import BYTE_LEVEL, CAUSAL_TASKS, ModelConfig
 from dplaunch.train.tokenizer import byte_level_tokenizer
 
 
@@ -35,7 +35,9 @@ def load_model(
         set_seed,
     )
 
-    auto = AutoModelForCausalLM if model.task == "causal-lm" else AutoModelForSequenceClassification
+    auto = (
+        AutoModelForCausalLM if model.task in CAUSAL_TASKS else AutoModelForSequenceClassification
+    )
     extra: dict[str, Any] = {}
     if model.task == "sequence-classification":
         extra["num_labels"] = model.num_labels

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
+from dplaunch.config.schema import CAUSAL_TASKS
 from dplaunch.run_directory.layout import PIPELINE_TAG
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2")
@@ -543,7 +544,7 @@ def create_pipeline_engine(
     """
     from transformers import set_seed
 
-    if task != "causal-lm":
+    if task not in CAUSAL_TASKS:
         raise ValueError(f"pipeline parallelism (pp>1) supports task causal-lm only, not {task}")
     _check_supported(model.config.model_type)
     _check_config(ds_config, num_stages)

@@ -5,10 +5,11 @@ from __future__ import annotations
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 
 
-def byte_level_tokenizer():
-    """Every UTF-8 byte is one token; ids 0-2 are <pad>, <s>, </s>. Saves/loads like any HF tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+def byte_level_core():
+    """The `tokenizers` core of the byte-level tokenizer: every UTF-8 byte one token, ids 0-2 the
+    special tokens (matched whole in a text, as a chat template writes them). Needs no torch or
+    transformers: the launch check counts tokens with it."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
@@ -20,8 +21,16 @@ def byte_level_tokenizer():
     core.post_processor = processors.TemplateProcessing(
         single="$A </s>", special_tokens=[("</s>", 2)]
     )
+    core.add_special_tokens([AddedToken(token, special=True) for token in SPECIAL_TOKENS])
+    return core
+
+
+def byte_level_tokenizer():
+    """Every UTF-8 byte is one token; ids 0-2 are <pad>, <s>, </s>. Saves/loads like any HF tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
-        tokenizer_object=core,
+        tokenizer_object=byte_level_core(),
         pad_token="<pad>",
         bos_token="<s>",
         eos_token="</s>",

@@ -1,0 +1,350 @@
+"""Check supervised fine-tuning examples before launch: every record, rendered and counted.
+
+data_check.py has already found the files readable (and the rows enough for a global batch);
+here each record of the training and evaluation data is checked as the ranks will use it
+(conversations.py): its messages, roles and contents, an assistant turn, the prompt and the
+completion, the chat template rendering it. Then, with the tokenizer (the `tokenizers` core of
+tokenizer.json, or the built-in byte-level one; no torch), the training examples are tokenised
+to say how many exceed data.max_length and are cut or left out, and how many have no answer
+token left, and whether what is left fills one global batch. Reads within the data check's
+budget (DPLAUNCH_DATA_CHECK_MB); the first problem found is the one line shown.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from dplaunch.config.schema import BYTE_LEVEL, RunConfig
+from dplaunch.errors import UserError
+from dplaunch.planning import conversations
+from dplaunch.planning.arrow_datasets import check_hub_dataset, saved_dataset, saved_folder
+from dplaunch.planning.conversations import (
+    CONVERSATIONAL,
+    PROMPT_COMPLETION,
+    TEXT,
+    CountedExamples,
+    Renderer,
+    TemplateError,
+)
+from dplaunch.planning.data_check import (
+    _check_budget,
+    eval_fraction_split,
+    is_local,
+    local_format,
+)
+from dplaunch.planning.model_facts import find_model_file
+
+# the built-in tokenizer's special tokens, as train/tokenizer.py names them
+_BYTE_LEVEL_SPECIAL = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
+
+
+def sft_data_task(config: RunConfig) -> str:
+    """The task data_check checks the data for: "causal-lm" for sft on plain texts (today's
+    packing), else "sft". The format is data.format, or the first record's columns."""
+    data = config.data
+    columns = () if data.format else _first_columns(config)
+    if columns is None:
+        return "sft"  # unreadable: data_check names the problem
+    fmt = conversations.resolve_format(data.format, columns, data.text_column)
+    return "causal-lm" if fmt == TEXT else "sft"
+
+
+def check_sft_examples(config: RunConfig) -> list[str]:
+    """Refuse a record the ranks cannot train on; the plan notes on examples cut or left out."""
+    data = config.data
+    if config.parallel.pp > 1 and data.packing:
+        raise UserError(
+            "data.packing",
+            "packed examples need their position ids, which the pipeline stages do not carry "
+            f"(parallel.pp {config.parallel.pp})",
+            "set data.packing: false, or use --pp 1",
+        )
+    columns = () if data.format else _first_columns(config)
+    if columns is None:
+        return []  # a hub dataset the ranks will download: its records are checked there
+    fmt = conversations.resolve_format(data.format, columns, data.text_column)
+    tokenizer = _LaunchTokenizer.of(config)
+    template = (
+        conversations.read_chat_template(data.chat_template)
+        if data.chat_template
+        else tokenizer.template
+    )
+    renderer = Renderer(template, tokenizer.special, tokenizer.special.get("eos_token"))
+    if template is None and fmt == CONVERSATIONAL:
+        raise _no_template(tokenizer, f"the conversations of {data.dataset}")
+    if config.train.sample_prompts:
+        _check_sample_prompts(config, renderer)
+    budget = [_check_budget()]
+    examples: list[conversations.Example] = []
+    for field, source in (("data.dataset", data.dataset), ("data.eval_dataset", data.eval_dataset)):
+        if source is None:
+            continue
+        split = data.split if field == "data.dataset" else ""
+        for where, record in _records(source, split, data, budget):
+            problem = conversations.record_problem(record, fmt)
+            if problem is not None:
+                raise UserError(field, f"{where} {problem[0]}", problem[1])
+            if template is None and _needs_template(record, fmt):
+                raise _no_template(tokenizer, f"the messages of {where}")
+            try:
+                example = renderer.example(record, fmt)
+            except TemplateError as error:
+                raise UserError(
+                    "data.chat_template",
+                    f"{error} ({where})",
+                    "fix the template (data.chat_template) or that record",
+                ) from None
+            if field == "data.dataset":
+                examples.append(example)
+    if tokenizer.encode is None or not examples:
+        return []
+    encoded = conversations.encode_examples(
+        examples,
+        tokenizer.encode,
+        max_length=data.max_length,
+        truncation=data.truncation,
+        loss_on=data.loss_on,
+    )
+    counted = CountedExamples(encoded, len(examples), fmt, data.max_length, data.truncation)
+    if budget[0] > 0:
+        _check_one_global_batch(config, encoded, counted)
+    return counted.lines()
+
+
+def _check_sample_prompts(config: RunConfig, renderer: Renderer) -> None:
+    field, path = "train.sample_prompts", config.train.sample_prompts
+    if config.parallel.pp > 1:
+        raise UserError(
+            field,
+            f"the pipeline engine cannot generate (parallel.pp {config.parallel.pp})",
+            "drop train.sample_prompts, or use --pp 1",
+        )
+    if not Path(path).is_file():
+        raise UserError(field, f"{path} does not exist", "give a JSON-lines file of prompts")
+    try:
+        prompts = conversations.read_sample_prompts(path)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(field, f"cannot read {path}: {exc}", "fix the file") from None
+    except ValueError as exc:
+        raise UserError(
+            field, str(exc), 'write one {"prompt": TEXT or [messages…]} per line'
+        ) from None
+    for number, prompt in enumerate(prompts, 1):
+        if isinstance(prompt, str):
+            continue
+        if renderer.template is None:
+            raise UserError(
+                "data.chat_template",
+                f"there is no chat template to render the messages of prompt {number} of {path}",
+                "set data.chat_template, or give the prompts as texts",
+            )
+        try:
+            renderer.render(prompt, add_generation_prompt=True)
+        except TemplateError as error:
+            raise UserError(
+                "data.chat_template", f"{error} (prompt {number} of {path})", "fix the template"
+            ) from None
+
+
+def _no_template(tokenizer: _LaunchTokenizer, what: str) -> UserError:
+    return UserError(
+        "data.chat_template",
+        f"the tokenizer {tokenizer.name} has no chat template to render {what}",
+        "set data.chat_template to a Jinja template (its text, or a .jinja file)",
+    )
+
+
+def _needs_template(record: dict, fmt: str) -> bool:
+    return fmt == CONVERSATIONAL or (
+        fmt == PROMPT_COMPLETION and not isinstance(record.get("prompt"), str)
+    )
+
+
+def _check_one_global_batch(
+    config: RunConfig, encoded: conversations.Encoded, counted: CountedExamples
+) -> None:
+    data, wanted = config.data, config.train.global_batch_size
+    kept = len(encoded.input_ids)
+    if data.packing:
+        if data.eval_fraction is not None:
+            return  # which examples share blocks depends on the split the ranks make
+        samples = len(
+            conversations.pack_lengths([len(ids) for ids in encoded.input_ids], data.max_length)
+        )
+        what = f"{kept:,} {counted.noun} kept pack into {samples:,} blocks"
+    else:
+        samples = kept
+        if data.eval_fraction is not None:
+            samples, _ = eval_fraction_split(kept, data.eval_fraction)
+        what = f"{samples:,} training {counted.noun} are kept"
+    if samples >= wanted:
+        return
+    left_out = encoded.too_long_dropped + encoded.no_answer_dropped
+    raise UserError(
+        "train.global_batch_size",
+        f"{what} ({left_out:,} left out), fewer than one global batch of {wanted}",
+        f"use a global batch of {samples} or less, a larger data.max_length, or more data"
+        if samples
+        else "use a larger data.max_length, or more data",
+    )
+
+
+class _LaunchTokenizer:
+    """What the check needs of the run's tokenizer, without torch: its chat template, its special
+    tokens, and an encoder (texts → (ids, character offsets)) when tokenizer.json is there."""
+
+    def __init__(self, name: str, template: Any, special: dict[str, str], encode: Any):
+        self.name, self.template, self.special, self.encode = name, template, special, encode
+
+    @classmethod
+    def of(cls, config: RunConfig) -> _LaunchTokenizer:
+        model = config.model
+        name = model.tokenizer or model.name_or_path or ""
+        if name == BYTE_LEVEL:
+            from dplaunch.train.tokenizer import byte_level_core
+
+            return cls(name, None, dict(_BYTE_LEVEL_SPECIAL), _encoder(byte_level_core()))
+        settings_file = find_model_file(
+            name, ("tokenizer_config.json",), "model.tokenizer", what="tokenizer"
+        )
+        folder = settings_file.parent
+        settings = _json_object(settings_file)
+        template = settings.get("chat_template")
+        if (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        if isinstance(template, list):  # named templates: the default one
+            named = {item.get("name"): item.get("template") for item in template}
+            template = named.get("default")
+        special = conversations.special_tokens_of(settings)
+        encode = None
+        if (folder / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer
+
+            encode = _encoder(Tokenizer.from_file(str(folder / "tokenizer.json")))
+        return cls(name, template, special, encode)
+
+
+def _encoder(core: Any) -> Any:
+    def encode(texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        return [(e.ids, e.offsets) for e in core.encode_batch(texts, add_special_tokens=False)]
+
+    return encode
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError("model.tokenizer", f"cannot read {path}: {exc}", "fix the file") from None
+    return value if isinstance(value, dict) else {}
+
+
+def _first_columns(config: RunConfig) -> tuple[str, ...] | None:
+    """The columns of the training data's first record, None when it cannot be read here."""
+    try:
+        for _, record in _records(config.data.dataset, config.data.split, config.data, [1]):
+            return tuple(record)
+    except (UserError, OSError, ValueError):
+        return None
+    return None
+
+
+def _records(
+    source: str | list[str], split: str, data: Any, budget: list[int]
+) -> Iterator[tuple[str, dict]]:
+    """(where, record) of a dataset, as far as the budget (BUDGET[0] bytes, shared) goes."""
+    folder = saved_folder(source)
+    prepared = None
+    if folder is not None:
+        prepared = saved_dataset(folder, "data.dataset")
+    elif not is_local(source):
+        prepared = check_hub_dataset(source, data.dataset_config, "data.dataset")
+        if prepared is None:
+            return
+    if prepared is not None:
+        yield from _prepared_records(prepared, split, budget)
+        return
+    files = [Path(item).expanduser() for item in (source if isinstance(source, list) else [source])]
+    fmt = local_format([str(f) for f in files], "data.dataset")
+    for path in files:
+        if fmt == "json":
+            yield from _json_records(path, budget)
+        elif fmt == "parquet":
+            yield from _parquet_records(path, budget)
+        elif fmt == "csv":
+            with path.open(encoding="utf-8-sig", newline="") as handle:
+                reader = csv.DictReader(handle)
+                for record in reader:
+                    yield f"line {reader.line_num} of {path}", record
+                    budget[0] -= sum(len(str(v)) for v in record.values())
+                    if budget[0] <= 0:
+                        return
+        else:
+            with path.open(encoding="utf-8") as handle:
+                for number, line in enumerate(handle, 1):
+                    yield f"line {number} of {path}", {"text": line.rstrip("\n")}
+                    budget[0] -= len(line)
+                    if budget[0] <= 0:
+                        return
+
+
+def _json_records(path: Path, budget: list[int]) -> Iterator[tuple[str, dict]]:
+    with path.open(encoding="utf-8-sig") as handle:
+        first = handle.readline()
+        try:
+            record = json.loads(first) if first.strip() else None
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):  # one JSON document (an array of records)
+            handle.seek(0)
+            try:
+                document = json.load(handle)
+            except ValueError:
+                return  # data_check has named what is wrong with it
+            for number, item in enumerate(document if isinstance(document, list) else [], 1):
+                if isinstance(item, dict):
+                    yield f"record {number} of {path}", item
+            return
+        yield f"line 1 of {path}", record
+        budget[0] -= len(first)
+        for number, line in enumerate(handle, 2):
+            if budget[0] <= 0:
+                return
+            budget[0] -= len(line)
+            if line.strip():
+                yield f"line {number} of {path}", json.loads(line)
+
+
+def _parquet_records(path: Path, budget: list[int]) -> Iterator[tuple[str, dict]]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(path)
+    row = 1
+    for group in range(parquet.metadata.num_row_groups):
+        table = parquet.read_row_group(group)
+        for record in table.to_pylist():
+            yield f"row {row} of {path}", record
+            row += 1
+        budget[0] -= table.nbytes
+        if budget[0] <= 0:
+            return
+
+
+def _prepared_records(prepared: Any, split: str, budget: list[int]) -> Iterator[tuple[str, dict]]:
+    import pyarrow as pa
+
+    files = prepared.split(split, "data.split").files
+    row = 0
+    for path in files:
+        with pa.memory_map(str(path)) as source:
+            for batch in pa.ipc.open_stream(source):
+                for record in batch.to_pylist():
+                    yield prepared.row(split, row), record
+                    row += 1
+                budget[0] -= batch.nbytes
+                if budget[0] <= 0:
+                    return
