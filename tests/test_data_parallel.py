@@ -42,6 +42,23 @@ def test_zero_stages_give_the_same_losses_as_ddp(tmp_path, dp_reference, stage):
     assert gap < 1e-3, gap
 
 
+def test_offloading_the_optimizer_keeps_adamw_decoupled_weight_decay(tmp_path):
+    # ZeRO-Offload steps DeepSpeedCPUAdam on the host: dplaunch builds it in AdamW mode, and the
+    # run must step that one, not Accelerate's replacement in Adam mode (decay added to the gradient)
+    flags = ("--cpu", "--gpus", "2", "--zero", "2", *COMPARISON_FLAGS)
+    decay = ("--set", "train.weight_decay=0.1")
+    on_rank, offloaded = tmp_path / "zero2", tmp_path / "zero2-offload"
+    train(on_rank, *flags, *decay)
+    train(offloaded, *flags, "--offload", "optimizer", *decay)
+    assert read_metrics(offloaded)[0]["offload"] == "optimizer"
+    gap = max_relative_gap(train_losses(offloaded), train_losses(on_rank))
+    assert gap < 1e-5, (train_losses(offloaded), train_losses(on_rank))
+    exported = load_file(str(offloaded / "model" / "model.safetensors"))
+    reference = load_file(str(on_rank / "model" / "model.safetensors"))
+    for name in reference:
+        torch.testing.assert_close(exported[name], reference[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("layout", [(), ("--zero", "2")], ids=["ddp", "zero2"])
 def test_train_compile_really_compiles_and_keeps_the_losses(tmp_path, dp_reference, layout):
     run = tmp_path / "compiled"

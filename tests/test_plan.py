@@ -172,6 +172,8 @@ def test_deepspeed_json_states_the_batch_trio_explicitly():
     assert config["zero_optimization"]["stage"] == 3
     assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert config["gradient_clipping"] == 1.0
+    # Accelerate keeps dplaunch's DeepSpeedCPUAdam (AdamW mode) instead of building its own
+    assert config["zero_force_ds_cpu_optimizer"] is False
     assert "auto" not in json.dumps(config)
 
 

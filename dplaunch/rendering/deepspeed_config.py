@@ -74,6 +74,11 @@ def deepspeed_config_dict(plan: Plan, *, max_grad_norm: float) -> dict[str, Any]
         "steps_per_print": 1_000_000_000,
         "wall_clock_breakdown": False,
     }
+    if plan.offload != "none":
+        # dplaunch builds DeepSpeedCPUAdam in AdamW mode itself; without this key Accelerate
+        # replaces it with its own DeepSpeedCPUAdam, in Adam mode (L2-coupled weight decay) for any
+        # optimizer that is not torch's AdamW (accelerate.utils.deepspeed.map_pytorch_optim_to_deepspeed)
+        config["zero_force_ds_cpu_optimizer"] = False
     if plan.tensor_parallel_size > 1:
         config["tensor_parallel"] = {"autotp_size": plan.tensor_parallel_size}
     return config
