@@ -154,7 +154,7 @@ class AccelerateEngine:
         # loading a torch optimizer's state replaces its group dicts: the new ones
         run_file.restore(_torch_optimizer(self.optimizer).param_groups)
         if self.uses_deepspeed:
-            _unshare_step_counters(self.optimizer)
+            _settle_step_counters(self.optimizer)
 
     def _save_unwrapped(self, models: list[Any], weights: list[dict], _directory: str) -> None:
         for index, model in enumerate(models):
@@ -229,13 +229,23 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _unshare_step_counters(optimizer: Any) -> None:
-    # DeepSpeed's ZeRO-3 universal-checkpoint loader (0.19) gives every parameter group one shared
-    # `step` tensor; torch's Adam increments it in place, so it would advance once per group per
-    # step and skew the bias correction. One tensor per state, as a fresh optimizer has.
-    for state in _torch_optimizer(optimizer).state.values():
+def _settle_step_counters(optimizer: Any) -> None:
+    # DeepSpeed's universal-checkpoint loaders (0.19) put `step` in the optimizer's state as it was
+    # saved: on the CPU (ds_to_universal maps to it), and under ZeRO-3 one tensor shared by every
+    # parameter group. torch's Adam increments it in place, so a shared one would advance once per
+    # group per step and skew the bias correction: one tensor per state, as a fresh optimizer has.
+    # And fused (GPU) or capturable AdamW needs it as float32 on its parameter's device, where
+    # torch's own load_state_dict would have put it (else "Expected all tensors to be on the same
+    # device" in _fused_adamw_, pytorch#104767); the other kinds keep it on the CPU.
+    inner = _torch_optimizer(optimizer)
+    on_device = any(group.get("fused") or group.get("capturable") for group in inner.param_groups)
+    for parameter, state in inner.state.items():
         step = state.get("step")
-        if isinstance(step, torch.Tensor):
+        if not isinstance(step, torch.Tensor):
+            continue
+        if on_device:
+            state["step"] = step.to(device=parameter.device, dtype=torch.float32, copy=True)
+        else:
             state["step"] = step.clone()
 
 

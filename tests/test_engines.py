@@ -1,0 +1,67 @@
+"""The step engines' own decisions, unit-tested in one process with the settings of GPU plans."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from dplaunch.train.engines import _settle_step_counters, build_optimizer
+
+TRAIN = types.SimpleNamespace(lr=1e-3, weight_decay=0.1)
+GPU_PLAN = types.SimpleNamespace(offload="none", target="gpu")
+CPU_PLAN = types.SimpleNamespace(offload="none", target="cpu")
+
+
+def _model(device: str) -> torch.nn.Module:
+    # a weight (decayed group) and a bias (no-decay group): two parameter groups, as in a real run
+    return torch.nn.Linear(4, 3, device=device)
+
+
+def _load_like_deepspeed_universal(optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    # what DeepSpeed's ZeRO-3 universal loader (0.19) leaves: the saved step, read on the CPU
+    # (ds_to_universal maps there), one tensor shared by every parameter's state
+    shared = torch.tensor(4.0)
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            optimizer.state[parameter]["step"] = shared
+    return shared
+
+
+def test_a_gpu_plans_fused_adamw_gets_its_resumed_step_counters_on_its_parameters_device():
+    # the CPU has no second device: parameters on "meta" stand in for a GPU's. Fused AdamW steps
+    # only with `step` on its parameter's device (pytorch#104767), where torch's own
+    # load_state_dict puts it; the universal loader leaves it on the CPU
+    optimizer = build_optimizer(_model("meta"), TRAIN, GPU_PLAN)
+    assert all(group["fused"] for group in optimizer.param_groups)
+    shared = _load_like_deepspeed_universal(optimizer)
+    _settle_step_counters(optimizer)
+    steps = [state["step"] for state in optimizer.state.values()]
+    assert len(steps) == 2
+    assert all(step.device.type == "meta" and step.dtype == torch.float32 for step in steps)
+    assert steps[0] is not steps[1] and all(step is not shared for step in steps)
+
+    # the placement torch's load_state_dict gives the same optimizer
+    reference = build_optimizer(_model("meta"), TRAIN, GPU_PLAN)
+    saved = {
+        "state": {index: {"step": torch.tensor(4.0)} for index in range(2)},
+        "param_groups": reference.state_dict()["param_groups"],
+    }
+    reference.load_state_dict(saved)
+    assert [s["step"].device for s in reference.state.values()] == [s.device for s in steps]
+
+
+def test_resumed_step_counters_are_unshared_and_keep_their_value():
+    # fused AdamW steps on CPU parameters too: a shared counter would advance once per group
+    model = _model("cpu")
+    for fused_plan in (GPU_PLAN, CPU_PLAN):
+        optimizer = build_optimizer(model, TRAIN, fused_plan)
+        for parameter in model.parameters():
+            parameter.grad = torch.ones_like(parameter)
+        optimizer.step()
+        _load_like_deepspeed_universal(optimizer)
+        _settle_step_counters(optimizer)
+        optimizer.step()
+        steps = [float(state["step"]) for state in optimizer.state.values()]
+        devices = {state["step"].device.type for state in optimizer.state.values()}
+        assert steps == [5.0, 5.0] and devices == {"cpu"}, (fused_plan, steps)
