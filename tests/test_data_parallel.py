@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -40,6 +42,12 @@ def test_zero_stages_give_the_same_losses_as_ddp(tmp_path, dp_reference, stage):
     assert read_metrics(run)[0]["zero_stage"] == stage
     gap = max_relative_gap(train_losses(run), train_losses(dp_reference))
     assert gap < 1e-3, gap
+    if stage == 3:
+        # the randomly initialised model is partitioned from construction: no rank holds it whole
+        built = re.search(r"rank 0 holds ([\d,]+) of ([\d,]+) parameters", result.stdout)
+        assert built, result.stdout[-3000:]
+        held, total = (int(number.replace(",", "")) for number in built.group(1, 2))
+        assert total / 2 <= held < total * 0.6, (held, total)
 
 
 def test_offloading_the_optimizer_keeps_adamw_decoupled_weight_decay(tmp_path):

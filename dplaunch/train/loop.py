@@ -208,9 +208,13 @@ def train(run_dir: Path) -> int:
         else None
     )
 
-    model = build_model(config, tokenizer, accelerator)
+    # under ZeRO-3 built partitioned from construction (transformers' zero.Init), random weights too
+    model = load_model(config.model, tokenizer, config.train.seed, config.data.label_names)
     # counted before the engine shards anything (ZeRO-3 partitions keep the full size in ds_numel)
     parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    partition = _partition_line(model)
+    if partition is not None:
+        say(f"[dplaunch] {partition}")
     engine = build_engine(plan, config, accelerator, model, total_steps, run_dir)
     for line in getattr(engine, "layout_lines", lambda: [])():
         say(f"[dplaunch] {line}")
@@ -325,20 +329,16 @@ def _tokenized(
     return tokenized
 
 
-def build_model(config: RunConfig, tokenizer: Any, accelerator: Any) -> Any:
-    """The run's HF model, built as the engine expects it (whole, or partitioned under ZeRO-3)."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or config.model.config is None:
-        # under ZeRO-3, transformers builds pretrained models directly partitioned (zero.Init)
-        return load_model(config.model, tokenizer, config.train.seed, config.data.label_names)
-    # a randomly initialised model is built whole, so it starts from the same weights as under DDP
-    from transformers.integrations import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    try:
-        return load_model(config.model, tokenizer, config.train.seed, config.data.label_names)
-    finally:
-        plugin.set_deepspeed_weakref()
+def _partition_line(model: Any) -> str | None:
+    """What rank 0 holds of a model built partitioned (ZeRO-3's zero.Init); None for a whole one."""
+    parameters = list(model.parameters())
+    if not parameters or not all(hasattr(p, "ds_tensor") for p in parameters):
+        return None
+    held = sum(p.ds_tensor.numel() for p in parameters)
+    total = sum(p.ds_numel for p in parameters)
+    return (
+        f"model built partitioned (ZeRO-3 zero.Init): rank 0 holds {held:,} of {total:,} parameters"
+    )
 
 
 def build_engine(
