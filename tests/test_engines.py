@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import types
 
+import pytest
 import torch
 
 from dplaunch.train.engines import _settle_step_counters, build_optimizer
+from tests.helpers import one_rank_script
 
 TRAIN = types.SimpleNamespace(lr=1e-3, weight_decay=0.1)
 GPU_PLAN = types.SimpleNamespace(offload="none", target="gpu")
@@ -65,3 +68,37 @@ def test_resumed_step_counters_are_unshared_and_keep_their_value():
         steps = [float(state["step"]) for state in optimizer.state.values()]
         devices = {state["step"].device.type for state in optimizer.state.values()}
         assert steps == [5.0, 5.0] and devices == {"cpu"}, (fused_plan, steps)
+
+
+ENGINE_DTYPES = """
+import json, os, sys, torch
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[1])
+from accelerate import Accelerator
+from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")],
+                          deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=json.loads(sys.argv[2])))
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+engine, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+inner = engine.optimizer  # ZeRO's optimizer (ZeRO-1 in bf16: DeepSpeed's BF16_Optimizer)
+accumulation = getattr(inner, "gradient_accumulation_dtype", None) or inner.grad_acc_dtype
+print(json.dumps({"optimizer": type(inner).__name__, "accumulation": str(accumulation),
+                  "reduction": str(engine.communication_data_type)}))
+"""
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_deepspeed_accumulates_and_reduces_a_bf16_plans_gradients_in_fp32(stage):
+    # the deepspeed.json of an 8-GPU bf16 plan, run by one CPU rank (only the batch trio changes)
+    from dplaunch.launching.ports import free_port
+    from dplaunch.rendering.deepspeed_config import deepspeed_config_dict
+    from tests.test_plan import plan_for
+
+    plan = plan_for(gpus=8, visible=8, zero_stage=stage, mixed_precision="bf16")
+    config = deepspeed_config_dict(plan, max_grad_norm=1.0)
+    config.update(
+        train_batch_size=2, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1
+    )
+    engine = one_rank_script(ENGINE_DTYPES, str(free_port()), json.dumps(config))
+    assert (engine["accumulation"], engine["reduction"]) == ("torch.float32",) * 2, engine

@@ -4,16 +4,13 @@ weight-decay groups, also when ZeRO-3 builds a pretrained model already partitio
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
 from dplaunch.config.schema import ModelConfig
 from dplaunch.train.modeling import load_model, load_tokenizer
-from tests.helpers import REPO, child_environment
+from tests.helpers import one_rank_script
 
 TINY_LLAMA_FIELDS = {
     "model_type": "llama",
@@ -58,20 +55,6 @@ def test_a_model_built_from_a_config_dict_takes_its_tokenizers_token_ids():
     assert load_model(spec, tokenizer, seed=1).config.eos_token_id == 7
 
 
-def _one_rank_zero3(script: str, *args: str) -> Any:
-    """Run SCRIPT (a one-rank DeepSpeed process) with ARGS; the JSON of its last output line."""
-    result = subprocess.run(
-        [sys.executable, "-c", script, *args],
-        env=child_environment(),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 ZERO3_GROUPS = """
 import json, os, sys, types
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -105,7 +88,7 @@ def test_zero3_keeps_weight_decay_on_a_pretrained_models_partitioned_weights(tmp
 
     spec = ModelConfig(config=TINY_LLAMA_FIELDS, tokenizer="byte-level")
     load_model(spec, load_tokenizer(spec), seed=1).save_pretrained(tmp_path / "model")
-    groups = _one_rank_zero3(ZERO3_GROUPS, str(tmp_path / "model"), str(free_port()))
+    groups = one_rank_script(ZERO3_GROUPS, str(tmp_path / "model"), str(free_port()))
     assert groups["whole"][0] > 0 and groups["zero3"] == groups["whole"], groups
 
 
@@ -146,5 +129,5 @@ def test_zero3_builds_a_random_model_partitioned_with_the_weights_it_has_built_w
     from tests.helpers import TINY_GPT2_CONFIG
 
     models = [TINY_LLAMA_FIELDS, TINY_GPT2_CONFIG]
-    report = _one_rank_zero3(ZERO3_RANDOM, str(free_port()), json.dumps(models))
+    report = one_rank_script(ZERO3_RANDOM, str(free_port()), json.dumps(models))
     assert report == [{"partitioned": True, "names": True, "differ": []}] * 2, report
