@@ -102,3 +102,46 @@ def test_deepspeed_accumulates_and_reduces_a_bf16_plans_gradients_in_fp32(stage)
     )
     engine = one_rank_script(ENGINE_DTYPES, str(free_port()), json.dumps(config))
     assert (engine["accumulation"], engine["reduction"]) == ("torch.float32",) * 2, engine
+
+
+class _ScaledLinear(torch.nn.Module):
+    """A model with the HF output the engine reads: .loss, multiplied by the batch's factor."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+
+    def forward(self, inputs, factor):
+        return types.SimpleNamespace(loss=self.linear(inputs).sum() * factor)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_an_fp16_step_skipped_on_overflow_does_not_move_the_learning_rate_schedule(fused):
+    # DDP in fp16 steps through torch's GradScaler, which Accelerate builds only on GPUs; here one
+    # for the CPU. A fused AdamW is always called by GradScaler and skips inside its kernel
+    from accelerate import Accelerator
+    from transformers import get_scheduler
+
+    from dplaunch.train.engines import AccelerateEngine
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    model = _ScaledLinear()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    scheduler = get_scheduler("linear", optimizer.optimizer, 2, 10)
+    engine = AccelerateEngine(
+        accelerator, model, optimizer, scheduler, 1.0, "sequence-classification"
+    )
+
+    def step(factor: float) -> None:
+        engine.train_step([{"inputs": torch.ones(3, 4), "factor": torch.tensor(factor)}])
+
+    step(1.0)
+    assert scheduler.last_epoch == 1
+    weights = model.linear.weight.detach().clone()
+    step(float("inf"))  # an overflow: no update, the same learning rate next step
+    assert torch.equal(model.linear.weight, weights)
+    assert scheduler.last_epoch == 1 and accelerator.scaler.get_scale() == 2.0**7
+    step(1.0)
+    assert scheduler.last_epoch == 2 and not torch.equal(model.linear.weight, weights)

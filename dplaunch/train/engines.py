@@ -119,12 +119,28 @@ class AccelerateEngine:
                     and not self.uses_deepspeed
                 ):
                     accelerator.clip_grad_norm_(model.parameters(), self.max_grad_norm)
+                scale = self._loss_scale() if accelerator.sync_gradients else None
                 self.optimizer.step()
-                if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                if accelerator.sync_gradients and not self._step_skipped(scale):
                     self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
             total += loss.detach().float()
         return total / len(micro_batches)
+
+    def _loss_scale(self) -> float | None:
+        # fp16 under DDP: torch's GradScaler (DeepSpeed keeps its own and reports its overflows)
+        scaler = self.accelerator.scaler
+        return None if scaler is None else scaler.get_scale()
+
+    def _step_skipped(self, scale_before: float | None) -> bool:
+        """Whether the optimizer step just taken skipped its update (fp16 overflow): then the
+        learning-rate schedule must not move on either."""
+        if self.accelerator.optimizer_step_was_skipped:
+            return True
+        # Accelerate counts a step as skipped only when GradScaler does not call optimizer.step();
+        # fused AdamW (GPU plans) is always called and skips inside its kernel. An overflow is
+        # what makes GradScaler.update() lower the scale
+        return scale_before is not None and self.accelerator.scaler.get_scale() < scale_before
 
     @torch.no_grad()
     def eval_batch(
