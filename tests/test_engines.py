@@ -145,3 +145,30 @@ def test_an_fp16_step_skipped_on_overflow_does_not_move_the_learning_rate_schedu
     assert scheduler.last_epoch == 1 and accelerator.scaler.get_scale() == 2.0**7
     step(1.0)
     assert scheduler.last_epoch == 2 and not torch.equal(model.linear.weight, weights)
+
+
+class _CudaMemory:
+    """torch.cuda's memory readers as a GPU with 80 GB would answer them (bytes)."""
+
+    def max_memory_allocated(self, device):
+        return 61_234_000_000
+
+    def max_memory_reserved(self, device):
+        return 70_500_000_000
+
+    def mem_get_info(self, device):
+        return 8_250_000_000, 80_000_000_000
+
+
+def test_a_gpu_rank_logs_reserved_and_free_memory_beside_the_peak_of_its_tensors():
+    from dplaunch.train.metrics import memory_fields
+
+    assert memory_fields(torch.device("cuda", 3), cuda=_CudaMemory()) == {
+        "memory_gb": 61.234,
+        "memory_reserved_gb": 70.5,
+        "memory_free_gb": 8.25,
+        "memory_total_gb": 80.0,
+    }
+    # CPU ranks keep one field: the process's peak resident memory
+    cpu = memory_fields(torch.device("cpu"))
+    assert list(cpu) == ["memory_gb"] and 0 < cpu["memory_gb"] < 1000

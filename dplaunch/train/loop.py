@@ -33,7 +33,7 @@ from dplaunch.train.checkpoint import (
 )
 from dplaunch.train.data import Batcher, Sharding, load_splits, tokenize, tokenized_cache_file
 from dplaunch.train.engines import AccelerateEngine, StepEngine, build_optimizer
-from dplaunch.train.metrics import MetricsWriter
+from dplaunch.train.metrics import MetricsWriter, memory_fields
 from dplaunch.train.modeling import load_model, load_tokenizer
 
 # the stop reason of train.stop_after_steps (exit 0); signals give their name (exit 75)
@@ -445,7 +445,7 @@ def _run_steps(
                 "lr": step_lr,
                 "tokens_per_s": float(totals[1]) / max(now - last_log - paused, 1e-9),
                 "elapsed_s": round(time.time() - metrics.start, 3),
-                "memory_gb": _peak_memory_gb(device),
+                **memory_fields(device),
             }
             metrics.write("train", **record)
             say(
@@ -524,15 +524,6 @@ def _model_files_writer(model: Any, tokenizer: Any) -> Any:
         tokenizer.save_pretrained(folder)
 
     return write
-
-
-def _peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return round(torch.cuda.max_memory_allocated(device) / 1e9, 3)
-    import resource
-
-    # CPU ranks: peak resident memory of this process (Linux reports KiB)
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 3)
 
 
 def _quiet_libraries(is_main: bool) -> None:
