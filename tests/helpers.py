@@ -92,6 +92,21 @@ def loopback_node_argv(
     ]  # fmt: skip
 
 
+def one_rank_script(script: str, *args: str) -> Any:
+    """Run SCRIPT (python -c, e.g. a one-rank DeepSpeed process) with ARGS in the ranks'
+    environment; the JSON of its last output line."""
+    result = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        env=child_environment(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def refusal_line(result: subprocess.CompletedProcess, *expected: str) -> str:
     """The one `dplaunch: error:` line of a refused command (exit 2, no traceback), holding every
     expected text."""

@@ -3,15 +3,14 @@ weight-decay groups, also when ZeRO-3 builds a pretrained model already partitio
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import json
 
 import torch
 from safetensors.torch import load_file
 
 from dplaunch.config.schema import ModelConfig
 from dplaunch.train.modeling import load_model, load_tokenizer
-from tests.helpers import REPO, child_environment
+from tests.helpers import one_rank_script
 
 TINY_LLAMA_FIELDS = {
     "model_type": "llama",
@@ -85,22 +84,11 @@ print(json.dumps({"whole": whole, "zero3": groups(model)}))
 
 def test_zero3_keeps_weight_decay_on_a_pretrained_models_partitioned_weights(tmp_path):
     # under ZeRO-3 every parameter of a pretrained model is an empty 1-D stand-in at first
-    import json
-
     from dplaunch.launching.ports import free_port
 
     spec = ModelConfig(config=TINY_LLAMA_FIELDS, tokenizer="byte-level")
     load_model(spec, load_tokenizer(spec), seed=1).save_pretrained(tmp_path / "model")
-    result = subprocess.run(
-        [sys.executable, "-c", ZERO3_GROUPS, str(tmp_path / "model"), str(free_port())],
-        env=child_environment(),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    groups = json.loads(result.stdout.strip().splitlines()[-1])
+    groups = one_rank_script(ZERO3_GROUPS, str(tmp_path / "model"), str(free_port()))
     assert groups["whole"][0] > 0 and groups["zero3"] == groups["whole"], groups
 
 
@@ -119,3 +107,44 @@ def test_the_run_files_attention_kernel_reaches_the_model(tmp_path):
         name_or_path=str(tmp_path), tokenizer="byte-level", attn_implementation="eager"
     )
     assert load_model(pretrained, tokenizer, seed=1).config._attn_implementation == "eager"
+
+
+ZERO3_RANDOM = """
+import json, os, sys
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[1])
+import deepspeed
+from accelerate import Accelerator
+from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+from dplaunch.config.schema import ModelConfig
+from dplaunch.train.modeling import load_model, load_tokenizer
+
+specs = [ModelConfig(config=fields, tokenizer="byte-level") for fields in json.loads(sys.argv[2])]
+whole = [dict(load_model(spec, load_tokenizer(spec), seed=3).named_parameters()) for spec in specs]
+ds = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2,
+      "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 3},
+      "zero_allow_untested_optimizer": True}
+Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")],
+            deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds))
+report = []
+for spec, reference in zip(specs, whole):
+    model = load_model(spec, load_tokenizer(spec), seed=3)
+    parameters = dict(model.named_parameters())
+    partitioned = all(p.numel() == 0 and hasattr(p, "ds_id") for p in parameters.values())
+    with deepspeed.zero.GatheredParameters(list(parameters.values())):
+        differ = [name for name, p in parameters.items() if not p.equal(reference[name])]
+    report.append({"partitioned": partitioned, "names": sorted(parameters) == sorted(reference),
+                   "differ": differ})
+print(json.dumps(report))
+"""
+
+
+def test_zero3_builds_a_random_model_partitioned_with_the_weights_it_has_built_whole():
+    # under ZeRO-3 no rank may hold the whole model, random or pretrained (transformers' zero.Init);
+    # DDP, ZeRO and the pipeline still start from the same seeded weights (tied GPT-2 included)
+    from dplaunch.launching.ports import free_port
+    from tests.helpers import TINY_GPT2_CONFIG
+
+    models = [TINY_LLAMA_FIELDS, TINY_GPT2_CONFIG]
+    report = one_rank_script(ZERO3_RANDOM, str(free_port()), json.dumps(models))
+    assert report == [{"partitioned": True, "names": True, "differ": []}] * 2, report

@@ -172,7 +172,28 @@ def test_deepspeed_json_states_the_batch_trio_explicitly():
     assert config["zero_optimization"]["stage"] == 3
     assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert config["gradient_clipping"] == 1.0
+    # Accelerate keeps dplaunch's DeepSpeedCPUAdam (AdamW mode) instead of building its own
+    assert config["zero_force_ds_cpu_optimizer"] is False
     assert "auto" not in json.dumps(config)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_under_zero_accumulates_and_reduces_gradients_in_fp32_as_ddp_does(stage):
+    plan = plan_for(gpus=8, visible=8, zero_stage=stage, mixed_precision="bf16")
+    config = deepspeed_config_dict(plan, max_grad_norm=1.0)
+    assert config["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert config["communication_data_type"] == "fp32"
+
+
+def test_fp32_gradients_are_asked_for_only_where_deepspeed_accepts_them():
+    # DeepSpeed 0.19 refuses bf16 weights with fp32 accumulation without ZeRO (pipeline, AutoTP)
+    for plan in (
+        plan_for(gpus=2, visible=2, pp=2, model=LLAMA, mixed_precision="bf16"),
+        plan_for(gpus=8, visible=8, zero_stage=2, mixed_precision="fp16"),
+        plan_for(gpus=8, visible=8, zero_stage=2),
+    ):
+        config = deepspeed_config_dict(plan, max_grad_norm=1.0)
+        assert "data_types" not in config and "communication_data_type" not in config, plan
 
 
 def test_tensor_parallel_batch_fields_count_every_rank_as_deepspeed_does():

@@ -75,6 +75,18 @@ def deepspeed_config_dict(plan: Plan, *, max_grad_norm: float) -> dict[str, Any]
         "steps_per_print": 1_000_000_000,
         "wall_clock_breakdown": False,
     }
+    if plan.mixed_precision == "bf16" and plan.zero_stage >= 1:
+        # DeepSpeed's bf16 keeps gradients in bf16 by default: summed over the micro-batches and
+        # reduced over the ranks in 8 bits of mantissa, where DDP's autocast keeps fp32 gradients.
+        # fp32 accumulation (DeepSpeed 0.19 supports it with ZeRO, not without: stage 0 would
+        # refuse the mix) and fp32 reduction, as DDP does
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+        config["communication_data_type"] = "fp32"
+    if plan.offload != "none":
+        # dplaunch builds DeepSpeedCPUAdam in AdamW mode itself; without this key Accelerate
+        # replaces it with its own DeepSpeedCPUAdam, in Adam mode (L2-coupled weight decay) for any
+        # optimizer that is not torch's AdamW (accelerate.utils.deepspeed.map_pytorch_optim_to_deepspeed)
+        config["zero_force_ds_cpu_optimizer"] = False
     if plan.tensor_parallel_size > 1:
         config["tensor_parallel"] = {"autotp_size": plan.tensor_parallel_size}
     return config

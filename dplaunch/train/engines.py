@@ -120,12 +120,28 @@ class AccelerateEngine:
                     and not self.uses_deepspeed
                 ):
                     accelerator.clip_grad_norm_(model.parameters(), self.max_grad_norm)
+                scale = self._loss_scale() if accelerator.sync_gradients else None
                 self.optimizer.step()
-                if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                if accelerator.sync_gradients and not self._step_skipped(scale):
                     self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
             total += loss.detach().float()
         return total / len(micro_batches)
+
+    def _loss_scale(self) -> float | None:
+        # fp16 under DDP: torch's GradScaler (DeepSpeed keeps its own and reports its overflows)
+        scaler = self.accelerator.scaler
+        return None if scaler is None else scaler.get_scale()
+
+    def _step_skipped(self, scale_before: float | None) -> bool:
+        """Whether the optimizer step just taken skipped its update (fp16 overflow): then the
+        learning-rate schedule must not move on either."""
+        if self.accelerator.optimizer_step_was_skipped:
+            return True
+        # Accelerate counts a step as skipped only when GradScaler does not call optimizer.step();
+        # fused AdamW (GPU plans) is always called and skips inside its kernel. An overflow is
+        # what makes GradScaler.update() lower the scale
+        return scale_before is not None and self.accelerator.scaler.get_scale() < scale_before
 
     @torch.no_grad()
     def eval_batch(
@@ -155,7 +171,7 @@ class AccelerateEngine:
         # loading a torch optimizer's state replaces its group dicts: the new ones
         run_file.restore(_torch_optimizer(self.optimizer).param_groups)
         if self.uses_deepspeed:
-            _unshare_step_counters(self.optimizer)
+            _settle_step_counters(self.optimizer)
 
     def _save_unwrapped(self, models: list[Any], weights: list[dict], _directory: str) -> None:
         for index, model in enumerate(models):
@@ -230,13 +246,23 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _unshare_step_counters(optimizer: Any) -> None:
-    # DeepSpeed's ZeRO-3 universal-checkpoint loader (0.19) gives every parameter group one shared
-    # `step` tensor; torch's Adam increments it in place, so it would advance once per group per
-    # step and skew the bias correction. One tensor per state, as a fresh optimizer has.
-    for state in _torch_optimizer(optimizer).state.values():
+def _settle_step_counters(optimizer: Any) -> None:
+    # DeepSpeed's universal-checkpoint loaders (0.19) put `step` in the optimizer's state as it was
+    # saved: on the CPU (ds_to_universal maps to it), and under ZeRO-3 one tensor shared by every
+    # parameter group. torch's Adam increments it in place, so a shared one would advance once per
+    # group per step and skew the bias correction: one tensor per state, as a fresh optimizer has.
+    # And fused (GPU) or capturable AdamW needs it as float32 on its parameter's device, where
+    # torch's own load_state_dict would have put it (else "Expected all tensors to be on the same
+    # device" in _fused_adamw_, pytorch#104767); the other kinds keep it on the CPU.
+    inner = _torch_optimizer(optimizer)
+    on_device = any(group.get("fused") or group.get("capturable") for group in inner.param_groups)
+    for parameter, state in inner.state.items():
         step = state.get("step")
-        if isinstance(step, torch.Tensor):
+        if not isinstance(step, torch.Tensor):
+            continue
+        if on_device:
+            state["step"] = step.to(device=parameter.device, dtype=torch.float32, copy=True)
+        else:
             state["step"] = step.clone()
 
 

@@ -47,6 +47,7 @@ from dplaunch.train.metrics import (
     MetricsWriter,
     RankPrinter,
     library_progress,
+    memory_fields,
     progress_width,
 )
 from dplaunch.train.modeling import load_model, load_tokenizer
@@ -192,7 +193,11 @@ def train(run_dir: Path) -> int:
         train_set, eval_set, tokenizer, config, plan, place
     )
 
-    model = build_model(config, tokenizer, accelerator)
+    # under ZeRO-3 built partitioned from construction (transformers' zero.Init), random weights too
+    model = load_model(config.model, tokenizer, config.train.seed, config.data.label_names)
+    partition = _partition_line(model)
+    if partition is not None:
+        say(f"[dplaunch] {partition}")
     # flash-attention keeps packed examples apart only in one flattened row (data.py)
     batcher.flatten_packed = "flash" in str(getattr(model.config, "_attn_implementation", ""))
     # counted before the engine shards anything (ZeRO-3 partitions keep the full size in ds_numel)
@@ -394,20 +399,16 @@ def _tokenized(
     return tokenized
 
 
-def build_model(config: RunConfig, tokenizer: Any, accelerator: Any) -> Any:
-    """The run's HF model, built as the engine expects it (whole, or partitioned under ZeRO-3)."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or config.model.config is None:
-        # under ZeRO-3, transformers builds pretrained models directly partitioned (zero.Init)
-        return load_model(config.model, tokenizer, config.train.seed, config.data.label_names)
-    # a randomly initialised model is built whole, so it starts from the same weights as under DDP
-    from transformers.integrations import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    try:
-        return load_model(config.model, tokenizer, config.train.seed, config.data.label_names)
-    finally:
-        plugin.set_deepspeed_weakref()
+def _partition_line(model: Any) -> str | None:
+    """What rank 0 holds of a model built partitioned (ZeRO-3's zero.Init); None for a whole one."""
+    parameters = list(model.parameters())
+    if not parameters or not all(hasattr(p, "ds_tensor") for p in parameters):
+        return None
+    held = sum(p.ds_tensor.numel() for p in parameters)
+    total = sum(p.ds_numel for p in parameters)
+    return (
+        f"model built partitioned (ZeRO-3 zero.Init): rank 0 holds {held:,} of {total:,} parameters"
+    )
 
 
 def build_engine(
@@ -502,7 +503,7 @@ def _run_steps(run: RankRun, start_step: int) -> tuple[int, str | None]:
                 "lr": step_lr,
                 "tokens_per_s": float(totals[1]) / max(now - last_log - paused, 1e-9),
                 "elapsed_s": round(time.time() - metrics.start, 3),
-                "memory_gb": _peak_memory_gb(device),
+                **memory_fields(device),
             }
             metrics.write("train", **record)
             say.train_step(step, total_steps, record, start_step)
@@ -597,15 +598,6 @@ def _model_files_writer(model: Any, tokenizer: Any) -> Any:
         tokenizer.save_pretrained(folder)
 
     return write
-
-
-def _peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return round(torch.cuda.max_memory_allocated(device) / 1e9, 3)
-    import resource
-
-    # CPU ranks: peak resident memory of this process (Linux reports KiB)
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 3)
 
 
 def _quiet_libraries(is_main: bool) -> None:

@@ -240,3 +240,33 @@ class MetricsWriter:
         if self._board_error is not None:
             error, self._board_error = self._board_error, None
             raise error
+
+
+def memory_fields(device: Any, cuda: Any = None) -> dict[str, float]:
+    """The memory a train record logs, in GB (1e9 bytes).
+
+    GPU: memory_gb is the peak the tensors took (max_memory_allocated); beside it the peak the
+    caching allocator held (max_memory_reserved: what an out-of-memory error counts, fragmentation
+    included) and what the device has free and in all right now (mem_get_info: other processes,
+    the CUDA context and NCCL's buffers included). CPU: memory_gb alone, the peak resident memory
+    of the process. CUDA is torch.cuda (a stand-in in tests)."""
+    if device.type == "cuda":
+        if cuda is None:
+            import torch
+
+            cuda = torch.cuda
+        free, total = cuda.mem_get_info(device)
+        return {
+            "memory_gb": _gb(cuda.max_memory_allocated(device)),
+            "memory_reserved_gb": _gb(cuda.max_memory_reserved(device)),
+            "memory_free_gb": _gb(free),
+            "memory_total_gb": _gb(total),
+        }
+    import resource
+
+    # Linux reports ru_maxrss in KiB
+    return {"memory_gb": _gb(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}
+
+
+def _gb(size: float) -> float:
+    return round(size / 1e9, 3)

@@ -56,7 +56,7 @@ def load_model(
         for name in ("bos_token_id", "eos_token_id"):
             if name not in fields and getattr(tokenizer, name, None) is not None:
                 setattr(config, name, getattr(tokenizer, name))
-        built = auto.from_config(config, trust_remote_code=model.trust_remote_code, **kernel)
+        built = _from_config(auto, config, model.trust_remote_code, kernel)
     else:
         # float32 weights whatever the checkpoint's dtype (transformers 5 would keep a bf16
         # checkpoint in bf16): mixed precision computes in bf16/fp16 from fp32 master weights
@@ -71,4 +71,25 @@ def load_model(
             built.config.pad_token_id = tokenizer.pad_token_id
     if model.gradient_checkpointing:
         built.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return built
+
+
+def _from_config(auto: Any, config: Any, trust_remote_code: bool, kernel: dict[str, Any]) -> Any:
+    """A randomly initialised model that holds the same weights built whole or under ZeRO-3.
+
+    Under ZeRO-3 (DeepSpeed's HF config set) transformers builds the model partitioned from
+    construction (zero.Init), skips torch's per-layer default initialisation, then initialises
+    module by module on rank 0 (initialize_weights_zero3). Built whole, torch's default
+    initialisation would first draw from the seeded generator and shift every later draw: so the
+    whole model is built the same way, without the default initialisation, then initialised in
+    the same module order. DDP, ZeRO and the pipeline then start from one set of weights."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        return auto.from_config(config, trust_remote_code=trust_remote_code, **kernel)
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        built = auto.from_config(config, trust_remote_code=trust_remote_code, **kernel)
+    built.init_weights()
     return built
