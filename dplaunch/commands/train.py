@@ -43,6 +43,7 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
     75 (EXIT_CHECKPOINTED) means the ranks checkpointed on SIGUSR1/SIGTERM: continue with --resume auto.
     """
     from dplaunch.train import checkpoint
+    from dplaunch.train.nonfinite import EXIT_NONFINITE
 
     check_installed_versions()
     prepared = prepare_training_run(flags)
@@ -84,6 +85,13 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
     stop = checkpoint.read_stop_record(prepared.run_dir)
     if stop is not None:
         code = int(stop["exit_status"])
+        if code == EXIT_NONFINITE:
+            typer.echo(
+                f"dplaunch: stopped at {stop['reason']}; the last good checkpoint is "
+                f"{stop['checkpoint']} (exit status {code})",
+                err=True,
+            )
+            return code
         _refuse_a_requeue_without_progress(stop, point)
         typer.echo(
             f"dplaunch: stopped at step {stop['step']} ({stop['reason']}), checkpoint {stop['checkpoint']}; "

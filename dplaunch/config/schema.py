@@ -209,6 +209,15 @@ class TrainConfig(Section):
         ge=1,
         description="Stop at this global step as if preempted (checkpoint, exit 0); the schedule still runs to `max_steps`.",
     )
+    on_nonfinite: Literal["stop", "skip", "off"] = Field(
+        "stop",
+        description="A NaN/Inf loss or gradient norm: `stop` the run (no checkpoint of the bad step; the last good one stays), `skip` that update on every rank, or `off` (no check, no per-step sync).",
+    )
+    max_skipped_steps: int = Field(
+        5,
+        ge=1,
+        description="With `on_nonfinite: skip`: stop after this many skipped updates in a row.",
+    )
     compile: bool = Field(
         False,
         description="`torch.compile` (inductor) the model; DDP and ZeRO only. Long runs: compiling costs time before the first step (see Performance).",

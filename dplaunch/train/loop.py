@@ -39,6 +39,7 @@ from dplaunch.train.metrics import (
     progress_width,
 )
 from dplaunch.train.modeling import load_model, load_tokenizer
+from dplaunch.train.nonfinite import EXIT_NONFINITE, NonFiniteGuard
 
 # the stop reason of train.stop_after_steps (exit 0); signals give their name (exit 75)
 STOP_AFTER_STEPS = "train.stop_after_steps"
@@ -215,7 +216,13 @@ def train(run_dir: Path) -> int:
     model = build_model(config, tokenizer, accelerator)
     # counted before the engine shards anything (ZeRO-3 partitions keep the full size in ds_numel)
     parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    guard = NonFiniteGuard(
+        config.train.on_nonfinite, config.train.max_skipped_steps, accelerator, plan.mixed_precision
+    )
+    guard.install_fault(model)
     engine = build_engine(plan, config, accelerator, model, total_steps, run_dir)
+    if isinstance(engine, AccelerateEngine):
+        engine.guard = guard  # judges before the update; the pipeline is judged after its step
     for line in getattr(engine, "layout_lines", lambda: [])():
         say(f"[dplaunch] {line}")
     checkpointer = Checkpointer(
@@ -272,7 +279,17 @@ def train(run_dir: Path) -> int:
         checkpointer,
         control,
         signals,
+        guard,
     )
+    if stop_reason is not None and guard.stop_reason is not None:
+        # nothing of the bad step is saved: the newest checkpoint is the last good one
+        good = checkpointer.last_saved_path or "none"
+        metrics.write("stop", step=step, reason=stop_reason, checkpoint=str(good))
+        checkpointer.write_stop_record(step, stop_reason, good, EXIT_NONFINITE)
+        say(f"[dplaunch] stopped: {stop_reason}; the last good checkpoint is {good}")
+        metrics.close()
+        accelerator.end_training()
+        return 0
     if stop_reason is not None:
         # stopped early (a signal or train.stop_after_steps): checkpoint, no export, the launcher requeues
         if checkpointer.last_saved_step == step and checkpointer.holds_last_saved():
@@ -407,6 +424,7 @@ def _run_steps(
     checkpointer: Checkpointer,
     control: ControlChannel,
     signals: StopSignals,
+    guard: NonFiniteGuard,
 ) -> tuple[int, str | None]:
     """Train from start_step; return (the step reached, why it stopped early or None)."""
     train = config.train
@@ -433,15 +451,29 @@ def _run_steps(
         epoch, in_epoch = divmod(step, batcher.steps_per_epoch)
         if epoch != order_epoch:
             order_epoch, order = epoch, batcher.epoch_order(epoch)
+        if guard.omits(step + 1):  # the test hook's reference run
+            step += 1
+            continue
         micro_batches = batcher.step_micro_batches(order, in_epoch)
         step_lr = engine.current_lr()  # the step's own (the scheduler then moves to the next)
+        guard.begin(step + 1)
         loss = engine.train_step(micro_batches)
-        interval[0] += loss
+        if guard.enabled and not isinstance(engine, AccelerateEngine):
+            guard.judge(loss, None, (), engine.engine)  # the pipeline: DeepSpeed has stepped
         if place.counts_tokens:
             interval[1] += sum(int(b["attention_mask"].sum()) for b in micro_batches)
-        interval_steps += 1
         step += 1
-        if step % train.log_every == 0 or step == total_steps:
+        stopping = guard.verdict()
+        if guard.event is None:
+            interval[0] += loss
+            interval_steps += 1
+        elif stopping is None:  # a skipped update's loss is no training loss
+            metrics.write("skipped", step=step, reason=guard.event.describe())
+            say(f"[dplaunch] {guard.event.describe()}: update skipped on every rank")
+        if stopping is not None:
+            guard.stop_reason = stopping
+            return step, stopping
+        if interval_steps and (step % train.log_every == 0 or step == total_steps):
             totals = accelerator.reduce(interval.clone(), reduction="sum")
             now = time.perf_counter()
             record = {
@@ -473,7 +505,8 @@ def _run_steps(
         return step, stop_reason
     if eval_batcher is not None and last_eval_step != step:
         _evaluate(engine, eval_batcher, accelerator, place, metrics, step, plan, say)
-    metrics.write("summary", step=step, wall_s=round(time.time() - metrics.start, 3))
+    skipped = {"skipped_steps": guard.skipped_total} if guard.skipped_total else {}
+    metrics.write("summary", step=step, wall_s=round(time.time() - metrics.start, 3), **skipped)
     return step, None
 
 
