@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # `dplaunch train`'s exit status when the guard stopped the run (2 is a user error, 75 a
 # checkpointed stop that a requeue continues): not worth retrying without a change
@@ -107,6 +108,8 @@ class NonFiniteGuard:
         gradients' norm when known; ``deepspeed``: the DeepSpeed engine that already stepped."""
         if not self.enabled:
             return False
+        import torch  # here: the launcher reads EXIT_NONFINITE without importing torch
+
         accelerator = self.accelerator
         flags = torch.zeros(accelerator.num_processes + 1, device=loss.device)
         flags[accelerator.process_index] = (~torch.isfinite(loss.detach().float())).float()
