@@ -80,6 +80,8 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
                 err=True,
             )
             return checkpoint.EXIT_CHECKPOINTED
+    if prepared.config.launch.preflight and _preflight_failed(flags, prepared):
+        return 1
     checkpoint.clear_stop_record(prepared.run_dir)
     code = start(prepared, after_failure=lambda _status: _failure_hints(prepared.run_dir))
     stop = checkpoint.read_stop_record(prepared.run_dir)
@@ -99,6 +101,22 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
             err=True,
         )
     return code
+
+
+def _preflight_failed(flags: RunFlags, prepared: PreparedRun) -> bool:
+    # launch.preflight: `dplaunch doctor` on this node's run directory and the run's own port
+    from dataclasses import replace
+
+    from dplaunch.commands.doctor import run_doctor
+
+    typer.echo("preflight (launch.preflight): dplaunch doctor")
+    doctor_flags = replace(
+        flags, output_dir=str(prepared.run_dir), master_port=prepared.plan.master_port
+    )
+    if run_doctor(doctor_flags) == 0:
+        return False
+    typer.echo("dplaunch: the preflight check failed (above): no rank was started", err=True)
+    return True
 
 
 def _reshard(prepared: PreparedRun, point: ResumePoint) -> str | None:

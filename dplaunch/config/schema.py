@@ -285,6 +285,10 @@ class LaunchConfig(Section):
         None,
         description="DeepSpeed hostfile (`host slots=G` lines): start every node from one command over pdsh/ssh.",
     )
+    preflight: bool = Field(
+        False,
+        description="Run `dplaunch doctor` on every node before training (about 20-60 s); a FAIL stops the launch.",
+    )
     gpu_memory_gb: float | None = Field(
         None,
         gt=0,
