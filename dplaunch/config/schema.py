@@ -209,6 +209,10 @@ class TrainConfig(Section):
         ge=1,
         description="Stop at this global step as if preempted (checkpoint, exit 0); the schedule still runs to `max_steps`.",
     )
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+        ["tensorboard"],
+        description="Where rank 0 logs the run's config and metrics.jsonl's scalars besides metrics.jsonl: TensorBoard (RUN/tensorboard), wandb, MLflow, Trackio (`pip install 'dplaunch[trackers]'`); `[]`: metrics.jsonl only.",
+    )
     on_nonfinite: Literal["stop", "skip", "off"] = Field(
         "stop",
         description="A NaN/Inf loss or gradient norm: `stop` the run (no checkpoint of the bad step; the last good one stays), `skip` that update on every rank, or `off` (no check, no per-step sync).",

@@ -55,6 +55,7 @@ from dplaunch.rendering.launch_command import (
     launch_script_name,
     render_launch_script,
 )
+from dplaunch.train.trackers import check_trackers_installed
 
 # seconds a host name may take to resolve before the check gives up (and lets the launch try)
 MASTER_ADDR_RESOLVE_SECONDS = 5.0
@@ -236,6 +237,7 @@ def prepare_training_run(
     if length_note is not None:
         plan_notes.append(length_note)
     check_tokenizer(config.model)
+    check_trackers_installed(config.train.report_to)
     dataset_classes = check_data(
         config.data,
         config.model.task,

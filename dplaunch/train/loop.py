@@ -40,6 +40,7 @@ from dplaunch.train.metrics import (
 )
 from dplaunch.train.modeling import load_model, load_tokenizer
 from dplaunch.train.nonfinite import EXIT_NONFINITE, NonFiniteGuard
+from dplaunch.train.trackers import open_trackers
 
 # the stop reason of train.stop_after_steps (exit 0); signals give their name (exit 75)
 STOP_AFTER_STEPS = "train.stop_after_steps"
@@ -245,7 +246,16 @@ def train(run_dir: Path) -> int:
             f"step {start_step} (epoch {epoch}, step {in_epoch} of {batcher.steps_per_epoch}); "
             f"the next batch is step {start_step + 1}"
         )
-    metrics = MetricsWriter(run_dir, enabled=place.is_main)
+    metrics = MetricsWriter(
+        run_dir,
+        enabled=place.is_main,
+        tensorboard="tensorboard" in config.train.report_to,
+        trackers=(
+            open_trackers(config.train.report_to, run_dir, config.model_dump(mode="json"))
+            if place.is_main
+            else None
+        ),
+    )
     metrics.write(
         "header",
         **plan.header(),
