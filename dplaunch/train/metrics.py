@@ -217,7 +217,7 @@ class MetricsWriter:
             for name, value in fields.items()
             if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
         ]
-        for tracker in self.trackers:
+        for tracker in self.trackers if scalars else ():
             tracker.log({tag: value for tag, value, _ in scalars}, step=fields["step"])
         with self._lock:
             self._raise_board_error()
