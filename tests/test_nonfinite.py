@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from dplaunch.train.nonfinite import EXIT_NONFINITE, FAULT_ENV, NonFiniteGuard
@@ -81,3 +82,9 @@ def test_skips_in_a_row_beyond_max_skipped_steps_stop_the_run_and_a_good_step_re
         "step 6: non-finite loss on rank 0: 3 updates in a row skipped, more than "
         "train.max_skipped_steps 2"
     )
+
+
+def test_on_nonfinite_off_written_bare_in_yaml_means_off():
+    from dplaunch.config.schema import TrainConfig
+
+    assert TrainConfig.model_validate(yaml.safe_load("on_nonfinite: off")).on_nonfinite == "off"

@@ -227,6 +227,12 @@ class TrainConfig(Section):
         description="`torch.compile` (inductor) the model; DDP and ZeRO only. Long runs: compiling costs time before the first step (see Performance).",
     )
 
+    @field_validator("on_nonfinite", mode="before")
+    @classmethod
+    def _off_as_yaml_reads_it(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `off` (in a run file or --set) as false
+        return "off" if value is False else value
+
     @model_validator(mode="after")
     def _micro_fits(self) -> TrainConfig:
         if self.micro_batch_size is not None and self.micro_batch_size > self.global_batch_size:
