@@ -12,7 +12,8 @@ $(STAMP): pyproject.toml constraints.txt dplaunch/resources/requirements.txt
 	# torch first, pinned: an open range would pull a multi-GB CUDA build. TORCH_INDEX: where pip
 	# finds the CPU build when its configuration does not offer one (README and docs/training.md, Install)
 	$(PY) -m pip install --quiet -c constraints.txt $(TORCH_INDEX) torch
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,docs]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,docs,wandb,mlflow]'
+	# trackio is left out: 0.43 wants pillow<13 and would downgrade matplotlib's (its test is skipped)
 	# an editable install compiles nothing, and with PYTHONDONTWRITEBYTECODE (containers, CI) no
 	# run ever writes bytecode: every command would compile dplaunch again (~50 ms before launch)
 	$(PY) -m compileall -q dplaunch benchmarks >/dev/null

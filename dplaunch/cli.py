@@ -566,6 +566,15 @@ def verify(
 
 
 @app.command()
+@with_run_flags(config_option=True)
+def doctor(flags: Any) -> None:
+    """Check every node of the plan (name resolution, rendezvous port, interface, all-reduce bandwidth, GPUs, disk): PASS/FAIL within 60 s."""
+    from dplaunch.commands.doctor import run_doctor
+
+    raise typer.Exit(run_doctor(flags))
+
+
+@app.command()
 def env(
     all_ops: Annotated[
         bool, typer.Option("--all-ops", help="Every DeepSpeed op, not only those plans use.")

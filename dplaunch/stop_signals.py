@@ -12,6 +12,9 @@ from typing import Any
 
 # "checkpointed on a signal; continue with --resume auto" (EX_TEMPFAIL): the SLURM script requeues on it
 EXIT_CHECKPOINTED = 75
+# `dplaunch train`'s exit status when the non-finite guard (train.on_nonfinite) stopped the run
+# (2 is a user error, 75 a checkpointed stop that a requeue continues): not worth retrying as is
+EXIT_NONFINITE = 3
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 

@@ -29,7 +29,7 @@ from dplaunch.launching.rundir import check_output_dir, check_run_dir, write_run
 from dplaunch.requirements import check_installed_versions
 from dplaunch.run_directory.checkpoints import newest_checkpoint
 from dplaunch.run_directory.layout import CHECKPOINTS_DIR, ERRORS_DIR, RESUME_FILE
-from dplaunch.stop_signals import EXIT_CHECKPOINTED, StopSignals
+from dplaunch.stop_signals import EXIT_CHECKPOINTED, EXIT_NONFINITE, StopSignals
 from dplaunch.train.metrics import PROGRESS_ENV
 
 # `dplaunch launch` runs Python scripts; a run file given to it is meant for `dplaunch train`
@@ -80,11 +80,20 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
                 err=True,
             )
             return EXIT_CHECKPOINTED
+    if prepared.config.launch.preflight and _preflight_failed(flags, prepared):
+        return 1
     clear_stop_record(prepared.run_dir)
     code = _train_with_restarts(prepared, point)
     stop = read_stop_record(prepared.run_dir)
     if stop is not None:
         code = int(stop["exit_status"])
+        if code == EXIT_NONFINITE:
+            typer.echo(
+                f"dplaunch: stopped at {stop['reason']}; the last good checkpoint is "
+                f"{stop['checkpoint']} (exit status {code})",
+                err=True,
+            )
+            return code
         _refuse_a_requeue_without_progress(stop, point)
         typer.echo(
             f"dplaunch: stopped at step {stop['step']} ({stop['reason']}), checkpoint {stop['checkpoint']}; "
@@ -204,6 +213,22 @@ def _back_off(seconds: float) -> str | None:
     finally:
         noted.restore()
     return noted.received
+
+
+def _preflight_failed(flags: RunFlags, prepared: PreparedRun) -> bool:
+    # launch.preflight: `dplaunch doctor` on this node's run directory and the run's own port
+    from dataclasses import replace
+
+    from dplaunch.commands.doctor import run_doctor
+
+    typer.echo("preflight (launch.preflight): dplaunch doctor")
+    doctor_flags = replace(
+        flags, output_dir=str(prepared.run_dir), master_port=prepared.plan.master_port
+    )
+    if run_doctor(doctor_flags) == 0:
+        return False
+    typer.echo("dplaunch: the preflight check failed (above): no rank was started", err=True)
+    return True
 
 
 def _reshard(prepared: PreparedRun, point: ResumePoint) -> str | None:

@@ -239,6 +239,19 @@ class TrainConfig(Section):
         ge=1,
         description="Stop at this global step as if preempted (checkpoint, exit 0); the schedule still runs to `max_steps`.",
     )
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+        ["tensorboard"],
+        description="Where rank 0 logs the run's config and metrics.jsonl's scalars besides metrics.jsonl: TensorBoard (RUN/tensorboard), wandb, MLflow, Trackio (`pip install 'dplaunch[trackers]'`); `[]`: metrics.jsonl only.",
+    )
+    on_nonfinite: Literal["stop", "skip", "off"] = Field(
+        "stop",
+        description="A NaN/Inf loss or gradient norm: `stop` the run (no checkpoint of the bad step; the last good one stays), `skip` that update on every rank, or `off` (no check, no per-step sync).",
+    )
+    max_skipped_steps: int = Field(
+        5,
+        ge=1,
+        description="With `on_nonfinite: skip`: stop after this many skipped updates in a row.",
+    )
     compile: bool = Field(
         False,
         description="`torch.compile` (inductor) the model; DDP and ZeRO only. Long runs: compiling costs time before the first step (see Performance).",
@@ -247,6 +260,12 @@ class TrainConfig(Section):
         None,
         description='sft: a file of prompts (JSON lines `{"prompt": text or messages}`, or one text per line) that rank 0 answers greedily at each evaluation, logged to metrics.jsonl and TensorBoard.',
     )
+
+    @field_validator("on_nonfinite", mode="before")
+    @classmethod
+    def _off_as_yaml_reads_it(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `off` (in a run file or --set) as false
+        return "off" if value is False else value
 
     @model_validator(mode="after")
     def _micro_fits(self) -> TrainConfig:
@@ -314,6 +333,10 @@ class LaunchConfig(Section):
     hostfile: str | None = Field(
         None,
         description="DeepSpeed hostfile (`host slots=G` lines): start every node from one command over pdsh/ssh.",
+    )
+    preflight: bool = Field(
+        False,
+        description="Run `dplaunch doctor` on every node before training (about 20-60 s); a FAIL stops the launch.",
     )
     gpu_memory_gb: float | None = Field(
         None,

@@ -17,6 +17,8 @@ from pathlib import Path
 
 # lock files of the ports and GPUs this process has claimed; kept open (and locked) until it exits
 _claims: list[int] = []
+# their paths: a process may claim again what it holds (`launch.preflight`: the doctor, then training)
+_held: set[str] = set()
 # GPU claims of every user of the machine (sticky and world-writable, like /tmp itself)
 GPU_CLAIMS_DIR = Path(tempfile.gettempdir()) / "dplaunch-gpus"
 
@@ -60,6 +62,8 @@ def claim_gpu(key: str) -> bool:
 
 
 def _lock(path: Path, mode: int) -> bool:
+    if str(path) in _held:
+        return True
     # read-only is enough for flock, and opens another user's lock file
     try:
         handle = os.open(path, os.O_RDONLY | os.O_CREAT, mode)
@@ -71,6 +75,7 @@ def _lock(path: Path, mode: int) -> bool:
         os.close(handle)
         return False
     _claims.append(handle)
+    _held.add(str(path))
     return True
 
 

@@ -23,6 +23,7 @@ from dplaunch.cluster.slurm import (
 )
 from dplaunch.config.load import dump_run_config, load_run_config
 from dplaunch.config.schema import LaunchConfig, ModelConfig, RunConfig, ScriptRunConfig
+from dplaunch.config.trackers import check_trackers_installed
 from dplaunch.errors import UserError
 from dplaunch.launching.deepspeed_ops import check_ops_can_be_built, torch_extensions_dir
 from dplaunch.launching.ports import claim_free_port, claim_gpu, claim_port
@@ -245,6 +246,7 @@ def prepare_training_run(
         from dplaunch.planning.sft_check import sft_data_task
 
         data_task = sft_data_task(config)
+    check_trackers_installed(config.train.report_to)
     dataset_classes = check_data(
         config.data,
         data_task,

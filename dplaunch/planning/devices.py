@@ -15,6 +15,15 @@ from dataclasses import dataclass
 NVIDIA_SMI_TIMEOUT_S = 5
 # the name goes last: it may hold commas. compute_cap needs a 2021+ driver (asked again without it)
 QUERY_FIELDS = ("index", "uuid", "memory.total", "compute_cap", "name")
+# what `dplaunch doctor` asks besides (put before the name): uncorrected ECC errors since the
+# driver loaded, memory other processes hold, SM clock now and its maximum, temperature
+HEALTH_FIELDS = (
+    "ecc.errors.uncorrected.volatile.total",
+    "memory.used",
+    "clocks.sm",
+    "clocks.max.sm",
+    "temperature.gpu",
+)
 # CUDA_VISIBLE_DEVICES values that hide every GPU
 HIDDEN = ("", "-1", "none", "NoDevFiles")
 
@@ -28,6 +37,8 @@ class Gpu:
     name: str
     memory_mib: int | None
     compute_capability: float | None  # 7.0 for a V100, 8.0 for an A100; None when not reported
+    # the extra fields asked for (probe_gpus(extra=…)), as nvidia-smi printed them ("[N/A]" too)
+    details: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -38,11 +49,12 @@ class GpuProbe:
     status: str  # "ok", or why there is no list
 
 
-def probe_gpus() -> GpuProbe:
-    """Ask nvidia-smi for the machine's GPUs (at most NVIDIA_SMI_TIMEOUT_S seconds)."""
+def probe_gpus(extra: tuple[str, ...] = ()) -> GpuProbe:
+    """Ask nvidia-smi for the machine's GPUs (at most NVIDIA_SMI_TIMEOUT_S seconds); ``extra``:
+    more --query-gpu fields, kept in each Gpu's details."""
     if shutil.which("nvidia-smi") is None:
         return GpuProbe((), "nvidia-smi not found")
-    fields = QUERY_FIELDS
+    fields = (*QUERY_FIELDS[:-1], *extra, QUERY_FIELDS[-1])
     for _attempt in range(2):
         try:
             result = subprocess.run(
@@ -81,6 +93,7 @@ def _parse(text: str, fields: tuple[str, ...]) -> list[Gpu]:
                 name=row["name"],
                 memory_mib=int(memory) if memory.isdigit() else None,
                 compute_capability=_number(row.get("compute_cap", "")),
+                details=tuple((name, row[name]) for name in fields if name not in QUERY_FIELDS),
             )
         )
     return gpus

@@ -65,6 +65,8 @@ class AccelerateEngine:
 
     # accelerate's save_state stores the RNG of every rank next to the model and optimizer
     saves_rng = True
+    # the loop's NonFiniteGuard (train.on_nonfinite), judging each step before its update
+    guard: Any = None
 
     def __init__(
         self,
@@ -112,20 +114,32 @@ class AccelerateEngine:
                 loss = model(**batch, **self.forward_options).loss
                 if scale is not None:
                     loss = loss * scale
+                total += loss.detach().float()
                 accelerator.backward(loss)
+                grad_norm = None
                 # DeepSpeed clips inside its step (gradient_clipping in the JSON)
                 if (
                     accelerator.sync_gradients
                     and self.max_grad_norm > 0
                     and not self.uses_deepspeed
                 ):
-                    accelerator.clip_grad_norm_(model.parameters(), self.max_grad_norm)
-                scale = self._loss_scale() if accelerator.sync_gradients else None
-                self.optimizer.step()
-                if accelerator.sync_gradients and not self._step_skipped(scale):
-                    self.scheduler.step()
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), self.max_grad_norm)
+                skip = (
+                    accelerator.sync_gradients
+                    and self.guard is not None
+                    and self.guard.judge(
+                        total,
+                        grad_norm,
+                        model.parameters(),
+                        model if self.uses_deepspeed else None,
+                    )
+                )
+                if not skip:
+                    scale_before = self._loss_scale() if accelerator.sync_gradients else None
+                    self.optimizer.step()
+                    if accelerator.sync_gradients and not self._step_skipped(scale_before):
+                        self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
-            total += loss.detach().float()
         return total / len(micro_batches)
 
     def _loss_scale(self) -> float | None:

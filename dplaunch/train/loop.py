@@ -51,6 +51,8 @@ from dplaunch.train.metrics import (
     progress_width,
 )
 from dplaunch.train.modeling import load_model, load_tokenizer
+from dplaunch.train.nonfinite import EXIT_NONFINITE, NonFiniteGuard
+from dplaunch.train.trackers import open_trackers
 
 # the stop reason of train.stop_after_steps (exit 0); signals give their name (exit 75)
 STOP_AFTER_STEPS = "train.stop_after_steps"
@@ -170,6 +172,8 @@ class RankRun:
     checkpointer: Checkpointer
     control: ControlChannel
     signals: StopSignals
+    # train.on_nonfinite: judges each step's loss and gradient norm on every rank together
+    guard: NonFiniteGuard
     # train.sample_prompts: answered at each evaluation (None: no prompts)
     sampler: Any = None
 
@@ -202,7 +206,13 @@ def train(run_dir: Path) -> int:
     batcher.flatten_packed = "flash" in str(getattr(model.config, "_attn_implementation", ""))
     # counted before the engine shards anything (ZeRO-3 partitions keep the full size in ds_numel)
     parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    guard = NonFiniteGuard(
+        config.train.on_nonfinite, config.train.max_skipped_steps, accelerator, plan.mixed_precision
+    )
+    guard.install_fault(model)
     engine = build_engine(plan, config, accelerator, model, total_steps, run_dir)
+    if isinstance(engine, AccelerateEngine):
+        engine.guard = guard  # judges before the update; the pipeline is judged after its step
     for line in getattr(engine, "layout_lines", lambda: [])():
         say(f"[dplaunch] {line}")
     checkpointer = Checkpointer(
@@ -216,7 +226,16 @@ def train(run_dir: Path) -> int:
         write_model_files=_model_files_writer(model, tokenizer),
     )
     start_step = _resume(checkpointer, resume, batcher, say)
-    metrics = MetricsWriter(run_dir, enabled=place.is_main)
+    metrics = MetricsWriter(
+        run_dir,
+        enabled=place.is_main,
+        tensorboard="tensorboard" in config.train.report_to,
+        trackers=(
+            open_trackers(config.train.report_to, run_dir, config.model_dump(mode="json"))
+            if place.is_main
+            else None
+        ),
+    )
     metrics.write(
         "header",
         **plan.header(),
@@ -252,12 +271,22 @@ def train(run_dir: Path) -> int:
         checkpointer=checkpointer,
         control=control,
         signals=signals,
+        guard=guard,
         sampler=sampler,
     )
 
     if config.train.eval_every and eval_batcher is not None and resume is None:
         _evaluate(run, 0)
     step, stop_reason = _run_steps(run, start_step)
+    if stop_reason is not None and guard.stop_reason is not None:
+        # nothing of the bad step is saved: the newest checkpoint is the last good one
+        good = checkpointer.last_saved_path or "none"
+        metrics.write("stop", step=step, reason=stop_reason, checkpoint=str(good))
+        checkpointer.write_stop_record(step, stop_reason, good, EXIT_NONFINITE)
+        say(f"[dplaunch] stopped: {stop_reason}; the last good checkpoint is {good}")
+        metrics.close()
+        accelerator.end_training()
+        return 0
     if stop_reason is not None:
         return _stop_early(run, step, stop_reason)
 
@@ -460,7 +489,7 @@ def _run_steps(run: RankRun, start_step: int) -> tuple[int, str | None]:
     """Train from start_step; return (the step reached, why it stopped early or None)."""
     engine, batcher, eval_batcher, metrics = run.engine, run.batcher, run.eval_batcher, run.metrics
     accelerator, place, say, total_steps = run.accelerator, run.place, run.say, run.total_steps
-    checkpointer, control, signals = run.checkpointer, run.control, run.signals
+    checkpointer, control, signals, guard = run.checkpointer, run.control, run.signals, run.guard
     train = run.config.train
     device = accelerator.device
     # losses and token counts stay on the device between log steps: no host sync per micro-step
@@ -485,15 +514,29 @@ def _run_steps(run: RankRun, start_step: int) -> tuple[int, str | None]:
         epoch, in_epoch = divmod(step, batcher.steps_per_epoch)
         if epoch != order_epoch:
             order_epoch, order = epoch, batcher.epoch_order(epoch)
+        if guard.omits(step + 1):  # the test hook's reference run
+            step += 1
+            continue
         micro_batches = batcher.step_micro_batches(order, in_epoch)
         step_lr = engine.current_lr()  # the step's own (the scheduler then moves to the next)
+        guard.begin(step + 1)
         loss = engine.train_step(micro_batches)
-        interval[0] += loss
+        if guard.enabled and not isinstance(engine, AccelerateEngine):
+            guard.judge(loss, None, (), engine.engine)  # the pipeline: DeepSpeed has stepped
         if place.counts_tokens:
             interval[1] += sum(batch_tokens(b) for b in micro_batches)
-        interval_steps += 1
         step += 1
-        if step % train.log_every == 0 or step == total_steps:
+        stopping = guard.verdict()
+        if guard.event is None:
+            interval[0] += loss
+            interval_steps += 1
+        elif stopping is None:  # a skipped update's loss is no training loss
+            metrics.write("skipped", step=step, reason=guard.event.describe())
+            say(f"[dplaunch] {guard.event.describe()}: update skipped on every rank")
+        if stopping is not None:
+            guard.stop_reason = stopping
+            return step, stopping
+        if interval_steps and (step % train.log_every == 0 or step == total_steps):
             totals = accelerator.reduce(interval.clone(), reduction="sum")
             now = time.perf_counter()
             record = {
@@ -531,6 +574,7 @@ def _run_steps(run: RankRun, start_step: int) -> tuple[int, str | None]:
         step=step,
         wall_s=round(time.time() - metrics.start, 3),
         restarts=restarts_so_far(),
+        **({"skipped_steps": guard.skipped_total} if guard.skipped_total else {}),
     )
     return step, None
 

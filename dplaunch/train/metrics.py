@@ -155,8 +155,17 @@ class MetricsWriter:
     logged before it is ready are replayed to it. metrics.jsonl is written at once, line by line.
     """
 
-    def __init__(self, run_dir: Path, enabled: bool):
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        *,
+        tensorboard: bool = True,
+        trackers: list[Any] | None = None,
+    ):
         self.enabled = enabled
+        # Accelerate trackers (train.report_to: wandb, mlflow, trackio), given the same scalars
+        self.trackers = trackers or []
         self.start = time.time()
         self._file = None
         self._board: Any = None
@@ -169,6 +178,9 @@ class MetricsWriter:
         if not enabled:
             return
         self._file = (run_dir / METRICS_FILE).open("a", buffering=1)
+        if not tensorboard:
+            self._board_opened = True
+            return
         self._opener = threading.Thread(
             target=self._open_board,
             args=(run_dir / TENSORBOARD_DIR,),
@@ -207,6 +219,8 @@ class MetricsWriter:
             for name, value in fields.items()
             if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
         ]
+        for tracker in self.trackers if scalars else ():
+            tracker.log({tag: value for tag, value, _ in scalars}, step=fields["step"])
         with self._lock:
             self._raise_board_error()
             if not self._board_opened:
@@ -234,6 +248,9 @@ class MetricsWriter:
             self._file.close()
         if self._board is not None:
             self._board.close()
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
         self._raise_board_error()
 
     def _raise_board_error(self) -> None:
