@@ -23,7 +23,10 @@ from typing import Any
 
 from dplaunch.errors import UserError
 from dplaunch.planning.model_facts import ModelFacts, attention_implementation
-from dplaunch.rendering.deepspeed_config import BUCKET_SIZE
+
+# DeepSpeed's reduce and all-gather buckets, in elements, as deepspeed.json sets them (rendering)
+# and the estimate counts them: 200M keeps all-reduces efficient and fits a 24 GB card
+BUCKET_SIZE = 200_000_000
 
 GIB = 2**30
 

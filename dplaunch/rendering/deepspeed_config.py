@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from dplaunch.planning.estimate import BUCKET_SIZE
 from dplaunch.planning.plan import Plan
-
-# 200M elements: large enough to keep all-reduces efficient, small enough for a 24 GB card
-BUCKET_SIZE = 200_000_000
 
 
 def deepspeed_batch_world(plan: Plan) -> int:
