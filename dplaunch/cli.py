@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
+from dplaunch.config.flags import PLAN_PANEL, RUN_FLAGS, flag_option
 from dplaunch.errors import EXIT_USER_ERROR, UserError
 
 try:  # newer typer (0.29) ships its own copy of click
@@ -31,16 +32,6 @@ app = typer.Typer(
 )
 
 
-class Offload(str, Enum):
-    none = "none"
-    optimizer = "optimizer"
-    all = "all"
-
-
-class ParallelChoice(str, Enum):
-    auto = "auto"
-
-
 class Framework(str, Enum):
     # launching.frameworks.FRAMEWORKS; auto: what the script imports
     auto = "auto"
@@ -49,15 +40,22 @@ class Framework(str, Enum):
     horovod = "horovod"
 
 
-class Precision(str, Enum):
-    no = "no"
-    fp16 = "fp16"
-    bf16 = "bf16"
+def flag_annotation(name: str, *, help: str | None = None, panel: str | None = None) -> Any:
+    """A run flag of config/flags.py as a typer option (`help`/`panel` for a command's own wording)."""
+    flag = RUN_FLAGS[name]
+    names = [flag_option(name), *([flag.short] if flag.short else [])]
+    if isinstance(flag.kind, tuple):
+        value_type: Any = Enum(name, {value: value for value in flag.kind}, type=str)
+    else:
+        value_type = flag.kind
+    low, high = flag.bounds or (None, None)
+    option = typer.Option(
+        *names, help=help or flag.help, rich_help_panel=panel or flag.panel, min=low, max=high
+    )
+    return Annotated[value_type if value_type is bool else value_type | None, option]
 
 
-_PLAN = "Plan"
-_BATCH = "Batch"
-# the flags every planning command shares, declared once; `with_run_flags` adds them to a command
+# the flags every planning command shares; `with_run_flags` adds them to a command
 RUN_FLAG_PARAMETERS: dict[str, tuple[Any, Any]] = {
     "config": (
         Annotated[
@@ -69,176 +67,10 @@ RUN_FLAG_PARAMETERS: dict[str, tuple[Any, Any]] = {
         ],
         None,
     ),
-    "gpus": (
-        Annotated[
-            int | None,
-            typer.Option(
-                "--gpus",
-                help="Total GPUs (ranks). Without GPUs: that many CPU ranks.",
-                rich_help_panel=_PLAN,
-            ),
-        ],
-        None,
-    ),
-    "cpu": (
-        Annotated[
-            bool,
-            typer.Option(
-                "--cpu",
-                help="Run ranks on CPU (gloo) even when GPUs are visible.",
-                rich_help_panel=_PLAN,
-            ),
-        ],
-        False,
-    ),
-    "nodes": (
-        Annotated[
-            int | None, typer.Option("--nodes", help="Number of nodes.", rich_help_panel=_PLAN)
-        ],
-        None,
-    ),
-    "gpus_per_node": (
-        Annotated[
-            int | None,
-            typer.Option(
-                "--gpus-per-node", help="GPUs per node (default gpus/nodes).", rich_help_panel=_PLAN
-            ),
-        ],
-        None,
-    ),
-    "node_rank": (
-        Annotated[
-            int | None,
-            typer.Option(
-                "--node-rank",
-                help="This node's rank (multi-node without SLURM).",
-                rich_help_panel=_PLAN,
-            ),
-        ],
-        None,
-    ),
-    "master_addr": (
-        Annotated[
-            str | None,
-            typer.Option(
-                "--master-addr", help="Head node address for the rendezvous.", rich_help_panel=_PLAN
-            ),
-        ],
-        None,
-    ),
-    "master_port": (
-        Annotated[
-            int | None,
-            typer.Option("--master-port", help="Rendezvous port.", rich_help_panel=_PLAN),
-        ],
-        None,
-    ),
-    "max_restarts": (
-        Annotated[
-            int | None,
-            typer.Option(
-                "--max-restarts",
-                help="Restart every rank from the newest checkpoint after a failure, up to N times (default 0).",
-                rich_help_panel=_PLAN,
-            ),
-        ],
-        None,
-    ),
-    "hostfile": (
-        Annotated[
-            str | None,
-            typer.Option(
-                "--hostfile",
-                help="DeepSpeed hostfile ('host slots=G'): launch all nodes from here.",
-                rich_help_panel=_PLAN,
-            ),
-        ],
-        None,
-    ),
-    "zero": (
-        Annotated[
-            int | None,
-            typer.Option(
-                "--zero",
-                min=0,
-                max=3,
-                help="DeepSpeed ZeRO stage (0 = plain DDP).",
-                rich_help_panel=_PLAN,
-            ),
-        ],
-        None,
-    ),
-    "offload": (
-        Annotated[
-            Offload | None,
-            typer.Option("--offload", help="ZeRO CPU offload.", rich_help_panel=_PLAN),
-        ],
-        None,
-    ),
-    "tp": (
-        Annotated[
-            int | None,
-            typer.Option(
-                "--tp", help="Tensor-parallel degree (DeepSpeed AutoTP).", rich_help_panel=_PLAN
-            ),
-        ],
-        None,
-    ),
-    "pp": (
-        Annotated[
-            int | None,
-            typer.Option("--pp", help="Pipeline-parallel degree.", rich_help_panel=_PLAN),
-        ],
-        None,
-    ),
-    "global_batch": (
-        Annotated[
-            int | None,
-            typer.Option(
-                "--global-batch",
-                help="Samples per optimizer step over all ranks.",
-                rich_help_panel=_BATCH,
-            ),
-        ],
-        None,
-    ),
-    "micro_batch": (
-        Annotated[
-            int | None,
-            typer.Option(
-                "--micro-batch", help="Samples per forward pass per rank.", rich_help_panel=_BATCH
-            ),
-        ],
-        None,
-    ),
-    "max_steps": (
-        Annotated[
-            int | None, typer.Option("--max-steps", help="Optimizer steps.", rich_help_panel=_BATCH)
-        ],
-        None,
-    ),
-    "mixed_precision": (
-        Annotated[
-            Precision | None,
-            typer.Option("--mixed-precision", help="no, fp16 or bf16.", rich_help_panel=_BATCH),
-        ],
-        None,
-    ),
-    "parallel": (
-        Annotated[
-            ParallelChoice | None,
-            typer.Option(
-                "--parallel",
-                help="'auto': run the plan `dplaunch plan` recommends (ZeRO/offload/tp/pp).",
-                rich_help_panel=_PLAN,
-            ),
-        ],
-        None,
-    ),
-    "output_dir": (
-        Annotated[str | None, typer.Option("--output-dir", "-o", help="Run directory.")],
-        None,
-    ),
+    **{
+        name: (flag_annotation(name), False if flag.kind is bool else None)
+        for name, flag in RUN_FLAGS.items()
+    },
     "assignments": (
         Annotated[
             list[str] | None,
@@ -299,9 +131,9 @@ def with_run_flags(command: Any = None, *, config_option: bool = False) -> Any:
                 "--gpus", f"{values['gpus']} CPU ranks requested", "give --gpus 1 or more"
             )
         values["assignments"] = values["assignments"] or []
-        for name in ("offload", "mixed_precision", "parallel"):
-            if values[name] is not None:
-                values[name] = values[name].value
+        for name, value in values.items():
+            if isinstance(value, Enum):
+                values[name] = value.value
         return command(flags=RunFlags(**values), **kwargs)
 
     parameters = [
@@ -421,38 +253,23 @@ def plan(
             "--model", help="Instead of a run file: hub id, model folder or config.json path."
         ),
     ] = None,
-    gpus: Annotated[
-        int | None, typer.Option("--gpus", help="Total GPUs to plan for.", rich_help_panel=_PLAN)
-    ] = None,
-    nodes: Annotated[
-        int | None, typer.Option("--nodes", help="Number of nodes.", rich_help_panel=_PLAN)
-    ] = None,
-    gpus_per_node: Annotated[
-        int | None,
-        typer.Option(
-            "--gpus-per-node", help="GPUs per node (default gpus/nodes).", rich_help_panel=_PLAN
-        ),
-    ] = None,
+    gpus: flag_annotation("gpus", help="Total GPUs to plan for.") = None,
+    nodes: flag_annotation("nodes") = None,
+    gpus_per_node: flag_annotation("gpus_per_node") = None,
     gpu_memory: Annotated[
         float | None,
         typer.Option(
             "--gpu-memory",
             help="GiB of one GPU (default: launch.gpu_memory_gb, else nvidia-smi).",
-            rich_help_panel=_PLAN,
+            rich_help_panel=PLAN_PANEL,
         ),
     ] = None,
-    micro_batch: Annotated[
-        int | None,
-        typer.Option(
-            "--micro-batch", help="Samples per forward pass per GPU.", rich_help_panel=_WORKLOAD
-        ),
-    ] = None,
-    global_batch: Annotated[
-        int | None,
-        typer.Option(
-            "--global-batch", help="Samples per optimizer step.", rich_help_panel=_WORKLOAD
-        ),
-    ] = None,
+    micro_batch: flag_annotation(
+        "micro_batch", help="Samples per forward pass per GPU.", panel=_WORKLOAD
+    ) = None,
+    global_batch: flag_annotation(
+        "global_batch", help="Samples per optimizer step.", panel=_WORKLOAD
+    ) = None,
     seq_len: Annotated[
         int | None,
         typer.Option(
@@ -461,14 +278,9 @@ def plan(
             rich_help_panel=_WORKLOAD,
         ),
     ] = None,
-    mixed_precision: Annotated[
-        Precision | None,
-        typer.Option(
-            "--mixed-precision",
-            help="no, fp16 or bf16 (--model default: bf16).",
-            rich_help_panel=_WORKLOAD,
-        ),
-    ] = None,
+    mixed_precision: flag_annotation(
+        "mixed_precision", help="no, fp16 or bf16 (--model default: bf16).", panel=_WORKLOAD
+    ) = None,
     activation_checkpointing: Annotated[
         bool,
         typer.Option(

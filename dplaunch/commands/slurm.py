@@ -20,6 +20,7 @@ from pathlib import Path
 import typer
 
 from dplaunch.cluster.slurm import SINFO_FORMAT, node_shape, parse_sinfo_nodes, srun_argv
+from dplaunch.config.flags import flag_option
 from dplaunch.config.load import load_run_config
 from dplaunch.config.schema import LaunchConfig
 from dplaunch.errors import UserError
@@ -394,7 +395,7 @@ def train_command(
         value = getattr(flags, name)
         if name in DECIDED_IN_JOB or value is None or value is False:
             continue
-        option = "--" + name.replace("_", "-")
+        option = flag_option(name)
         command += [option] if value is True else [option, str(value)]
     for assignment in flags.assignments:
         command += ["--set", assignment]
@@ -404,7 +405,7 @@ def train_command(
 def _refuse_flags_slurm_decides(flags: RunFlags) -> None:
     for name in ("node_rank", "master_addr", "master_port", "hostfile"):
         if getattr(flags, name) is not None:
-            option = "--" + name.replace("_", "-")
+            option = flag_option(name)
             raise UserError(
                 option,
                 "SLURM decides it inside the job (node list, SLURM_NODEID, job id)",

@@ -1,4 +1,4 @@
-"""The run-file reference (docs/reference.md), generated from the schema's fields and the CLI's flags.
+"""The run-file reference (docs/reference.md), generated from the schema's fields and config/flags.py.
 
 The schema (`dplaunch/config/schema.py`) declares every key once, with its type, default and
 description; this module only formats them, so the manual cannot drift from what `dplaunch` reads.
@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from dplaunch.config.flags import RUN_FLAGS, flag_option
 from dplaunch.config.schema import RunConfig
 
 # the sections of a run file, in the order a run file is usually written
@@ -78,18 +79,11 @@ def default_text(field: FieldInfo) -> str:
 
 
 def flag_names() -> dict[str, str]:
-    """Dotted run-file key → the flag that sets it (`--gpus`), from the commands' shared flags."""
-    from dplaunch.cli import RUN_FLAG_PARAMETERS
-    from dplaunch.launching.prepare import FLAG_KEYS
-
-    flags = {}
-    for name, key in FLAG_KEYS.items():
-        option = RUN_FLAG_PARAMETERS[name][0].__metadata__[0]
-        # typer keeps an Annotated option's first name as its `default`, the rest as param_decls
-        names = [option.default, *option.param_decls]
-        flag = next(name for name in names if isinstance(name, str) and name.startswith("--"))
-        flags["parallel.auto" if key == "parallel" else key] = flag
-    return flags
+    """Dotted run-file key → the flag that sets it (`--gpus`), from config/flags.py."""
+    return {
+        "parallel.auto" if flag.key == "parallel" else flag.key: flag_option(name)
+        for name, flag in RUN_FLAGS.items()
+    }
 
 
 def _rows(section: str, model: type[BaseModel], flags: dict[str, str]) -> list[str]:

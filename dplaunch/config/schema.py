@@ -9,12 +9,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from dplaunch.config.flags import MixedPrecision, Offload
+
 Task = Literal["causal-lm", "sequence-classification", "sft"]
 # tasks that train a causal LM (sft: on formatted examples, the loss on their answers)
 CAUSAL_TASKS = ("causal-lm", "sft")
 SftFormat = Literal["conversational", "prompt-completion", "text"]
-MixedPrecision = Literal["no", "fp16", "bf16"]
-Offload = Literal["none", "optimizer", "all"]
 # attention kernels transformers runs (from_pretrained/from_config attn_implementation)
 AttentionImplementation = Literal[
     "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"

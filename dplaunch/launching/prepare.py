@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, make_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from dplaunch.cluster.slurm import (
     launch_for_allocation,
     rank_threads,
 )
+from dplaunch.config.flags import RUN_FLAGS, RunFlag, flag_keys
 from dplaunch.config.load import dump_run_config, load_run_config
 from dplaunch.config.schema import LaunchConfig, ModelConfig, RunConfig, ScriptRunConfig
 from dplaunch.config.trackers import check_trackers_installed
@@ -59,63 +60,18 @@ from dplaunch.run_directory.layout import DEEPSPEED_FILE, ERRORS_DIR, PLAN_FILE,
 # seconds a host name may take to resolve before the check gives up (and lets the launch try)
 MASTER_ADDR_RESOLVE_SECONDS = 5.0
 
-# flag name → dotted key in the run file
-FLAG_KEYS = {
-    "gpus": "launch.gpus",
-    "cpu": "launch.cpu",
-    "nodes": "launch.nodes",
-    "gpus_per_node": "launch.gpus_per_node",
-    "node_rank": "launch.node_rank",
-    "master_addr": "launch.master_addr",
-    "master_port": "launch.master_port",
-    "hostfile": "launch.hostfile",
-    "max_restarts": "launch.max_restarts",
-    "zero": "parallel.zero_stage",
-    "offload": "parallel.offload",
-    "tp": "parallel.tp",
-    "pp": "parallel.pp",
-    "global_batch": "train.global_batch_size",
-    "micro_batch": "train.micro_batch_size",
-    "max_steps": "train.max_steps",
-    "mixed_precision": "train.mixed_precision",
-    "parallel": "parallel",
-    "output_dir": "output_dir",
-}
+# flag name → dotted key in the run file (declared in config/flags.py)
+FLAG_KEYS = flag_keys()
 
 
-@dataclass
-class RunFlags:
-    """The flags `train`, `config`, `launch`, `slurm` and `plan` share (None = not given)."""
-
-    config: Path | None = None
-    assignments: list[str] = field(default_factory=list)
-    gpus: int | None = None
-    cpu: bool | None = None
-    nodes: int | None = None
-    gpus_per_node: int | None = None
-    node_rank: int | None = None
-    master_addr: str | None = None
-    master_port: int | None = None
-    hostfile: str | None = None
-    max_restarts: int | None = None
-    zero: int | None = None
-    offload: str | None = None
-    tp: int | None = None
-    pp: int | None = None
-    global_batch: int | None = None
-    micro_batch: int | None = None
-    max_steps: int | None = None
-    mixed_precision: str | None = None
-    parallel: str | None = None
-    output_dir: str | None = None
-
+class _RunFlagsBase:
     def overrides(self) -> dict[str, Any]:
         """Flags that were given, as dotted run-file keys."""
         given = {name: getattr(self, name) for name in FLAG_KEYS}
         chosen = [
             f"--{name}" for name in ("zero", "offload", "tp", "pp") if given[name] is not None
         ]
-        if self.parallel == "auto" and chosen:
+        if given["parallel"] == "auto" and chosen:
             raise UserError(
                 "--parallel",
                 f"auto picks the ZeRO stage, offload, tp and pp itself, but {' '.join(chosen)} was given",
@@ -127,6 +83,28 @@ class RunFlags:
             for name, value in given.items()
             if value is not None and value is not False
         }
+
+
+def _flag_type(flag: RunFlag) -> Any:
+    # a choice arrives as its string value
+    return (flag.kind if isinstance(flag.kind, type) else str) | None
+
+
+# the flags `train`, `config`, `launch`, `slurm` and `plan` share (None = not given): the run
+# file, the --set assignments, and one attribute per row of RUN_FLAGS
+RunFlags = make_dataclass(
+    "RunFlags",
+    [
+        ("config", Path | None, None),
+        ("assignments", list[str], field(default_factory=list)),
+        *((name, _flag_type(flag), None) for name, flag in RUN_FLAGS.items()),
+    ],
+    bases=(_RunFlagsBase,),
+    namespace={
+        "__module__": __name__,
+        "__doc__": "The flags `train`, `config`, `launch`, `slurm` and `plan` share (None = not given).",
+    },
+)
 
 
 @dataclass
