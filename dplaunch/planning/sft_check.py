@@ -205,7 +205,7 @@ class _LaunchTokenizer:
         model = config.model
         name = model.tokenizer or model.name_or_path or ""
         if name == BYTE_LEVEL:
-            from dplaunch.train.tokenizer import byte_level_core
+            from dplaunch.planning.byte_level import byte_level_core
 
             return cls(name, None, dict(_BYTE_LEVEL_SPECIAL), _encoder(byte_level_core()))
         settings_file = find_model_file(
