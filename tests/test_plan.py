@@ -122,6 +122,56 @@ def test_impossible_mesh_is_refused():
         Mesh.for_world(6, tp=4)
 
 
+LLAMA_6_LAYERS = ModelFacts.from_config_dict(
+    {**LLAMA.raw, "num_hidden_layers": 6, "num_key_value_heads": 4}
+)
+
+
+def test_tp_4_on_two_nodes_of_6_gpus_is_refused_because_a_tp_group_would_span_both():
+    # ranks 4-7 would form a tensor-parallel group on node 0 (ranks 0-5) and node 1
+    with pytest.raises(UserError, match="does not divide the 6 GPUs of a node"):
+        plan_for(
+            gpus=12, nodes=2, render_only=True, tp=4, global_batch_size=48, model=LLAMA_6_LAYERS
+        )
+
+
+@pytest.mark.parametrize(
+    "gpus, nodes, task",
+    [(12, 2, "causal-lm"), (4, 1, "causal-lm"), (4, 1, "sft"), (4, 1, "sequence-classification")],
+)
+def test_the_plan_and_the_plan_table_allow_the_same_tp_and_pp(gpus, nodes, task):
+    """6 layers on 4 stages and pipelined SFT run; tp 4 on nodes of 6 GPUs does not: both agree."""
+    from dplaunch.planning.candidates import candidate_plans
+
+    table = candidate_plans(
+        LLAMA_6_LAYERS,
+        gpus=gpus,
+        gpus_per_node=gpus // nodes,
+        gpu_memory_gb=80,
+        micro_batch=1,
+        seq_len=64,
+        mixed_precision="bf16",
+        task=task,
+    )
+    listed = {(c.tp, c.pp) for c in table}
+    for tp in (1, 2, 4, 8):
+        for pp in (1, 2, 4):
+            try:
+                make_plan(
+                    LaunchConfig(gpus=gpus, nodes=nodes),
+                    ParallelConfig(tp=tp, pp=pp),
+                    TrainConfig(global_batch_size=48),
+                    Machine(render_only=True),
+                    LLAMA_6_LAYERS,
+                    task=task,
+                )
+                planned = True
+            except UserError:
+                planned = False
+            assert planned == ((tp, pp) in listed), (tp, pp)
+    assert ((1, 4) in listed) == (gpus % 4 == 0 and task != "sequence-classification")
+
+
 def test_tp_must_divide_the_kv_heads():
     with pytest.raises(UserError, match="2 KV heads"):
         plan_for(gpus=4, visible=4, tp=4, model=LLAMA)

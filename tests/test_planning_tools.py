@@ -3,6 +3,7 @@ and the memory estimate checked against what real ranks hold."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -250,6 +251,28 @@ def test_auto_only_picks_a_layout_that_can_split_the_global_batch(tmp_path):
     choice = resolve_auto_parallel(config, ModelFacts.from_config_dict(LLAMA_7B), Machine())
     assert 16 // (choice.parallel.tp * choice.parallel.pp) <= 4
     assert any(c.fits and c.dp == 16 for c in choice.candidates)  # would have fitted
+
+
+def test_auto_pipelines_an_sft_run_only_when_the_pipeline_can_take_its_examples(tmp_path):
+    # one KV head: no tp; 2 GPUs of 252 GB: only pp 2 fits without offload. Packed SFT examples
+    # are refused with pp > 1 (sft_check), so auto falls back to a data-parallel plan with offload
+    from dplaunch.planning.auto import plan_candidates, run_workload
+
+    path = llama_7b_run_file(tmp_path / "7b.yaml")
+    for packing in (False, True):
+        config = run_config(path, "model.task=sft", f"data.packing={str(packing).lower()}")
+        workload = run_workload(config)
+        assert workload.pipeline is not packing
+        workload = dataclasses.replace(workload, micro_batch=8, seq_len=4096)
+        table = plan_candidates(
+            ModelFacts.from_config_dict({**LLAMA_7B, "num_key_value_heads": 1}),
+            workload,
+            gpus=2,
+            gpus_per_node=2,
+            gpu_memory_gb=252,
+        )
+        picked = next(c for c in table if c.recommended)
+        assert (picked.pp, picked.offload == "none") == ((1, False) if packing else (2, True))
 
 
 def test_auto_dry_run_runs_the_recommended_plan_and_prints_why(tmp_path):

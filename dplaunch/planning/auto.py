@@ -66,14 +66,21 @@ def run_workload(config: RunConfig) -> Workload:
         global_batch_size=config.train.global_batch_size,
         fixed_micro_batch=config.train.micro_batch_size,
         attn_implementation=config.model.attn_implementation,
+        pipeline=not (
+            config.model.task == "sft" and (config.data.packing or config.train.sample_prompts)
+        ),
     )
 
 
-def _splits_the_batch(workload: Workload) -> Callable[[Candidate], bool] | None:
-    if workload.global_batch_size is None:
+def _runs_as_configured(workload: Workload) -> Callable[[Candidate], bool] | None:
+    if workload.global_batch_size is None and workload.pipeline:
         return None
 
     def feasible(candidate: Candidate) -> bool:
+        if candidate.pp > 1 and not workload.pipeline:
+            return False
+        if workload.global_batch_size is None:
+            return True
         try:
             batch_math(workload.global_batch_size, workload.fixed_micro_batch, candidate.dp)
         except UserError:
@@ -92,7 +99,8 @@ def plan_candidates(
     gpu_memory_gb: float,
     safety_margin: float = 0.1,
 ) -> list[Candidate]:
-    """The plan table for this model and workload; layouts that cannot split the batch are not picked."""
+    """The plan table for this model and workload; layouts that cannot split the batch, or pipeline
+    a run whose data the pipeline cannot take, are not picked."""
     return candidate_plans(
         facts,
         gpus=gpus,
@@ -106,7 +114,7 @@ def plan_candidates(
         task=workload.task,
         num_labels=workload.num_labels,
         global_batch_size=workload.global_batch_size,
-        feasible=_splits_the_batch(workload),
+        feasible=_runs_as_configured(workload),
         attn_implementation=workload.attn_implementation,
     )
 

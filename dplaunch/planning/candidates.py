@@ -17,7 +17,7 @@ How one plan is recommended (among those that fit; ``_rank`` is the code):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from dplaunch.errors import UserError
 from dplaunch.planning.estimate import (
@@ -28,7 +28,8 @@ from dplaunch.planning.estimate import (
     estimate_communication,
     estimate_memory,
 )
-from dplaunch.planning.model_facts import AUTOTP_FAMILIES, PIPELINE_FAMILIES, ModelFacts
+from dplaunch.planning.model_facts import ModelFacts
+from dplaunch.planning.rules import ParallelDims
 
 TP_DEGREES = (1, 2, 4, 8)
 OFFLOAD_RANK = {"none": 0, "optimizer": 1, "all": 2}
@@ -110,6 +111,9 @@ class Workload:
     fixed_micro_batch: int | None = None
     # model.attn_implementation; None = what transformers picks (attention_implementation)
     attn_implementation: str | None = None
+    # False: the run's data rules out the pipeline engine (sft_check refuses packed SFT examples and
+    # sample prompts with pp > 1), so no pp layout is recommended for it
+    pipeline: bool = True
 
 
 def workload_memory(
@@ -155,47 +159,26 @@ def _powers_of_two(limit: int) -> list[int]:
     return degrees
 
 
-def _layouts(facts: ModelFacts, count, gpus: int, gpus_per_node: int, task: str):
-    """(tp, pp) pairs DeepSpeed can run for this model on this many GPUs."""
-    can_tp = facts.model_type in AUTOTP_FAMILIES
-    can_pp = facts.model_type in PIPELINE_FAMILIES and task == "causal-lm"
-    tps = [
-        tp
-        for tp in TP_DEGREES
-        if tp == 1
-        or (
-            can_tp
-            and count.num_heads % tp == 0
-            and count.num_kv_heads % tp == 0
-            and gpus_per_node % tp == 0
-        )
-    ]
-    pps = [
-        pp
-        for pp in _powers_of_two(count.num_layers)
-        if pp == 1 or (can_pp and count.num_layers % pp == 0)
-    ]
-    for tp in tps:
-        for pp in pps:
-            # DeepSpeed's AutoTP does not compose with its pipeline engine (plan.py refuses it)
-            if gpus % (tp * pp) == 0 and (tp == 1 or pp == 1):
+def _layouts(facts: ModelFacts, gpus: int, gpus_per_node: int, task: str):
+    """(tp, pp) pairs the rules (planning/rules.py) allow for this model on this many GPUs."""
+    for tp in TP_DEGREES:
+        for pp in _powers_of_two(facts.num_layers):
+            if ParallelDims(gpus, gpus_per_node, tp, pp).allowed(facts, task):
                 yield tp, pp
 
 
-def _stages_and_offloads(tp: int, pp: int, dp: int):
-    """ZeRO stage / offload pairs allowed with this layout: PP with ZeRO ≤ 1, TP with ZeRO ≤ 2.
+def _stages_and_offloads(dims: ParallelDims):
+    """ZeRO stage / offload pairs the rules allow with this layout (PP with ZeRO ≤ 1, TP with ≤ 2).
 
     With a single data-parallel rank ZeRO partitions nothing, so its rows without offload would
     repeat stage 0's numbers; they are left out.
     """
-    top = 1 if pp > 1 else 2 if tp > 1 else 3
-    for stage in range(top + 1):
-        if stage == 0 or dp > 1:
-            yield stage, "none"
-        if stage >= 1:
-            yield stage, "optimizer"
-        if stage == 3:
-            yield stage, "all"
+    for stage in range(4):
+        for offload in OFFLOAD_RANK:
+            if offload == "none" and stage > 0 and dims.dp == 1:
+                continue
+            if replace(dims, zero_stage=stage, offload=offload).allowed():
+                yield stage, offload
 
 
 def candidate_plans(
@@ -244,12 +227,13 @@ def candidate_plans(
         attn_implementation=attn_implementation,
     )
     candidates: list[Candidate] = []
-    for tp, pp in _layouts(facts, count, gpus, gpus_per_node, task):
-        dp = gpus // (tp * pp)
+    for tp, pp in _layouts(facts, gpus, gpus_per_node, task):
+        dims = ParallelDims(gpus, gpus_per_node, tp, pp)
+        dp = dims.dp
         steps = None
         if global_batch_size is not None:
             steps = max(1, -(-global_batch_size // (micro_batch * dp)))
-        for stage, offload in _stages_and_offloads(tp, pp, dp):
+        for stage, offload in _stages_and_offloads(dims):
             shape = dict(
                 dp=dp,
                 tp=tp,

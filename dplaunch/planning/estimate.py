@@ -23,6 +23,7 @@ from typing import Any
 
 from dplaunch.errors import UserError
 from dplaunch.planning.model_facts import ModelFacts, attention_implementation
+from dplaunch.planning.rules import check_offload, check_pipeline_depth
 
 # DeepSpeed's reduce and all-gather buckets, in elements, as deepspeed.json sets them (rendering)
 # and the estimate counts them: 200M keeps all-reduces efficient and fits a 24 GB card
@@ -518,14 +519,7 @@ def model_state_bytes(
         raise UserError(
             "parallel.offload", f"unknown value {offload!r}", "use none, optimizer or all"
         )
-    if offload != "none" and zero_stage == 0:
-        raise UserError(
-            "parallel.offload", "CPU offload needs ZeRO", "set parallel.zero_stage 1, 2 or 3"
-        )
-    if offload == "all" and zero_stage != 3:
-        raise UserError(
-            "parallel.offload", "offloading parameters needs ZeRO-3", "use offload: optimizer"
-        )
+    check_offload(zero_stage, offload)
     w, g, k = _bytes_per_param(mixed_precision, zero_stage)
     weights = w * params / (dp if zero_stage >= 3 else 1)
     gradients = g * params / (dp if zero_stage >= 2 else 1)
@@ -641,10 +635,7 @@ def estimate_memory(
     if dp < 1 or tp < 1 or pp < 1:
         raise UserError("parallel", f"dp={dp}, tp={tp}, pp={pp}: every degree must be at least 1")
     count = count or count_parameters(facts, task, num_labels)
-    if pp > count.num_layers:
-        raise UserError(
-            "parallel.pp", f"{pp} stages for {count.num_layers} layers", "use pp ≤ layers"
-        )
+    check_pipeline_depth(pp, count.num_layers)
     implementation = attention_implementation(facts.model_type, attn_implementation)
     in_flight_cap = gradient_accumulation_steps if gradient_accumulation_steps else pp
     sixteen_bit = mixed_precision in ("bf16", "fp16")

@@ -1,15 +1,15 @@
 """The device mesh: world = dp × tp × pp, and which global ranks form each group.
 
 Rank layout (the one DeepSpeed's pipeline grid and AutoTP use): tp varies fastest, then dp,
-then pp — so a TP group is consecutive ranks (inside one node when tp ≤ GPUs per node), and the
-pipeline stage of rank r is r // (dp × tp).
+then pp — so a TP group is consecutive ranks (inside one node: planning/rules.py makes tp divide
+the GPUs per node), and the pipeline stage of rank r is r // (dp × tp).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dplaunch.errors import UserError
+from dplaunch.planning.rules import check_mesh
 
 
 @dataclass(frozen=True)
@@ -27,15 +27,7 @@ class Mesh:
     @classmethod
     def for_world(cls, world_size: int, tp: int = 1, pp: int = 1) -> Mesh:
         """Infer dp from the world size, refusing layouts that do not tile it."""
-        if tp < 1 or pp < 1:
-            raise UserError("parallel.tp/pp", "degrees must be at least 1", "use 1 to turn one off")
-        if world_size % (tp * pp) != 0:
-            raise UserError(
-                "parallel",
-                f"tp {tp} × pp {pp} = {tp * pp} does not divide {world_size} GPUs",
-                f"choose tp × pp among the divisors of {world_size}, or change --gpus",
-            )
-        return cls(world_size // (tp * pp), tp, pp)
+        return cls(check_mesh(world_size, tp, pp), tp, pp)
 
     def coordinates(self, rank: int) -> tuple[int, int, int]:
         """(pipeline stage, data-parallel rank, tensor-parallel rank) of a global rank."""

@@ -16,24 +16,6 @@ from dplaunch.config.schema import BYTE_LEVEL, ModelConfig
 from dplaunch.errors import UserError
 from dplaunch.planning.hub import hf_home, hub_offline, looks_like_path
 
-# families whose decoder DeepSpeed AutoTP knows how to split (its presets), by HF model_type
-AUTOTP_FAMILIES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "bloom",
-    "chatglm",
-    "mixtral",
-    "deepseek_v2",
-    "phi3",
-    "gpt2",
-    "gptj",
-    "opt",
-    "falcon",
-)
-# families dplaunch can cut into pipeline stages (dplaunch/train/pipeline.py)
-PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
 # families whose HF classes run SDPA (transformers 5 ``_supports_sdpa``, checked by
 # tests/test_estimate.py): transformers picks sdpa for them on CPU and GPU unless told otherwise
 SDPA_FAMILIES = (

@@ -10,10 +10,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dplaunch.config.schema import CAUSAL_TASKS, LaunchConfig, ParallelConfig, TrainConfig
+from dplaunch.config.schema import LaunchConfig, ParallelConfig, TrainConfig
 from dplaunch.errors import UserError
 from dplaunch.planning.mesh import Mesh
-from dplaunch.planning.model_facts import AUTOTP_FAMILIES, PIPELINE_FAMILIES, ModelFacts
+from dplaunch.planning.model_facts import ModelFacts
+from dplaunch.planning.rules import ParallelDims
 
 Target = Literal["gpu", "cpu"]
 Engine = Literal["ddp", "deepspeed", "pipeline"]
@@ -190,8 +191,11 @@ def make_plan(
         notes.append(
             "several nodes rendezvous at 127.0.0.1: pass --master-addr <head node> unless all run here"
         )
-    mesh = Mesh.for_world(total, parallel.tp, parallel.pp)
-    _check_parallel(parallel, mesh, per_node, model, task)
+    dims = ParallelDims(
+        total, per_node, parallel.tp, parallel.pp, parallel.zero_stage, parallel.offload
+    )
+    dims.check(model, task)
+    mesh = Mesh(dims.dp, dims.tp, dims.pp)
     if train.compile and (mesh.tensor_parallel_size > 1 or mesh.pipeline_parallel_size > 1):
         raise UserError(
             "train.compile",
@@ -284,81 +288,6 @@ def _nodes(launch: LaunchConfig, total: int) -> tuple[int, int]:
             f"use a GPU count that is a multiple of {nodes}",
         )
     return nodes, total // nodes
-
-
-def _check_parallel(
-    parallel: ParallelConfig, mesh: Mesh, per_node: int, model: ModelFacts | None, task: str
-) -> None:
-    stage, offload = parallel.zero_stage, parallel.offload
-    if offload == "optimizer" and stage == 0:
-        raise UserError("parallel.offload", "optimizer offload needs ZeRO", "add --zero 1, 2 or 3")
-    if offload == "all" and stage != 3:
-        raise UserError(
-            "parallel.offload",
-            "offloading parameters ('all') needs ZeRO-3",
-            "use --zero 3 or --offload optimizer",
-        )
-    tp, pp = mesh.tensor_parallel_size, mesh.pipeline_parallel_size
-    if pp > 1 and stage >= 2:
-        raise UserError(
-            "parallel.zero_stage",
-            f"ZeRO-{stage} cannot be combined with pipeline parallelism (DeepSpeed partitions "
-            "gradients across micro-batches that the pipeline still needs)",
-            "use --zero 0 or 1 with pp > 1",
-        )
-    if tp > 1 and stage == 3:
-        raise UserError(
-            "parallel.zero_stage",
-            "ZeRO-3 with tensor parallelism is experimental upstream and not supported by dplaunch",
-            "use --zero 0, 1 or 2 with tp > 1, or ZeRO-3 alone",
-        )
-    if tp > 1 and pp > 1:
-        raise UserError(
-            "parallel",
-            f"tp {tp} × pp {pp}: DeepSpeed's AutoTP does not compose with its pipeline engine",
-            "use tp with dp (and ZeRO ≤ 2), or pp with dp (and ZeRO ≤ 1)",
-        )
-    if tp > 1 and tp > per_node:
-        raise UserError(
-            "parallel.tp",
-            f"tp {tp} is larger than the {per_node} GPUs of a node",
-            "keep tensor parallelism inside a node (its all-reduces run every layer)",
-        )
-    if model is None:
-        return
-    if tp > 1:
-        if model.model_type not in AUTOTP_FAMILIES:
-            raise UserError(
-                "parallel.tp",
-                f"DeepSpeed AutoTP cannot split model type {model.model_type!r}",
-                f"use tp 1, or a family AutoTP supports: {', '.join(AUTOTP_FAMILIES)}",
-            )
-        for name, count in (("attention heads", model.num_heads), ("KV heads", model.num_kv_heads)):
-            if count % tp:
-                raise UserError(
-                    "parallel.tp",
-                    f"tp {tp} does not divide the model's {count} {name}",
-                    f"choose tp among the divisors of {count}",
-                )
-    if pp > 1:
-        if model.model_type not in PIPELINE_FAMILIES:
-            raise UserError(
-                "parallel.pp",
-                f"pipeline parallelism (pp>1) is not supported for {model.model_type!r}",
-                f"supported: {', '.join(PIPELINE_FAMILIES)}",
-            )
-        if pp > model.num_layers:
-            raise UserError(
-                "parallel.pp",
-                f"pp {pp} is more stages than the model's {model.num_layers} layers",
-                f"use pp ≤ {model.num_layers}",
-            )
-        if task not in CAUSAL_TASKS:
-            raise UserError(
-                "parallel.pp",
-                f"pipeline parallelism (pp {pp}) trains causal LMs only, and model.task is {task!r}",
-                "use --pp 1 (data parallelism, ZeRO or --tp for a large model), or model.task causal-lm",
-            )
 
 
 # a node's RAM the ranks may take at load before the plan says so

@@ -34,10 +34,11 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
-from dplaunch.config.schema import CAUSAL_TASKS
+from dplaunch.planning.rules import PIPELINE_FAMILIES, PIPELINE_TASKS
 from dplaunch.run_directory.layout import PIPELINE_TAG
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2")
+# the families the layers below can cut; the planner refuses others before launch
+SUPPORTED_MODEL_TYPES = PIPELINE_FAMILIES
 
 # key of the token embedding that the lm_head shares when the embeddings are tied
 TIED_EMBEDDING_KEY = "token_embedding"
@@ -544,7 +545,7 @@ def create_pipeline_engine(
     """
     from transformers import set_seed
 
-    if task not in CAUSAL_TASKS:
+    if task not in PIPELINE_TASKS:
         raise ValueError(f"pipeline parallelism (pp>1) supports task causal-lm only, not {task}")
     _check_supported(model.config.model_type)
     _check_config(ds_config, num_stages)
