@@ -156,9 +156,10 @@ def deepspeed_ops(names: tuple[str, ...] | None = RELEVANT_OPS) -> dict[str, Any
 
 
 def collect_environment(
-    env: Mapping[str, str] = os.environ, *, probe_ops: bool = True, all_ops: bool = False
+    env: Mapping[str, str] | None = None, *, probe_ops: bool = True, all_ops: bool = False
 ) -> dict[str, Any]:
     """Versions, GPUs, SLURM allocation, rendezvous port and DeepSpeed ops of this machine."""
+    env = os.environ if env is None else env
     versions: dict[str, str | None] = {"python": platform.python_version()}
     versions.update({package: _version(package) for package in PACKAGES})
     build = _torch_build() if versions["torch"] else {"cuda": None, "hip": None}

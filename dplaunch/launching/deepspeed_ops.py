@@ -94,8 +94,9 @@ def prebuilt_ops(accelerator: str) -> set[str]:
     return {name for name, built in installed.items() if built}
 
 
-def missing_build_tools(environ: Mapping[str, str] = os.environ) -> list[tuple[str, str]]:
+def missing_build_tools(environ: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
     """What a JIT build would miss here, each with its fix: [(what, how to get it)]."""
+    environ = os.environ if environ is None else environ
     path = environ.get("PATH", "")
     compiler = environ.get("CXX") or "c++"  # what torch's cpp_extension calls
     missing = []
@@ -108,8 +109,9 @@ def missing_build_tools(environ: Mapping[str, str] = os.environ) -> list[tuple[s
     return missing
 
 
-def check_ops_can_be_built(plan: Plan, environ: Mapping[str, str] = os.environ) -> None:
+def check_ops_can_be_built(plan: Plan, environ: Mapping[str, str] | None = None) -> None:
     """Refuse a plan whose ops are neither prebuilt, nor built already, nor buildable here."""
+    environ = os.environ if environ is None else environ
     ops = needed_ops(plan)
     if not ops:
         return

@@ -409,10 +409,11 @@ NCCL_TRACE_FILE_PREFIX = "nccl-trace-rank-"  # torch appends the rank
 
 
 def hang_dump_environment(
-    plan: Plan, errors_dir: Path, environ: Mapping[str, str] = os.environ
+    plan: Plan, errors_dir: Path, environ: Mapping[str, str] | None = None
 ) -> dict[str, str]:
     """Where the ranks write their Python stacks after a collective timeout (RUN/errors/), and on
     GPUs NCCL's flight recorder dumped there too; values the user set are kept."""
+    environ = os.environ if environ is None else environ
     env = {ERRORS_DIR_ENV: str(errors_dir)}
     if plan.target == "gpu":
         recorder = {
@@ -425,12 +426,13 @@ def hang_dump_environment(
 
 
 def openmp_threads(
-    plan: Plan, allocation: SlurmAllocation | None, environ: Mapping[str, str] = os.environ
+    plan: Plan, allocation: SlurmAllocation | None, environ: Mapping[str, str] | None = None
 ) -> tuple[str, str] | None:
     """OMP_NUM_THREADS for each rank and where it comes from; None leaves it to the launcher.
 
     `accelerate launch` and torchrun set 1 unless the variable is set: right for GPU ranks that
     only feed kernels, wrong for CPU ranks and for ZeRO-Offload, whose CPU Adam is OpenMP."""
+    environ = os.environ if environ is None else environ
     needs_cores = plan.target == "cpu" or plan.offload != "none"
     given = environ.get("OMP_NUM_THREADS")
     if given:
@@ -509,7 +511,7 @@ def _settle_gpus(plan: Plan, gpus: list[Gpu], *, shared: bool) -> tuple[Plan, di
 
 
 def gloo_interface(
-    plan: Plan, environ: Mapping[str, str] = os.environ
+    plan: Plan, environ: Mapping[str, str] | None = None
 ) -> tuple[Plan, dict[str, str]]:
     """GLOO_SOCKET_IFNAME for the ranks of a multi-node run, and a plan note on it.
 
@@ -517,6 +519,7 @@ def gloo_interface(
     binds the address of the host name unless GLOO_SOCKET_IFNAME names an interface: on clusters
     that can be a network the other nodes do not reach. DeepSpeed's hostfile runner forwards
     NCCL_* to the other hosts but not GLOO_*, so the variable travels with the ranks' own."""
+    environ = os.environ if environ is None else environ
     if plan.num_nodes == 1:
         return plan, {}
     given = environ.get("GLOO_SOCKET_IFNAME")

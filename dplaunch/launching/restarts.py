@@ -252,8 +252,9 @@ def _write_atomic(path: Path, text: str) -> None:
     write_text_atomic(path, text + "\n")
 
 
-def restarts_so_far(environ: Any = os.environ) -> int:
+def restarts_so_far(environ: Any | None = None) -> int:
     """In a rank: how many automatic restarts came before this launch."""
+    environ = os.environ if environ is None else environ
     try:
         return int(environ.get(RESTARTS_ENV, "0"))
     except ValueError:
