@@ -20,19 +20,21 @@ from pathlib import Path
 
 from dplaunch.cluster.hostfile import is_local, launch_for_hostfile, read_hostfile
 from dplaunch.cluster.slurm import SlurmAllocation
-from dplaunch.config.load import dump_run_config, load_run_config
-from dplaunch.config.schema import LaunchConfig, ScriptRunConfig
+from dplaunch.config.load import dump_run_config
+from dplaunch.config.schema import LaunchConfig
 from dplaunch.errors import UserError
 from dplaunch.launching.ports import claim_free_port, claim_port
 from dplaunch.launching.prepare import (
     PreparedRun,
     RunFlags,
-    _default_run_dir,
+    check_script_exists,
     current_allocation,
     launch_for_cluster,
+    load_script_config,
     openmp_threads,
     own_host_names,
     rank_environment,
+    script_run_dir,
 )
 from dplaunch.launching.workers import Worker, render_workers_spec
 from dplaunch.planning.devices import visible_gpu_count
@@ -112,16 +114,10 @@ def check_horovod() -> None:
 
 def prepare_tensorflow_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
     """Plan a TensorFlow script's workers on this node, each with its TF_CONFIG."""
-    config: ScriptRunConfig = load_run_config(
-        flags.config,
-        overrides=flags.overrides(),
-        assignments=flags.assignments,
-        schema=ScriptRunConfig,
-    )
+    config = load_script_config(flags)
     allocation = current_allocation()
     config.launch, hosts, notes = worker_hosts(config.launch, allocation, own_host_names())
-    if not Path(script[0]).is_file():
-        raise UserError("SCRIPT", f"{script[0]} does not exist", "give the path of a Python script")
+    check_script_exists(script)
     plan = make_plan(
         config.launch, config.parallel, config.train, Machine(visible_gpus=visible_gpu_count())
     )
@@ -134,7 +130,7 @@ def prepare_tensorflow_launch(flags: RunFlags, script: list[str]) -> PreparedRun
         plan, per_node, explicit=config.launch.master_port, claim=not relaunching
     )
     layout = WorkerLayout(hosts, per_node, ports)
-    run_dir = Path(config.output_dir or _default_run_dir(Path(script[0]).stem))
+    run_dir = script_run_dir(config, script)
     config.output_dir = str(run_dir)
     run_abs = run_dir.absolute()
     workers = tensorflow_workers(

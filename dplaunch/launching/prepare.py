@@ -287,20 +287,35 @@ def prepare_training_run(
     )
 
 
-def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
-    """Plan a launch of a user's own Accelerate or torchrun-style script."""
-    config: ScriptRunConfig = load_run_config(
+def load_script_config(flags: RunFlags) -> ScriptRunConfig:
+    """The run file of a launch of a user's own script (launch, parallel and train keys only)."""
+    return load_run_config(
         flags.config,
         overrides=flags.overrides(),
         assignments=flags.assignments,
         schema=ScriptRunConfig,
     )
+
+
+def check_script_exists(script: list[str]) -> None:
+    """A missing script, after the run file's own checks."""
+    if not Path(script[0]).is_file():
+        raise UserError("SCRIPT", f"{script[0]} does not exist", "give the path of a Python script")
+
+
+def script_run_dir(config: ScriptRunConfig, script: list[str]) -> Path:
+    """Where a script's launch writes: --output-dir, else runs/<script name>-<time>."""
+    return Path(config.output_dir or _default_run_dir(Path(script[0]).stem))
+
+
+def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
+    """Plan a launch of a user's own Accelerate or torchrun-style script."""
+    config = load_script_config(flags)
     allocation = current_allocation()
     config.launch, cluster_notes = launch_for_cluster(
         config.launch, allocation=allocation, render_only=False
     )
-    if not Path(script[0]).is_file():
-        raise UserError("SCRIPT", f"{script[0]} does not exist", "give the path of a Python script")
+    check_script_exists(script)
     machine, gpus = local_machine()
     plan = make_plan(config.launch, config.parallel, config.train, machine)
     plan = replace(plan, notes=(*plan.notes, *cluster_notes))
@@ -325,7 +340,7 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
         plan, gpus, shared=allocation is not None or bool(config.launch.hostfile)
     )
     plan, gloo_env = gloo_interface(plan)
-    run_dir = Path(config.output_dir or _default_run_dir(Path(script[0]).stem))
+    run_dir = script_run_dir(config, script)
     config.output_dir = str(run_dir)
     # each rank runs the script as `python SCRIPT ARGS…` would, and exits without gloo's teardown race
     return render_files(
