@@ -28,6 +28,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
+from dplaunch.run_directory.layout import rank_error_file, rank_of, rank_stacks_file
+
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 # signals the launcher in between (accelerate → torchrun) handles itself by stopping the ranks
 LAUNCHER_HANDLED = (signal.SIGINT, signal.SIGTERM)
@@ -397,11 +399,9 @@ class RankWatch:
 
     def drop_empty_stacks_files(self) -> None:
         """Ranks that were killed leave their stacks file empty: remove this node's."""
-        for path in self.errors_dir.glob(stacks_file_name("*")):
-            rank = path.name.removeprefix("stacks-rank-").removesuffix(".txt")
-            if self.local_ranks is not None and (
-                not rank.isdigit() or int(rank) not in self.local_ranks
-            ):
+        for path in self.errors_dir.glob(rank_stacks_file("*")):
+            rank = rank_of(path.name, rank_stacks_file)
+            if self.local_ranks is not None and (rank is None or rank not in self.local_ranks):
                 continue
             with contextlib.suppress(OSError):
                 if path.stat().st_size == 0:
@@ -411,19 +411,19 @@ class RankWatch:
         # the ranks that timed out waited inside the collective; a rank that dumped its stack
         # without timing out itself was elsewhere: it is the one the others waited for
         dumped = {}
-        for path in self.errors_dir.glob(stacks_file_name("*")):
-            match = re.fullmatch(r"stacks-rank-(\d+)\.txt", path.name)
+        for path in self.errors_dir.glob(rank_stacks_file("*")):
+            rank = rank_of(path.name, rank_stacks_file)
             with contextlib.suppress(OSError):
                 stat = path.stat()
-                if match and stat.st_size and stat.st_mtime >= self.started - 1:
-                    dumped[int(match.group(1))] = path
+                if rank is not None and stat.st_size and stat.st_mtime >= self.started - 1:
+                    dumped[rank] = path
         if not dumped:
             return None
         lines = {rank: self._line_of(rank) for rank in dumped}
         for rank, path, _ in self._error_files():
             lines[rank] = lines.get(rank) or _last_line(path)
         outside = sorted(rank for rank in dumped if not TIMEOUT_RE.search(lines.get(rank, "")))
-        where = f"{self.errors_dir}/{stacks_file_name('N')}"
+        where = f"{self.errors_dir}/{rank_stacks_file('N')}"
         if not outside:
             return f"dplaunch: every rank timed out inside the collective; their stacks: {where}"
         files = ", ".join(str(dumped[rank]) for rank in outside)
@@ -556,18 +556,13 @@ class RankWatch:
     def _error_files(self) -> list[tuple[int, Path, float]]:
         # ranks on other nodes write here too when the run directory is shared
         found = []
-        for path in sorted(self.errors_dir.glob("rank-*.txt")):
-            match = re.fullmatch(r"rank-(\d+)\.txt", path.name)
+        for path in sorted(self.errors_dir.glob(rank_error_file("*"))):
+            rank = rank_of(path.name, rank_error_file)
             with contextlib.suppress(OSError):
                 when = path.stat().st_mtime
-                if match and when >= self.started - 1:
-                    found.append((int(match.group(1)), path, when))
+                if rank is not None and when >= self.started - 1:
+                    found.append((rank, path, when))
         return found
-
-
-def stacks_file_name(rank: int | str) -> str:
-    """RUN/errors/stacks-rank-N.txt: a rank's Python stack, dumped when a collective timed out."""
-    return f"stacks-rank-{rank}.txt"
 
 
 def gist(line: str) -> str:

@@ -31,6 +31,7 @@ Pure names: no file is read or written here (dplaunch.run_directory.files does t
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 RUN_FILE = "run.yaml"
 PLAN_FILE = "plan.json"
@@ -91,6 +92,21 @@ def step_dir(step: int) -> str:
 def rank_error_file(rank: int | str) -> str:
     """The traceback file of a failing rank, in RUN/errors/."""
     return f"rank-{rank}.txt"
+
+
+def rank_stacks_file(rank: int | str) -> str:
+    """RUN/errors/stacks-rank-N.txt: a rank's Python stack, dumped when a collective timed out."""
+    return f"stacks-rank-{rank}.txt"
+
+
+def rank_of(file_name: str, name_of: Callable[[int | str], str]) -> int | None:
+    """The rank whose file (as ``name_of`` names it, e.g. rank_error_file) FILE_NAME is; None when
+    it is not one of those files."""
+    prefix, suffix = name_of("*").split("*")
+    if not (file_name.startswith(prefix) and file_name.endswith(suffix)):
+        return None
+    rank = file_name[len(prefix) : len(file_name) - len(suffix)]
+    return int(rank) if rank.isdigit() else None
 
 
 def rng_state_file(rank: int) -> str:

@@ -43,8 +43,8 @@ from dplaunch.launching.process import (
     SUPERVISOR_PID_ENV,
     TIMEOUT_RE,
     exit_handle,
-    stacks_file_name,
 )
+from dplaunch.run_directory.layout import rank_stacks_file
 
 # without pidfd (Linux < 5.3) the supervisor is polled this often
 SUPERVISOR_POLL_S = 1.0
@@ -72,7 +72,7 @@ def arm_stack_dump() -> None:
     errors_dir = os.environ.get(ERRORS_DIR_ENV)
     if not errors_dir:
         return  # not started by dplaunch
-    path = os.path.join(errors_dir, stacks_file_name(os.environ.get("RANK", "0")))
+    path = os.path.join(errors_dir, rank_stacks_file(os.environ.get("RANK", "0")))
     try:
         os.makedirs(errors_dir, exist_ok=True)
         stream = open(path, "a")  # noqa: SIM115 — open for the rank's whole life
