@@ -539,7 +539,7 @@ class RankWatch:
             if signum == signal.SIGTERM and not failure.root:
                 continue
             when = failure.time if failure.time is not None else time.time()
-            candidates.append((when, 0, failure.rank, _killed_line(failure.rank, signum)))
+            candidates.append((when, 0, failure.rank, killed_line(failure.rank, signum)))
         if not candidates:
             root = next((f for f in self.failures if f.root), None) or (
                 self.failures[0] if self.failures else None
@@ -572,7 +572,7 @@ def gist(line: str) -> str:
     return re.sub(r"^\[rank ?\d+\]:? ", "", text)
 
 
-def _killed_line(rank: int, signum: int) -> str:
+def killed_line(rank: int, signum: int) -> str:
     try:
         name = f" ({signal.Signals(signum).name})"
     except ValueError:

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dplaunch.launching.process import GRACE_SECONDS, POLL_SECONDS, _killed_line
+from dplaunch.launching.process import GRACE_SECONDS, POLL_SECONDS, killed_line
 
 # the variable that makes dplaunch.train.script prefix a worker's traceback with "[rankN]: "
 TRACEBACK_PREFIX_ENV = "DPLAUNCH_TRACEBACK_PREFIX"
@@ -108,7 +108,7 @@ def _note_silent_failure(errors_dir: Path, rank: int, code: int) -> None:
     # a worker that raised said so itself ("[rankN]: Traceback …"); this line is what the
     # supervisor shows when it did not (killed, or an exit status without a traceback)
     if code < 0:
-        why = _killed_line(rank, -code).split("] ", 1)[1]  # the supervisor adds "[rank N] "
+        why = killed_line(rank, -code).split("] ", 1)[1]  # the supervisor adds "[rank N] "
     else:
         why = f"exited with status {code} (its output is above)"
     errors_dir.mkdir(parents=True, exist_ok=True)
