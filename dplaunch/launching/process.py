@@ -573,6 +573,7 @@ def gist(line: str) -> str:
 
 
 def killed_line(rank: int, signum: int) -> str:
+    """ "[rank N] killed by signal S (NAME)": the line for a rank that a signal ended."""
     try:
         name = f" ({signal.Signals(signum).name})"
     except ValueError:

@@ -115,6 +115,12 @@ class Workload:
     # sample prompts with pp > 1), so no pp layout is recommended for it
     pipeline: bool = True
 
+    def accumulation_steps(self, dp: int) -> int | None:
+        """Micro-batches per optimizer step on dp data-parallel ranks (rounded up); None: unknown."""
+        if self.global_batch_size is None:
+            return None
+        return max(1, -(-self.global_batch_size // (self.micro_batch * dp)))
+
 
 def workload_memory(
     facts: ModelFacts,
@@ -129,9 +135,7 @@ def workload_memory(
 ) -> MemoryEstimate:
     """The memory estimate the plan table makes for one layout of this workload (the benchmark
     compares it with the peaks a run measured: one estimate for both)."""
-    steps = None
-    if workload.global_batch_size is not None:
-        steps = max(1, -(-workload.global_batch_size // (workload.micro_batch * dp)))
+    steps = workload.accumulation_steps(dp)
     return estimate_memory(
         facts,
         dp=dp,
@@ -230,9 +234,7 @@ def candidate_plans(
     for tp, pp in _layouts(facts, gpus, gpus_per_node, task):
         dims = ParallelDims(gpus, gpus_per_node, tp, pp)
         dp = dims.dp
-        steps = None
-        if global_batch_size is not None:
-            steps = max(1, -(-global_batch_size // (micro_batch * dp)))
+        steps = workload.accumulation_steps(dp)
         for stage, offload in _stages_and_offloads(dims):
             shape = dict(
                 dp=dp,
