@@ -86,18 +86,31 @@ def flag_names() -> dict[str, str]:
     }
 
 
-def _rows(section: str, model: type[BaseModel], flags: dict[str, str]) -> list[str]:
+def optional_section(annotation: Any) -> type[BaseModel] | None:
+    """The sub-section a key holds when it is unset or a mapping of its own (model.lora)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+            return args[0]
+    return None
+
+
+def _rows(
+    section: str, model: type[BaseModel], flags: dict[str, str], header: bool = True
+) -> list[str]:
     rows = ["| key | type | default | flag | meaning |", "| --- | --- | --- | --- | --- |"]
+    rows = rows if header else []
     for name, field in model.model_fields.items():
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             continue  # a section: a table of its own
         key = f"{section}.{name}" if section else name
         flag = f"`{flags[key]}`" if key in flags else ""
         description = (field.description or "").replace("|", "\\|")
-        rows.append(
-            f"| `{key}` | {type_text(field.annotation)}{bounds_text(field)} "
-            f"| {default_text(field)} | {flag} | {description} |"
-        )
+        sub = optional_section(field.annotation)
+        kind = "mapping" if sub else f"{type_text(field.annotation)}{bounds_text(field)}"
+        rows.append(f"| `{key}` | {kind} | {default_text(field)} | {flag} | {description} |")
+        if sub is not None:
+            rows += _rows(key, sub, flags, header=False)
     return rows
 
 
@@ -108,8 +121,11 @@ def missing_descriptions(model: type[BaseModel] = RunConfig, prefix: str = "") -
         key = f"{prefix}{name}"
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             missing += missing_descriptions(field.annotation, f"{key}.")
-        elif not field.description:
+            continue
+        if not field.description:
             missing.append(key)
+        if (sub := optional_section(field.annotation)) is not None:
+            missing += missing_descriptions(sub, f"{key}.")
     return missing
 
 

@@ -44,6 +44,33 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+LoraQuantize = Literal["4bit", "8bit"]
+
+
+class LoraConfig(Section):
+    r: int = Field(16, ge=1, description="Rank of each adapter (the `r` of LoRA).")
+    alpha: float | None = Field(
+        None,
+        gt=0,
+        description="Scaling numerator: the update is scaled by alpha / r; unset: 2 × r.",
+    )
+    dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input (peft's lora_dropout)."
+    )
+    target_modules: Literal["all-linear"] | list[str] = Field(
+        "all-linear",
+        description="Which linear layers get adapters: `all-linear` (every linear layer but the output head) or a list of module names, e.g. `[q_proj, v_proj]`.",
+    )
+    modules_to_save: list[str] | None = Field(
+        None,
+        description="Modules trained in full and saved with the adapter (e.g. `[score]`, `[embed_tokens]`).",
+    )
+    quantize: LoraQuantize | None = Field(
+        None,
+        description="QLoRA: hold the frozen base weights in 4-bit (nf4, bf16 compute) or 8-bit through bitsandbytes (the `[qlora]` extra).",
+    )
+
+
 class ModelConfig(Section):
     name_or_path: str | None = Field(
         None,
@@ -76,6 +103,11 @@ class ModelConfig(Section):
     attn_implementation: AttentionImplementation | None = Field(
         None,
         description="Attention kernel: `eager` keeps every head's s×s score matrix for the backward, the others never build it; unset: what transformers picks (`sdpa` where the model supports it, else `eager`). `flash_attention_*` runs on CUDA GPUs only.",
+    )
+
+    lora: LoraConfig | None = Field(
+        None,
+        description="Train LoRA adapters (peft) instead of every weight; the base model stays frozen. See Fine-tuning chat models.",
     )
 
     @model_validator(mode="after")
@@ -256,6 +288,10 @@ class TrainConfig(Section):
         False,
         description="`torch.compile` (inductor) the model; DDP and ZeRO only. Long runs: compiling costs time before the first step (see Performance).",
     )
+    tiled_mlp: bool = Field(
+        False,
+        description="Long sequences: run each MLP and the logits/loss over tiles of the sequence (ALST), same loss, less activation memory.",
+    )
     sample_prompts: str | None = Field(
         None,
         description='sft: a file of prompts (JSON lines `{"prompt": text or messages}`, or one text per line) that rank 0 answers greedily at each evaluation, logged to metrics.jsonl and TensorBoard.',
@@ -292,6 +328,15 @@ class ParallelConfig(Section):
         1, ge=1, description="Tensor-parallel degree (DeepSpeed AutoTP), inside a node."
     )
     pp: int = Field(1, ge=1, description="Pipeline-parallel degree (DeepSpeed pipeline engine).")
+    fsdp: Literal["full", "hybrid"] | None = Field(
+        None,
+        description="PyTorch FSDP2 instead of DDP/ZeRO: `full` shards over every data-parallel rank, `hybrid` shards inside a node and replicates across nodes (HSDP).",
+    )
+    sp: int = Field(
+        1,
+        ge=1,
+        description="Sequence-parallel degree (DeepSpeed Ulysses): this many ranks share each sequence.",
+    )
     auto: bool = Field(
         False,
         description="Let dplaunch pick `zero_stage`, `offload`, `tp` and `pp` from memory; in YAML write `parallel: auto`.",
