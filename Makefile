@@ -13,7 +13,6 @@ $(STAMP): pyproject.toml constraints.txt dplaunch/resources/requirements.txt
 	# finds the CPU build when its configuration does not offer one (README and docs/training.md, Install)
 	$(PY) -m pip install --quiet -c constraints.txt $(TORCH_INDEX) torch
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,docs]'
-	# trackio is left out: 0.43 wants pillow<13 and would downgrade matplotlib's (its test is skipped)
 	# an editable install compiles nothing, and with PYTHONDONTWRITEBYTECODE (containers, CI) no
 	# run ever writes bytecode: every command would compile dplaunch again (~50 ms before launch)
 	$(PY) -m compileall -q dplaunch benchmarks >/dev/null
@@ -28,7 +27,7 @@ install: $(STAMP)
 # package, whose module tensorflow-cpu already provides
 $(TEST_STAMP): $(STAMP)
 	# the trackers whose logs the tracker tests read back (train.report_to)
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[wandb,mlflow]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[wandb,mlflow,trackio]'
 	$(PY) -m pip install --quiet -c constraints.txt tensorflow-cpu
 	$(PY) -m pip install --quiet --no-deps -c constraints.txt tf-keras
 	touch $(TEST_STAMP)

@@ -1,4 +1,4 @@
-"""train.report_to: wandb (offline) and MLflow (a file store) get the run's config and exactly the
+"""train.report_to: wandb (offline), MLflow (a file store) and Trackio (its local database) get the run's config and exactly the
 scalars of metrics.jsonl, under the run's name; no secret from the environment lands in the run
 directory. One shared 2-rank run, read back through each tracker's own files."""
 
@@ -14,10 +14,12 @@ import pytest
 from tests.helpers import child_environment, read_metrics, run_dplaunch
 
 SECRET = "wandb-key-that-must-not-be-written-0123456789"
-TRACKED = [name for name in ("wandb", "mlflow") if importlib.util.find_spec(name)]
+TRACKED = [name for name in ("wandb", "mlflow", "trackio") if importlib.util.find_spec(name)]
 pytestmark = [
     pytest.mark.multiprocess,
-    pytest.mark.skipif(len(TRACKED) < 2, reason="make install puts wandb and mlflow-skinny in"),
+    pytest.mark.skipif(
+        len(TRACKED) < 3, reason="make test puts wandb, mlflow-skinny and trackio in"
+    ),
 ]
 
 
@@ -26,9 +28,12 @@ def tracked_run(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("trackers") / "tracked-run"
     result = run_dplaunch(
         "train", "examples/tiny-llama.yaml", "--cpu", "--gpus", "2", "--max-steps", "4",
-        "--set", "train.eval_every=2", "--set", "train.report_to=[tensorboard,wandb,mlflow]",
-        "-o", run,
-        env=child_environment(WANDB_MODE="offline", WANDB_API_KEY=SECRET, WANDB_SILENT="true"),
+        "--set", "train.eval_every=2",
+        "--set", "train.report_to=[tensorboard,wandb,mlflow,trackio]", "-o", run,
+        env=child_environment(
+            WANDB_MODE="offline", WANDB_API_KEY=SECRET, WANDB_SILENT="true",
+            TRACKIO_DIR=str(run.parent / "trackio"), TRACKIO_PROJECT="dplaunch-test",
+        ),
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return run
@@ -81,6 +86,33 @@ def test_wandb_offline_gets_the_config_and_the_scalars_of_metrics_jsonl(tracked_
     expected = expected_scalars(tracked_run)
     for tag, values in expected.items():
         logged = [(row["_step"], row[tag]) for row in history if tag in row]
+        assert_same_series(logged, values, tag)
+
+
+def test_trackio_gets_the_config_and_the_scalars_of_metrics_jsonl(tracked_run):
+    import subprocess
+    import sys
+
+    # trackio reads TRACKIO_DIR when imported: read its database in a process of its own
+    code = (
+        "import json, sys; from trackio.sqlite_storage import SQLiteStorage as S; "
+        "print(json.dumps([S.get_logs('dplaunch-test', sys.argv[1]), "
+        "S.get_run_config('dplaunch-test', sys.argv[1])], default=str))"
+    )
+    read = subprocess.run(
+        [sys.executable, "-c", code, tracked_run.name],
+        env=child_environment(TRACKIO_DIR=str(tracked_run.parent / "trackio")),
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    logs, config = json.loads(read.stdout.strip().splitlines()[-1])
+    assert config["train.lr"] == 0.001 and config["model.config.hidden_size"] == 64
+    expected = expected_scalars(tracked_run)
+    # an evaluation shares its step with a training record: both must be kept
+    assert {step for step, _ in expected["eval/eval_loss"]} & {
+        step for step, _ in expected["train/loss"]
+    }
+    for tag, values in expected.items():
+        logged = [(row["step"], row[tag]) for row in logs if tag in row]
         assert_same_series(logged, values, tag)
 
 
