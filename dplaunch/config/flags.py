@@ -55,6 +55,11 @@ RUN_FLAGS: dict[str, RunFlag] = {
     ),
     "zero": RunFlag("parallel.zero_stage", "DeepSpeed ZeRO stage (0 = plain DDP).", bounds=(0, 3)),
     "offload": RunFlag("parallel.offload", "ZeRO CPU offload.", typing.get_args(Offload)),
+    "fsdp": RunFlag(
+        "parallel.fsdp",
+        "PyTorch FSDP2 instead of DDP/ZeRO: full (shard over all ranks) or hybrid (HSDP).",
+        ("full", "hybrid"),
+    ),
     "tp": RunFlag("parallel.tp", "Tensor-parallel degree (DeepSpeed AutoTP)."),
     "pp": RunFlag("parallel.pp", "Pipeline-parallel degree."),
     "global_batch": RunFlag(

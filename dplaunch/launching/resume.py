@@ -230,6 +230,16 @@ def _check_layout(
             "its weights are split into tp shards",
             f"resume with --tp {old_tp}, {export_hint}",
         )
+    old_fsdp = saved.get("fsdp")
+    if (old_fsdp is None) != (plan.fsdp is None):
+        # FSDP full and hybrid both write torch.distributed.checkpoint: either loads the other's
+        raise UserError(
+            "parallel.fsdp",
+            f"{where} was written by {'FSDP' if old_fsdp else 'DDP/ZeRO'}, this run uses "
+            f"{'FSDP' if plan.fsdp else 'DDP/ZeRO'}: the checkpoint formats differ",
+            (f"resume with --fsdp {old_fsdp}" if old_fsdp else "resume without --fsdp")
+            + f", {export_hint}",
+        )
     if old_zero != plan.zero_stage:
         raise UserError(
             "parallel.zero_stage",
@@ -259,6 +269,15 @@ def _check_layout(
         )
     notes = []
     if old_dp == plan.data_parallel_size:
+        return None, notes
+    if plan.engine == "fsdp":
+        # torch.distributed.checkpoint re-shards on load: no conversion step
+        notes.append(
+            f"data-parallel size {old_dp} → {plan.data_parallel_size}: the FSDP checkpoint's shards "
+            f"are re-sharded as they load (torch.distributed.checkpoint); global batch "
+            f"{plan.global_batch_size} kept: grad-accum {saved['gradient_accumulation_steps']} → "
+            f"{plan.gradient_accumulation_steps}"
+        )
         return None, notes
     batch = (
         f"global batch {plan.global_batch_size} kept: grad-accum {saved['gradient_accumulation_steps']} → "
