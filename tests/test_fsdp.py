@@ -204,3 +204,59 @@ def test_a_ddp_checkpoint_does_not_resume_under_fsdp(fsdp_runs, tmp_path):
         "--resume", checkpoint, "-o", tmp_path / "ddp",
     )  # fmt: skip
     refusal_line(result, "parallel.fsdp:", "was written by FSDP, this run uses DDP/ZeRO")
+
+
+# -- planning: the plan, the plan table, parallel: auto (no processes) ---------------------------
+
+
+def test_the_plan_of_hsdp_on_2_nodes_of_4_shows_its_shard_and_replicate_groups():
+    from dplaunch.config.schema import LaunchConfig, ParallelConfig, TrainConfig
+    from dplaunch.planning.plan import Machine, make_plan
+
+    launch = LaunchConfig(gpus=8, nodes=2, cpu=True)
+    plan = make_plan(launch, ParallelConfig(fsdp="hybrid"), TrainConfig(), Machine())
+    lines = plan.summary_lines()
+    assert plan.engine == "fsdp" and not plan.uses_deepspeed
+    assert (
+        "FSDP2 hybrid (HSDP: shard inside a node, replicate across nodes): mesh replicate 2 × shard 4"
+        in lines
+    )
+    assert "  shard groups: [[0, 1, 2, 3], [4, 5, 6, 7]]" in lines
+    assert "  replicate groups: [[0, 4], [1, 5], [2, 6], [3, 7]]" in lines
+    assert "engine: fsdp" in lines
+
+
+def test_the_plan_table_lists_fsdp_with_zero3s_memory_and_auto_picks_it_only_when_asked(tmp_path):
+    from dplaunch.planning.auto import resolve_auto_parallel
+    from dplaunch.planning.model_facts import ModelFacts
+    from dplaunch.planning.plan import Machine
+    from tests.test_planning_tools import LLAMA_7B, llama_7b_run_file, run_config
+
+    facts = ModelFacts.from_config_dict(LLAMA_7B)
+    settings = ("launch.gpus=16", "launch.nodes=2", "launch.gpu_memory_gb=80")
+    config = run_config(llama_7b_run_file(tmp_path / "7b.yaml"), *settings)
+    choice = resolve_auto_parallel(config, facts, Machine(visible_gpus=8))
+    rows = {c.name: c for c in choice.candidates}
+    # FSDP full holds ZeRO-3's memory; HSDP shards over a node's 8 GPUs only: more per GPU
+    assert rows["FSDP"].total_gb == pytest.approx(rows["ZeRO-3"].total_gb)
+    assert rows["FSDP"].comm_gb_per_step == pytest.approx(rows["ZeRO-3"].comm_gb_per_step)
+    assert rows["HSDP"].model_states_gb > rows["FSDP"].model_states_gb
+    assert {"FSDP + offload all", "HSDP + offload all"} <= rows.keys()
+    # a run that did not ask for FSDP keeps its DeepSpeed/DDP choice
+    assert choice.parallel.fsdp is None and not any(c.fsdp and c.recommended for c in rows.values())
+    hybrid = {"auto": True, "fsdp": "hybrid"}  # YAML `parallel: {auto: true, fsdp: hybrid}`
+    asked = run_config(llama_7b_run_file(tmp_path / "7b.yaml", hybrid), *settings)
+    choice = resolve_auto_parallel(asked, facts, Machine(visible_gpus=8))
+    assert (choice.parallel.fsdp, choice.parallel.zero_stage) == ("hybrid", 0)
+    assert choice.note.startswith("parallel: auto → HSDP fits in 80 GB")
+
+
+def test_parallel_auto_with_the_fsdp_flag_plans_among_the_fsdp_rows(tmp_path):
+    # --parallel auto and --fsdp full together: auto keeps the engine asked for
+    result = run_dplaunch(
+        "train", TINY_LLAMA, "--parallel", "auto", "--fsdp", "full", "--cpu", "--gpus", "2",
+        "--set", "launch.gpu_memory_gb=16", "--dry-run", "-o", tmp_path / "run",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "engine: fsdp" in result.stdout
+    assert "parallel: auto → FSDP fits in 16 GB" in result.stdout

@@ -55,11 +55,6 @@ RUN_FLAGS: dict[str, RunFlag] = {
     ),
     "zero": RunFlag("parallel.zero_stage", "DeepSpeed ZeRO stage (0 = plain DDP).", bounds=(0, 3)),
     "offload": RunFlag("parallel.offload", "ZeRO CPU offload.", typing.get_args(Offload)),
-    "fsdp": RunFlag(
-        "parallel.fsdp",
-        "PyTorch FSDP2 instead of DDP/ZeRO: full (shard over all ranks) or hybrid (HSDP).",
-        ("full", "hybrid"),
-    ),
     "tp": RunFlag("parallel.tp", "Tensor-parallel degree (DeepSpeed AutoTP)."),
     "pp": RunFlag("parallel.pp", "Pipeline-parallel degree."),
     "global_batch": RunFlag(
@@ -80,6 +75,12 @@ RUN_FLAGS: dict[str, RunFlag] = {
         "parallel",
         "'auto': run the plan `dplaunch plan` recommends (ZeRO/offload/tp/pp).",
         ("auto",),
+    ),
+    # after `parallel`: --parallel auto --fsdp full is auto among the FSDP plans (config/load.py)
+    "fsdp": RunFlag(
+        "parallel.fsdp",
+        "PyTorch FSDP2 instead of DDP/ZeRO: full (shard over all ranks) or hybrid (HSDP).",
+        ("full", "hybrid"),
     ),
     "output_dir": RunFlag("output_dir", "Run directory.", str, panel=None, short="-o"),
 }
