@@ -5,8 +5,9 @@ whose 2-rank DDP run is tests/conftest.py's dp_reference. The runs, each started
 
 - `fsdp2`: 2 ranks, checkpoints every 2 steps, killed (kill -9 of rank 0) while step 4's shards
   are being written: steps 1-4 are FSDP-on-2 against DDP, the killed save must not become latest;
-- `on4`: 4 ranks resume from fsdp2's step 2 (DCP re-shards 2 → 4) and finish;
-- `on1`: 1 rank resumes from on4's step 4 (4 → 1) and finishes;
+- `on4`: 4 ranks, FSDP × tensor parallelism (dp 2 × tp 2, the model's tp_plan), resume from
+  fsdp2's step 2 (DCP re-shards dp 2 → dp 2 × tp 2) and finish;
+- `on1`: 1 rank resumes from on4's step 4 (dp 2 × tp 2 → 1) and finishes;
 - `hsdp`: 2 "nodes" × 2 ranks on loopback, hybrid sharding with CPU offload.
 """
 
@@ -63,7 +64,8 @@ def fsdp_runs(tmp_path_factory) -> dict[str, Path]:
     wait_for(lambda: (shards / ".metadata").exists(), "the step-4 save", process)
     os.kill(rank_pids(killed)[0], signal.SIGKILL)
     assert process.wait(timeout=300) not in (0, 75)
-    train(runs["on4"], "--gpus", "4", *FSDP, "--resume", killed / "checkpoints" / "step-2")
+    step_2 = killed / "checkpoints" / "step-2"
+    train(runs["on4"], "--gpus", "4", "--tp", "2", *FSDP, "--resume", step_2)
     train(runs["on1"], "--gpus", "1", *FSDP, "--resume", runs["on4"] / "checkpoints" / "step-4")
     return runs
 
@@ -86,10 +88,13 @@ def test_fsdp_on_2_ranks_trains_like_ddp_and_a_killed_save_never_becomes_latest(
 
 
 @pytest.mark.parametrize("name", ["on4", "on1"])
-def test_an_fsdp_checkpoint_continues_on_4_ranks_then_on_1_with_ddps_losses_and_weights(
+def test_an_fsdp_checkpoint_continues_on_tp2_x_dp2_then_on_1_rank_with_ddps_losses_and_weights(
     fsdp_runs, dp_reference, name
 ):
     run = fsdp_runs[name]
+    if name == "on4":
+        header = read_metrics(run)[0]
+        assert (header["data_parallel_size"], header["tensor_parallel_size"]) == (2, 2)
     first = 3 if name == "on4" else 5  # on4 resumed after step 2, on1 after on4's step 4
     losses, reference = losses_by_step(run), dict(enumerate(train_losses(dp_reference), 1))
     assert sorted(losses) == list(range(first, 7))
@@ -180,25 +185,35 @@ def free_port() -> int:
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
-        (("--zero", "3"), "parallel.fsdp: FSDP and ZeRO-3 both shard the model's states"),
-        (("--pp", "2"), "parallel.fsdp: FSDP with pp 2: the pipeline engine is DeepSpeed's"),
-        (("--tp", "2"), "parallel.fsdp: FSDP with tp 2: FSDP × tensor parallelism"),
-        (("--offload", "optimizer"), "parallel.offload: FSDP offloads parameters, gradients"),
+        (
+            ("--fsdp", "full", "--zero", "3"),
+            "parallel.fsdp: FSDP and ZeRO-3 both shard the model's states",
+        ),
+        (
+            ("--fsdp", "full", "--pp", "2"),
+            "parallel.fsdp: FSDP with pp 2: the pipeline engine is DeepSpeed's",
+        ),
+        (
+            ("--fsdp", "hybrid", "--tp", "2"),
+            "parallel.fsdp: HSDP with tp 2 would need a 3-D mesh",
+        ),
+        (
+            ("--fsdp", "full", "--offload", "optimizer"),
+            "parallel.offload: FSDP offloads parameters, gradients",
+        ),
     ],
-    ids=["zero", "pp", "tp", "offload-optimizer"],
+    ids=["zero", "pp", "hybrid-tp", "offload-optimizer"],
 )
 def test_fsdp_with_an_incompatible_layout_is_refused_before_launch(tmp_path, flags, expected):
     run_dir = tmp_path / "run"
-    result = run_dplaunch(
-        "train", TINY_LLAMA, "--cpu", "--gpus", "2", "--fsdp", "full", *flags, "-o", run_dir
-    )
+    result = run_dplaunch("train", TINY_LLAMA, "--cpu", "--gpus", "2", *flags, "-o", run_dir)
     refusal_line(result, expected)
     assert not run_dir.exists()
 
 
 def test_a_ddp_checkpoint_does_not_resume_under_fsdp(fsdp_runs, tmp_path):
     # the formats differ: one line before launch (a ZeRO/DDP run resumed with --fsdp alike)
-    checkpoint = fsdp_runs["on4"] / "checkpoints" / "step-6"
+    checkpoint = fsdp_runs["on1"] / "checkpoints" / "step-6"
     result = run_dplaunch(
         "train", TINY_LLAMA, "--cpu", "--gpus", "2", "--max-steps", "8", "--global-batch", "8",
         "--resume", checkpoint, "-o", tmp_path / "ddp",

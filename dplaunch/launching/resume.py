@@ -223,7 +223,9 @@ def _check_layout(
             "DeepSpeed cannot re-cut a pipeline checkpoint into other stages",
             f"resume with --pp {old_pp}, {export_hint}",
         )
-    if old_tp != plan.tensor_parallel_size:
+    # FSDP checkpoints (torch.distributed.checkpoint) re-shard to another tp on load
+    both_fsdp = saved.get("fsdp") is not None and plan.fsdp is not None
+    if old_tp != plan.tensor_parallel_size and not both_fsdp:
         raise UserError(
             "parallel.tp",
             f"{where} has tensor-parallel degree {old_tp}, this run {plan.tensor_parallel_size}: "
@@ -268,16 +270,16 @@ def _check_layout(
             f"resume with --mixed-precision {saved['mixed_precision']}",
         )
     notes = []
-    if old_dp == plan.data_parallel_size:
-        return None, notes
-    if plan.engine == "fsdp":
+    if both_fsdp and (old_dp, old_tp) != (plan.data_parallel_size, plan.tensor_parallel_size):
         # torch.distributed.checkpoint re-shards on load: no conversion step
         notes.append(
-            f"data-parallel size {old_dp} → {plan.data_parallel_size}: the FSDP checkpoint's shards "
-            f"are re-sharded as they load (torch.distributed.checkpoint); global batch "
-            f"{plan.global_batch_size} kept: grad-accum {saved['gradient_accumulation_steps']} → "
-            f"{plan.gradient_accumulation_steps}"
+            f"dp {old_dp} × tp {old_tp} → dp {plan.data_parallel_size} × tp "
+            f"{plan.tensor_parallel_size}: the FSDP checkpoint's shards are re-sharded as they "
+            f"load (torch.distributed.checkpoint); global batch {plan.global_batch_size} kept: "
+            f"grad-accum {saved['gradient_accumulation_steps']} → {plan.gradient_accumulation_steps}"
         )
+        return None, notes
+    if old_dp == plan.data_parallel_size:
         return None, notes
     batch = (
         f"global batch {plan.global_batch_size} kept: grad-accum {saved['gradient_accumulation_steps']} → "

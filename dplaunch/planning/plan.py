@@ -87,16 +87,23 @@ class Plan:
     def fsdp_lines(self) -> list[str]:
         """The FSDP mesh: its shape, shard groups and replicate groups."""
         shard, replicate = fsdp_groups(self.data_parallel_size, self.fsdp_shard_size)
+        # data-parallel indices → global ranks, one set of groups per tensor-parallel rank
+        tp = range(self.tensor_parallel_size)
+        shard = [[self.mesh.rank_of(0, d, t) for d in group] for t in tp for group in shard]
+        replicate = [[self.mesh.rank_of(0, d, t) for d in group] for t in tp for group in replicate]
         kind = (
             "HSDP: shard inside a node, replicate across nodes"
             if self.fsdp == "hybrid"
             else "full shard"
         )
-        return [
-            f"FSDP2 {self.fsdp} ({kind}): mesh replicate {len(shard)} × shard {len(replicate)}",
+        lines = [
+            f"FSDP2 {self.fsdp} ({kind}): mesh replicate "
+            f"{self.data_parallel_size // self.fsdp_shard_size} × shard {self.fsdp_shard_size}"
+            + (f" × tp {self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""),
             f"  shard groups: {shard}",
-            f"  replicate groups: {replicate}",
         ]
+        # full: every rank holds its own shard, nothing is replicated
+        return lines + ([f"  replicate groups: {replicate}"] if self.fsdp == "hybrid" else [])
 
     def batch_line(self) -> str:
         """micro × grad-accum × dp = global, as users want to read it."""

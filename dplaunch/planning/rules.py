@@ -84,7 +84,8 @@ def check_offload(zero_stage: int, offload: str, fsdp: str | None = None) -> Non
 
 
 def check_fsdp(fsdp: str | None, zero_stage: int, tp: int, pp: int, offload: str) -> None:
-    """FSDP2 replaces ZeRO, does not run under the pipeline engine or with tp, offloads 'all' only."""
+    """FSDP2 replaces ZeRO, does not run under the pipeline engine, takes tp only as `full`, and
+    offloads 'all' only."""
     if fsdp is None:
         return
     if zero_stage > 0:
@@ -99,11 +100,11 @@ def check_fsdp(fsdp: str | None, zero_stage: int, tp: int, pp: int, offload: str
             f"FSDP with pp {pp}: the pipeline engine is DeepSpeed's and shards no parameters",
             "use --pp 1 with --fsdp, or pp with ZeRO ≤ 1",
         )
-    if tp > 1:
+    if tp > 1 and fsdp == "hybrid":
         raise UserError(
             "parallel.fsdp",
-            f"FSDP with tp {tp}: FSDP × tensor parallelism (DTensor, 2-D mesh) is not built yet",
-            "use --tp 1 with --fsdp, or tp with ZeRO ≤ 2",
+            f"HSDP with tp {tp} would need a 3-D mesh (replicate × shard × tp), not built",
+            "use --fsdp full with --tp, or --fsdp hybrid with tp 1",
         )
     if offload == "optimizer":
         raise UserError(

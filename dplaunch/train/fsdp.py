@@ -3,6 +3,8 @@ data-parallel ranks (parallel.fsdp), behind the loop's StepEngine interface.
 
 `full` shards every parameter over all data-parallel ranks (a 1-D mesh: ZeRO-3's layout);
 `hybrid` (HSDP) shards inside a node and replicates across nodes (a 2-D mesh, replicate × shard).
+With tp, the decoder's linear layers are first split over the tensor-parallel ranks as the
+model's Hugging Face ``tp_plan`` says (DTensor), then sharded over a (shard × tp) mesh.
 Accelerate only gives the process group, the device and the collectives: its FSDP plugin does not
 shard on CPU ranks (it wraps DDP under MULTI_CPU), so the sharding is applied here, as torchtitan
 does, the same code on CPU and GPU.
@@ -33,15 +35,68 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in model.modules() if type(module).__name__ in names]
 
 
-def device_mesh(plan: Plan) -> Any:
-    """The data-parallel ranks as FSDP's mesh: (shard,) for full, (replicate, shard) for hybrid."""
+def device_mesh(plan: Plan) -> tuple[Any, Any | None]:
+    """(FSDP's mesh, the tensor-parallel mesh or None): (shard,) for full, (replicate, shard) for
+    hybrid; with tp a (shard, tp) mesh, tp fastest as in planning/mesh.py."""
     from torch.distributed.device_mesh import init_device_mesh
 
     device = "cuda" if plan.target == "gpu" else "cpu"
-    dp, shard = plan.data_parallel_size, plan.fsdp_shard_size
+    dp, shard, tp = plan.data_parallel_size, plan.fsdp_shard_size, plan.tensor_parallel_size
+    if tp > 1:
+        mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("shard", "tp"))
+        return mesh["shard"], mesh["tp"]
     if plan.fsdp == "hybrid":
-        return init_device_mesh(device, (dp // shard, shard), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device, (dp,), mesh_dim_names=("shard",))
+        names = ("replicate", "shard")
+        return init_device_mesh(device, (dp // shard, shard), mesh_dim_names=names), None
+    return init_device_mesh(device, (dp,), mesh_dim_names=("shard",)), None
+
+
+# the tp_plan styles of transformers' models this engine applies, as torch's parallel styles
+TP_STYLES = ("colwise", "rowwise")
+
+
+def tensor_parallelize(model: torch.nn.Module, tp_mesh: Any) -> int:
+    """Split the decoder's linear layers over tp_mesh as the model's HF ``base_model_tp_plan``
+    says (DTensor, torch's ColwiseParallel/RowwiseParallel); returns how many layers it split."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = getattr(model.config, "base_model_tp_plan", None) or {}
+    if not plan:
+        raise ValueError(
+            f"{type(model).__name__} has no tp_plan: tensor parallelism cannot split it"
+        )
+    unknown = sorted({style for style in plan.values() if style not in TP_STYLES})
+    if unknown:
+        raise ValueError(f"{type(model).__name__}'s tp_plan uses styles {unknown}, not {TP_STYLES}")
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    base = getattr(model, model.base_model_prefix)
+    parallelize_module(base, tp_mesh, {key: styles[style]() for key, style in plan.items()})
+    return sum(1 for p in base.parameters() if getattr(p, "device_mesh", None) is tp_mesh)
+
+
+def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ over gradients that may live on different meshes (FSDP × TP: the split
+    layers' on the 2-D mesh, the others' on the shard mesh), which torch's cannot stack."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_mesh.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
+    if len(by_mesh) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        return getattr(norm, "full_tensor", lambda: norm)()
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group)
+        norms.append(getattr(norm, "full_tensor", lambda n=norm: n)())
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    coefficient = min(1.0, max_norm / (float(total) + 1e-6))
+    for grad in grads:
+        grad.mul_(coefficient)
+    return total
 
 
 def shard_model(model: torch.nn.Module, plan: Plan, compile_blocks: bool) -> list[str]:
@@ -49,7 +104,8 @@ def shard_model(model: torch.nn.Module, plan: Plan, compile_blocks: bool) -> lis
     the start-up log says about it."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    mesh = device_mesh(plan)
+    mesh, tp_mesh = device_mesh(plan)
+    split = tensor_parallelize(model, tp_mesh) if tp_mesh is not None else 0
     dtype = PRECISION_DTYPES.get(plan.mixed_precision)
     # 16-bit compute from fp32 sharded master weights; gradients reduced in fp32
     precision = MixedPrecisionPolicy(
@@ -75,6 +131,11 @@ def shard_model(model: torch.nn.Module, plan: Plan, compile_blocks: bool) -> lis
     lines = [
         f"FSDP2 {plan.fsdp}: {len(blocks)} × {kind} + root sharded over {shard} rank(s)"
         + (f", replicated {replicate}×" if replicate > 1 else "")
+        + (
+            f", {split} weights split over tp {tp_mesh.size()} (the model's tp_plan)"
+            if split
+            else ""
+        )
         + (f", compute in {plan.mixed_precision} (fp32 reduction)" if dtype else "")
         + (", parameters/gradients/optimizer offloaded to CPU" if plan.offload == "all" else "")
     ]
@@ -140,8 +201,7 @@ class FsdpEngine:
         grad_norm = None
         parameters = [p for p in model.parameters() if p.grad is not None]
         if self.max_grad_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(parameters, self.max_grad_norm)
-            grad_norm = getattr(grad_norm, "full_tensor", lambda: grad_norm)()
+            grad_norm = clip_grad_norm(parameters, self.max_grad_norm)
         skip = self.guard is not None and self.guard.judge(total, grad_norm, parameters, None)
         if not skip:
             self._optimizer_step()
