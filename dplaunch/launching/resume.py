@@ -224,7 +224,8 @@ def _check_layout(
             f"resume with --pp {old_pp}, {export_hint}",
         )
     # FSDP checkpoints (torch.distributed.checkpoint) re-shard to another tp on load
-    both_fsdp = saved.get("fsdp") is not None and plan.fsdp is not None
+    new_fsdp = getattr(plan, "fsdp", None)
+    both_fsdp = saved.get("fsdp") is not None and new_fsdp is not None
     if old_tp != plan.tensor_parallel_size and not both_fsdp:
         raise UserError(
             "parallel.tp",
@@ -233,12 +234,12 @@ def _check_layout(
             f"resume with --tp {old_tp}, {export_hint}",
         )
     old_fsdp = saved.get("fsdp")
-    if (old_fsdp is None) != (plan.fsdp is None):
+    if (old_fsdp is None) != (new_fsdp is None):
         # FSDP full and hybrid both write torch.distributed.checkpoint: either loads the other's
         raise UserError(
             "parallel.fsdp",
             f"{where} was written by {'FSDP' if old_fsdp else 'DDP/ZeRO'}, this run uses "
-            f"{'FSDP' if plan.fsdp else 'DDP/ZeRO'}: the checkpoint formats differ",
+            f"{'FSDP' if new_fsdp else 'DDP/ZeRO'}: the checkpoint formats differ",
             (f"resume with --fsdp {old_fsdp}" if old_fsdp else "resume without --fsdp")
             + f", {export_hint}",
         )
