@@ -48,7 +48,7 @@ docs: $(STAMP)
 	$(PY) -m dplaunch.config.reference > docs/reference.md.tmp && mv docs/reference.md.tmp docs/reference.md
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
-# side-by-side benchmarks against the peers (8–11 min on 2 quiet cores); BENCH_ARGS=--quick, --only NAME, …
+# side-by-side benchmarks against the peers (11–14 min on 2 quiet cores); BENCH_ARGS=--quick, --only NAME, …
 bench: $(STAMP)
 	$(PY) -m compileall -q dplaunch benchmarks >/dev/null  # the peers run from pip-compiled bytecode too
 	OMP_NUM_THREADS=1 $(PY) -m benchmarks.run $(BENCH_ARGS)

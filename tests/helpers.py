@@ -81,12 +81,12 @@ def run_dplaunch(
 
 
 def loopback_node_argv(
-    config: Path, node_rank: int, port: int, run_dir: Path, *flags: Any
+    config: Path, node_rank: int, port: int, run_dir: Path, *flags: Any, gpus: int = 2
 ) -> list[str]:
-    """`dplaunch train` for one of 2 "nodes" of one CPU rank each meeting on loopback (one
-    command per node, torchrun-style)."""
+    """`dplaunch train` for one of 2 "nodes" of gpus/2 CPU ranks each (one by default) meeting on
+    loopback (one command per node, torchrun-style)."""
     return [
-        sys.executable, "-m", "dplaunch", "train", str(config), "--cpu", "--gpus", "2",
+        sys.executable, "-m", "dplaunch", "train", str(config), "--cpu", "--gpus", str(gpus),
         "--nodes", "2", "--node-rank", str(node_rank), "--master-addr", "127.0.0.1",
         "--master-port", str(port), *map(str, flags), "-o", str(run_dir),
     ]  # fmt: skip

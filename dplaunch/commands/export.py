@@ -4,8 +4,9 @@ Reads the checkpoint (its run.yaml says which model and tokenizer; its plan.json
 wrote it) and writes the full weights with `save_pretrained` (safetensors), loadable by
 `from_pretrained` on one process. No GPU is used.
 
-- DDP, ZeRO-1/2/3 and pipeline checkpoints: in this process, from the files (DDP's model file,
-  ZeRO's fp32 master partitions joined by zero_to_fp32, the pipeline's per-layer files).
+- DDP, ZeRO-1/2/3, pipeline and FSDP checkpoints: in this process, from the files (DDP's model
+  file, ZeRO's fp32 master partitions joined by zero_to_fp32, the pipeline's per-layer files,
+  FSDP's torch.distributed.checkpoint shards, tensor-parallel ones included).
 - Tensor-parallel (AutoTP) checkpoints: how a weight was split depends on the layer (fused
   projections are cut per part), so only DeepSpeed's engine joins its shards. dplaunch starts a
   short job of tp CPU ranks (gloo, dp 1) in a temporary run directory; each rank builds the
@@ -58,7 +59,8 @@ def run_export(checkpoint: Path, out: Path) -> int:
     check_output_dir(out, "--out")
     # checked and planned before anything is written: one line, exit 2
     job = None
-    if plan.tensor_parallel_size > 1:
+    # (FSDP's DCP shards, tp ones included, are joined in this process like the others)
+    if plan.tensor_parallel_size > 1 and plan.engine != "fsdp":
         _check_weight_files(info.path, plan.tensor_parallel_size)
         job = export_job_plan(config, plan)
     created = not out.exists()

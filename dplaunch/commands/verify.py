@@ -326,8 +326,12 @@ def run_verify(flags: Any, options: VerifyOptions) -> int:
                 offload=None,
                 tp=None,
                 pp=None,
+                fsdp=None,
                 output_dir=str(base / REFERENCE_DIR),
-                assignments=[*common, "parallel={zero_stage: 0, offload: none, tp: 1, pp: 1}"],
+                assignments=[
+                    *common,
+                    "parallel={zero_stage: 0, offload: none, tp: 1, pp: 1, fsdp: null}",
+                ],
             )
         )
         runs.append(("dp", reference_run))
@@ -393,7 +397,11 @@ def _layout_label(plan: Any) -> str:
         parts.append(f"tp {plan.tensor_parallel_size}")
     if plan.pipeline_parallel_size > 1:
         parts.append(f"pp {plan.pipeline_parallel_size}")
-    engine = {"ddp": "DDP", "deepspeed": "DeepSpeed", "pipeline": "pipeline"}[plan.engine]
+    engine = {"ddp": "DDP", "deepspeed": "DeepSpeed", "pipeline": "pipeline", "fsdp": "FSDP"}[
+        plan.engine
+    ]
+    if plan.fsdp == "hybrid":
+        engine = "HSDP"
     if plan.zero_stage:
         engine = f"ZeRO-{plan.zero_stage}"
     if plan.offload != "none":

@@ -76,6 +76,12 @@ RUN_FLAGS: dict[str, RunFlag] = {
         "'auto': run the plan `dplaunch plan` recommends (ZeRO/offload/tp/pp).",
         ("auto",),
     ),
+    # after `parallel`: --parallel auto --fsdp full is auto among the FSDP plans (config/load.py)
+    "fsdp": RunFlag(
+        "parallel.fsdp",
+        "PyTorch FSDP2 instead of DDP/ZeRO: full (shard over all ranks) or hybrid (HSDP).",
+        ("full", "hybrid"),
+    ),
     "output_dir": RunFlag("output_dir", "Run directory.", str, panel=None, short="-o"),
 }
 

@@ -152,6 +152,9 @@ def apply_override(data: dict[str, Any], keys: list[str], value: Any) -> None:
         child = node.get(key)
         if child is None:
             child = node[key] = {}
+        if child == "auto":
+            # `parallel: auto` is {auto: true}: a key set inside it keeps auto (--parallel auto --fsdp full)
+            child = node[key] = {"auto": True}
         if not isinstance(child, dict):
             raise UserError(
                 "--set", f"{'.'.join(keys)}: {key} is not a section", "check the key path"

@@ -367,7 +367,8 @@ def render_files(
     """The files, argv and environment that start ``target`` on every rank of ``plan`` (writes nothing).
 
     ``threads``: openmp_threads' answer (None: the launcher's default, one thread per rank)."""
-    if threads is not None and plan.offload != "none":
+    # (FSDP's offload steps torch's AdamW on the host: no CPU Adam build, no thread note)
+    if threads is not None and plan.offload != "none" and plan.engine != "fsdp":
         note = (
             f"offload: DeepSpeed's CPU Adam steps on {threads[0]} OpenMP thread(s) per rank "
             f"(OMP_NUM_THREADS: {threads[1]})"

@@ -223,12 +223,25 @@ def _check_layout(
             "DeepSpeed cannot re-cut a pipeline checkpoint into other stages",
             f"resume with --pp {old_pp}, {export_hint}",
         )
-    if old_tp != plan.tensor_parallel_size:
+    # FSDP checkpoints (torch.distributed.checkpoint) re-shard to another tp on load
+    new_fsdp = getattr(plan, "fsdp", None)
+    both_fsdp = saved.get("fsdp") is not None and new_fsdp is not None
+    if old_tp != plan.tensor_parallel_size and not both_fsdp:
         raise UserError(
             "parallel.tp",
             f"{where} has tensor-parallel degree {old_tp}, this run {plan.tensor_parallel_size}: "
             "its weights are split into tp shards",
             f"resume with --tp {old_tp}, {export_hint}",
+        )
+    old_fsdp = saved.get("fsdp")
+    if (old_fsdp is None) != (new_fsdp is None):
+        # FSDP full and hybrid both write torch.distributed.checkpoint: either loads the other's
+        raise UserError(
+            "parallel.fsdp",
+            f"{where} was written by {'FSDP' if old_fsdp else 'DDP/ZeRO'}, this run uses "
+            f"{'FSDP' if new_fsdp else 'DDP/ZeRO'}: the checkpoint formats differ",
+            (f"resume with --fsdp {old_fsdp}" if old_fsdp else "resume without --fsdp")
+            + f", {export_hint}",
         )
     if old_zero != plan.zero_stage:
         raise UserError(
@@ -258,6 +271,15 @@ def _check_layout(
             f"resume with --mixed-precision {saved['mixed_precision']}",
         )
     notes = []
+    if both_fsdp and (old_dp, old_tp) != (plan.data_parallel_size, plan.tensor_parallel_size):
+        # torch.distributed.checkpoint re-shards on load: no conversion step
+        notes.append(
+            f"dp {old_dp} × tp {old_tp} → dp {plan.data_parallel_size} × tp "
+            f"{plan.tensor_parallel_size}: the FSDP checkpoint's shards are re-sharded as they "
+            f"load (torch.distributed.checkpoint); global batch {plan.global_batch_size} kept: "
+            f"grad-accum {saved['gradient_accumulation_steps']} → {plan.gradient_accumulation_steps}"
+        )
+        return None, notes
     if old_dp == plan.data_parallel_size:
         return None, notes
     batch = (

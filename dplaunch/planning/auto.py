@@ -14,6 +14,9 @@ What the estimate assumes for the run (the same inputs `dplaunch plan CONFIG` us
   (unset: transformers' own pick, sdpa for the families that support it), the model's task and
   labels.
 
+With ``parallel.fsdp`` set, auto picks among that engine's rows of the table (FSDP with or
+without offload); without it, never an FSDP row (planning/candidates.py).
+
 On CPU ranks there is no GPU memory to plan for: auto keeps DDP there and says so, unless
 ``launch.gpu_memory_gb`` gives a memory per rank, in which case the same rule picks as on GPUs
 (this is how a GPU plan is rehearsed on CPU, and how the tests exercise it).
@@ -98,6 +101,7 @@ def plan_candidates(
     gpus_per_node: int,
     gpu_memory_gb: float,
     safety_margin: float = 0.1,
+    fsdp: str | None = None,
 ) -> list[Candidate]:
     """The plan table for this model and workload; layouts that cannot split the batch, or pipeline
     a run whose data the pipeline cannot take, are not picked."""
@@ -116,7 +120,13 @@ def plan_candidates(
         global_batch_size=workload.global_batch_size,
         feasible=_runs_as_configured(workload),
         attn_implementation=workload.attn_implementation,
+        fsdp=fsdp,
     )
+
+
+def _engine(fsdp: str | None) -> dict[str, str]:
+    # set only when FSDP: the resolved run.yaml of a DDP/ZeRO plan stays as it was
+    return {"fsdp": fsdp} if fsdp else {}
 
 
 def resolve_auto_parallel(
@@ -139,8 +149,9 @@ def resolve_auto_parallel(
     memory = launch.gpu_memory_gb
     if memory is None and target == "cpu":
         return AutoChoice(
-            ParallelConfig(),
-            "parallel: auto → DDP: CPU ranks have no GPU memory to plan for "
+            ParallelConfig(**_engine(given.fsdp)),
+            f"parallel: auto → {'FSDP ' + given.fsdp if given.fsdp else 'DDP'}: CPU ranks have "
+            "no GPU memory to plan for "
             "(set launch.gpu_memory_gb to plan as for GPUs of that size)",
         )
     if memory is None:
@@ -153,7 +164,12 @@ def resolve_auto_parallel(
         )
     workload = run_workload(config)
     candidates = plan_candidates(
-        facts, workload, gpus=gpus, gpus_per_node=per_node, gpu_memory_gb=memory
+        facts,
+        workload,
+        gpus=gpus,
+        gpus_per_node=per_node,
+        gpu_memory_gb=memory,
+        fsdp=given.fsdp,
     )
     chosen = next((c for c in candidates if c.recommended), None)
     if chosen is None:
@@ -163,7 +179,11 @@ def resolve_auto_parallel(
             batch_math(workload.global_batch_size or 1, workload.fixed_micro_batch, best.dp)
         raise UserError("parallel.auto", recommendation_line(candidates))
     parallel = ParallelConfig(
-        zero_stage=chosen.zero_stage, offload=chosen.offload, tp=chosen.tp, pp=chosen.pp
+        zero_stage=chosen.zero_stage,
+        offload=chosen.offload,
+        tp=chosen.tp,
+        pp=chosen.pp,
+        **_engine(chosen.fsdp),
     )
     source = "launch.gpu_memory_gb" if launch.gpu_memory_gb is not None else "nvidia-smi"
     note = f"parallel: auto → {chosen.why} ({memory:g} GB per GPU from {source})"

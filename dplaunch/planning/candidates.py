@@ -12,6 +12,14 @@ How one plan is recommended (among those that fit; ``_rank`` is the code):
    would always pick the deepest pipeline;
 3. then the least network traffic per step per GPU (bytes, :func:`estimate_communication`);
 4. ties → the simpler plan: no offload, lower ZeRO stage, smaller pp, smaller tp.
+
+FSDP2 rows (parallel.fsdp, tp = pp = 1) are listed beside them with the same columns: FSDP full
+holds ZeRO-3's memory (its formula, sharded over every data-parallel rank) and sends ZeRO-3's
+traffic; HSDP (several nodes only) shards over a node's GPUs, so its memory is ZeRO-3's with
+dp = GPUs per node, and its traffic ZeRO-3's inside the node plus an all-reduce of the node's
+gradient shard across the nodes. They are recommended only when the run asks for FSDP
+(``fsdp``: auto then picks among that kind's rows by the same rule), so the DeepSpeed/DDP choice
+of ``parallel: auto`` does not change for runs that did not ask.
 """
 
 from __future__ import annotations
@@ -66,6 +74,8 @@ class Candidate:
     why: str = ""
     # every line the total is made of (MemoryEstimate.breakdown), for `dplaunch plan`
     memory: MemoryEstimate | None = None
+    # FSDP2 rows: "full" or "hybrid" (zero_stage 0 then; the memory is ZeRO-3's formula)
+    fsdp: str | None = None
 
     @property
     def other_gb(self) -> float:
@@ -74,8 +84,11 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        """Short label: DDP, ZeRO-2, ZeRO-3 + offload all, no ZeRO (DeepSpeed stage 0 for tp/pp)."""
-        if self.zero_stage == 0:
+        """Short label: DDP, ZeRO-2, ZeRO-3 + offload all, no ZeRO (DeepSpeed stage 0 for tp/pp),
+        FSDP, HSDP."""
+        if self.fsdp is not None:
+            label = "FSDP" if self.fsdp == "full" else "HSDP"
+        elif self.zero_stage == 0:
             label = "DDP" if self.tp == 1 and self.pp == 1 else "no ZeRO"
         else:
             label = f"ZeRO-{self.zero_stage}"
@@ -201,6 +214,7 @@ def candidate_plans(
     global_batch_size: int | None = None,
     feasible: Callable[[Candidate], bool] | None = None,
     attn_implementation: str | None = None,
+    fsdp: str | None = None,
 ) -> list[Candidate]:
     """Every layout for ``gpus`` GPUs with its memory per GPU and traffic per step; one recommended.
 
@@ -210,7 +224,8 @@ def candidate_plans(
     pp in flight for memory. ``feasible`` (optional) rules plans out of the recommendation that
     fit but cannot run as configured (e.g. a global batch that dp does not divide); they stay
     in the table. ``attn_implementation``: the run's model.attn_implementation (unset = what
-    transformers picks for the model; only eager keeps the attention scores).
+    transformers picks for the model; only eager keeps the attention scores). ``fsdp``: the run
+    asks for FSDP of that kind; the recommendation is then among its rows (else never them).
     """
     if gpus < 1:
         raise UserError("launch.gpus", f"{gpus} GPUs", "plan for at least 1 GPU")
@@ -275,8 +290,90 @@ def candidate_plans(
                 memory=memory,
             )
             candidates.append(candidate)
-    _recommend(candidates, feasible)
+    candidates += _fsdp_rows(facts, workload, gpus, gpus_per_node, gpu_memory_gb, usable, count)
+    _recommend(candidates, feasible, fsdp)
     return candidates
+
+
+def _fsdp_rows(
+    facts: ModelFacts,
+    workload: Workload,
+    gpus: int,
+    gpus_per_node: int,
+    gpu_memory_gb: float,
+    usable: float,
+    count: ParameterCount,
+) -> list[Candidate]:
+    """FSDP full (and HSDP on several nodes) rows, with and without CPU offload (see the module
+    docstring for their memory and traffic)."""
+    kinds = [("full", gpus)]
+    if gpus_per_node < gpus and gpus_per_node > 1:
+        kinds.append(("hybrid", gpus_per_node))
+    rows = []
+    for kind, shard in kinds:
+        if not ParallelDims(gpus, gpus_per_node, fsdp=kind).allowed(facts, workload.task):
+            continue
+        steps = workload.accumulation_steps(gpus)
+        for offload in ("none", "all"):
+            memory = estimate_memory(
+                facts,
+                dp=shard,
+                zero_stage=3,
+                offload=offload,
+                mixed_precision=workload.mixed_precision,
+                micro_batch=workload.micro_batch,
+                seq_len=workload.seq_len,
+                activation_checkpointing=workload.activation_checkpointing,
+                task=workload.task,
+                num_labels=workload.num_labels,
+                gradient_accumulation_steps=steps,
+                attn_implementation=workload.attn_implementation,
+                count=count,
+            )
+            traffic = estimate_communication(
+                facts,
+                dp=shard,
+                zero_stage=3,
+                offload=offload,
+                mixed_precision=workload.mixed_precision,
+                micro_batch=workload.micro_batch,
+                seq_len=workload.seq_len,
+                gradient_accumulation_steps=steps or 1,
+                task=workload.task,
+                num_labels=workload.num_labels,
+                count=count,
+            )
+            network = traffic.network_bytes
+            replicas = gpus // shard
+            if replicas > 1:
+                # the node's gradient shard, all-reduced across the nodes (ring: 2n(r−1)/r)
+                b = 2 if workload.mixed_precision in ("bf16", "fp16") else 4
+                network += 2 * (count.total / shard) * b * (replicas - 1) / replicas
+            rows.append(
+                Candidate(
+                    zero_stage=0,
+                    offload=offload,
+                    tp=1,
+                    pp=1,
+                    dp=gpus,
+                    params_per_gpu=memory.params_per_gpu,
+                    weights_gb=memory.weights_gb,
+                    gradients_gb=memory.gradients_gb,
+                    optimizer_gb=memory.optimizer_gb,
+                    model_states_gb=memory.model_states_gb,
+                    activations_gb=memory.activations_gb,
+                    total_gb=memory.total_gb,
+                    cpu_gb=memory.cpu_gb,
+                    comm_gb_per_step=network / GIB,
+                    offload_gb_per_step=traffic.offload_bytes / GIB,
+                    gpu_memory_gb=gpu_memory_gb,
+                    usable_gb=usable,
+                    fits=memory.total_gb <= usable,
+                    memory=memory,
+                    fsdp=kind,
+                )
+            )
+    return rows
 
 
 def _tier(candidate: Candidate) -> int:
@@ -299,8 +396,15 @@ def _rank(candidate: Candidate) -> tuple:
 
 
 def _recommend(
-    candidates: list[Candidate], feasible: Callable[[Candidate], bool] | None = None
+    candidates: list[Candidate],
+    feasible: Callable[[Candidate], bool] | None = None,
+    fsdp: str | None = None,
 ) -> None:
+    # the engine the run asked for: its rows only (FSDP rows only when it asked for FSDP)
+    # (HSDP on one node is FSDP full: its rows stand in)
+    candidates = [c for c in candidates if c.fsdp == fsdp] or [
+        c for c in candidates if c.fsdp == "full"
+    ]
     fitting = [c for c in candidates if c.fits and (feasible is None or feasible(c))]
     ruled_out = [c for c in candidates if c.fits and c not in fitting]
     if not fitting and ruled_out:

@@ -79,3 +79,12 @@ class Mesh:
         ):
             lines.append(f"  data-parallel groups: {self.data_parallel_groups()}")
         return lines
+
+
+def fsdp_groups(world_size: int, shard_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """FSDP's (shard groups, replicate groups): ranks that split the parameters between them, and
+    ranks that hold the same shard. ``shard_size`` is the world (full) or a node's ranks (hybrid)."""
+    replicas = world_size // shard_size
+    shard = [list(range(r * shard_size, (r + 1) * shard_size)) for r in range(replicas)]
+    replicate = [list(range(s, world_size, shard_size)) for s in range(shard_size)]
+    return shard, replicate

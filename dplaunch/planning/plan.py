@@ -12,12 +12,12 @@ from typing import Any, Literal
 
 from dplaunch.config.schema import LaunchConfig, ParallelConfig, TrainConfig
 from dplaunch.errors import UserError
-from dplaunch.planning.mesh import Mesh
+from dplaunch.planning.mesh import Mesh, fsdp_groups
 from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.planning.rules import ParallelDims
 
 Target = Literal["gpu", "cpu"]
-Engine = Literal["ddp", "deepspeed", "pipeline"]
+Engine = Literal["ddp", "deepspeed", "pipeline", "fsdp"]
 DEFAULT_MASTER_PORT = 29500
 # the largest micro batch the planner picks on its own; users set train.micro_batch_size for more
 DEFAULT_MAX_MICRO_BATCH = 8
@@ -44,6 +44,8 @@ class Plan:
     timeout_minutes: float
     notes: tuple[str, ...] = field(default=())
     stage_layers: tuple[str, ...] = field(default=())
+    # parallel.fsdp: None (DDP/ZeRO), "full" or "hybrid" (FSDP2, dplaunch/train/fsdp.py)
+    fsdp: str | None = None
 
     @property
     def data_parallel_size(self) -> int:
@@ -65,13 +67,43 @@ class Plan:
     def engine(self) -> Engine:
         if self.pipeline_parallel_size > 1:
             return "pipeline"
+        if self.fsdp is not None:
+            return "fsdp"
         if self.zero_stage > 0 or self.tensor_parallel_size > 1:
             return "deepspeed"
         return "ddp"
 
     @property
     def uses_deepspeed(self) -> bool:
-        return self.engine != "ddp"
+        return self.engine in ("deepspeed", "pipeline")
+
+    @property
+    def fsdp_shard_size(self) -> int:
+        """Ranks that split FSDP's parameters: every data-parallel rank (full), a node's (hybrid)."""
+        if self.fsdp == "hybrid":
+            return min(self.processes_per_node, self.data_parallel_size)
+        return self.data_parallel_size
+
+    def fsdp_lines(self) -> list[str]:
+        """The FSDP mesh: its shape, shard groups and replicate groups."""
+        shard, replicate = fsdp_groups(self.data_parallel_size, self.fsdp_shard_size)
+        # data-parallel indices → global ranks, one set of groups per tensor-parallel rank
+        tp = range(self.tensor_parallel_size)
+        shard = [[self.mesh.rank_of(0, d, t) for d in group] for t in tp for group in shard]
+        replicate = [[self.mesh.rank_of(0, d, t) for d in group] for t in tp for group in replicate]
+        kind = (
+            "HSDP: shard inside a node, replicate across nodes"
+            if self.fsdp == "hybrid"
+            else "full shard"
+        )
+        lines = [
+            f"FSDP2 {self.fsdp} ({kind}): mesh replicate "
+            f"{self.data_parallel_size // self.fsdp_shard_size} × shard {self.fsdp_shard_size}"
+            + (f" × tp {self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""),
+            f"  shard groups: {shard}",
+        ]
+        # full: every rank holds its own shard, nothing is replicated
+        return lines + ([f"  replicate groups: {replicate}"] if self.fsdp == "hybrid" else [])
 
     def batch_line(self) -> str:
         """micro × grad-accum × dp = global, as users want to read it."""
@@ -87,6 +119,7 @@ class Plan:
             f"world size {self.world_size} ({self.num_nodes} node(s) × {self.processes_per_node} "
             f"{device}(s), backend {self.backend})",
             *self.mesh.describe(list(self.stage_layers)),
+            *(self.fsdp_lines() if self.fsdp else []),
             f"engine: {self.engine}"
             + (f", ZeRO stage {self.zero_stage}" if self.zero_stage else "")
             + (f", offload {self.offload}" if self.offload != "none" else ""),
@@ -107,6 +140,7 @@ class Plan:
             "tensor_parallel_size": self.tensor_parallel_size,
             "pipeline_parallel_size": self.pipeline_parallel_size,
             "zero_stage": self.zero_stage,
+            **({"fsdp": self.fsdp} if self.fsdp else {}),
             "offload": self.offload,
             "global_batch_size": self.global_batch_size,
             "micro_batch_size": self.micro_batch_size,
@@ -192,7 +226,13 @@ def make_plan(
             "several nodes rendezvous at 127.0.0.1: pass --master-addr <head node> unless all run here"
         )
     dims = ParallelDims(
-        total, per_node, parallel.tp, parallel.pp, parallel.zero_stage, parallel.offload
+        total,
+        per_node,
+        parallel.tp,
+        parallel.pp,
+        parallel.zero_stage,
+        parallel.offload,
+        parallel.fsdp,
     )
     dims.check(model, task)
     mesh = Mesh(dims.dp, dims.tp, dims.pp)
@@ -245,6 +285,7 @@ def make_plan(
         timeout_minutes=launch.timeout_minutes,
         notes=tuple(notes),
         stage_layers=stage_layers,
+        fsdp=parallel.fsdp,
     )
 
 
@@ -322,7 +363,8 @@ def check_host_memory(
         tp=mesh.tensor_parallel_size,
         pp=mesh.pipeline_parallel_size,
         zero_stage=parallel.zero_stage,
-        offload=parallel.offload,
+        # FSDP: every rank builds the whole model, then shards it (what ZeRO-0 holds at load)
+        offload="none" if parallel.fsdp else parallel.offload,
         mixed_precision=mixed_precision,
         task=task,
     )

@@ -16,7 +16,11 @@ The rules, and why:
   estimate's ``layers_per_stage`` splits unevenly the same way), so 6 layers run on 4 stages;
 - ZeRO-2/3 partition gradients the pipeline still needs (pp with ZeRO ≤ 1); ZeRO-3 with AutoTP is
   experimental upstream (tp with ZeRO ≤ 2); AutoTP does not compose with the pipeline engine;
-- optimizer offload needs ZeRO, parameter offload ('all') needs ZeRO-3.
+- optimizer offload needs ZeRO, parameter offload ('all') needs ZeRO-3 (or FSDP);
+- FSDP2 (parallel.fsdp) is its own engine: not with ZeRO (both would shard the same states), not
+  with the pipeline engine (DeepSpeed's), not with tp yet (FSDP × DTensor TP is not built); its
+  CPU offload moves parameters, gradients and optimizer states together ('all' only); `hybrid`
+  shards inside a node, so the node's GPUs must hold more than one rank to shard over.
 """
 
 from __future__ import annotations
@@ -65,8 +69,10 @@ def check_mesh(world_size: int, tp: int, pp: int) -> int:
     return world_size // (tp * pp)
 
 
-def check_offload(zero_stage: int, offload: str) -> None:
-    """Offloading the optimizer needs ZeRO; offloading parameters needs ZeRO-3."""
+def check_offload(zero_stage: int, offload: str, fsdp: str | None = None) -> None:
+    """Offloading the optimizer needs ZeRO; offloading parameters needs ZeRO-3 (or FSDP)."""
+    if fsdp is not None:
+        return  # check_fsdp's rule
     if offload == "optimizer" and zero_stage == 0:
         raise UserError("parallel.offload", "optimizer offload needs ZeRO", "add --zero 1, 2 or 3")
     if offload == "all" and zero_stage != 3:
@@ -74,6 +80,37 @@ def check_offload(zero_stage: int, offload: str) -> None:
             "parallel.offload",
             "offloading parameters ('all') needs ZeRO-3",
             "use --zero 3 or --offload optimizer",
+        )
+
+
+def check_fsdp(fsdp: str | None, zero_stage: int, tp: int, pp: int, offload: str) -> None:
+    """FSDP2 replaces ZeRO, does not run under the pipeline engine, takes tp only as `full`, and
+    offloads 'all' only."""
+    if fsdp is None:
+        return
+    if zero_stage > 0:
+        raise UserError(
+            "parallel.fsdp",
+            f"FSDP and ZeRO-{zero_stage} both shard the model's states: choose one engine",
+            "drop --zero (FSDP full is ZeRO-3's layout) or drop --fsdp",
+        )
+    if pp > 1:
+        raise UserError(
+            "parallel.fsdp",
+            f"FSDP with pp {pp}: the pipeline engine is DeepSpeed's and shards no parameters",
+            "use --pp 1 with --fsdp, or pp with ZeRO ≤ 1",
+        )
+    if tp > 1 and fsdp == "hybrid":
+        raise UserError(
+            "parallel.fsdp",
+            f"HSDP with tp {tp} would need a 3-D mesh (replicate × shard × tp), not built",
+            "use --fsdp full with --tp, or --fsdp hybrid with tp 1",
+        )
+    if offload == "optimizer":
+        raise UserError(
+            "parallel.offload",
+            "FSDP offloads parameters, gradients and optimizer states together",
+            "use --offload all or none with --fsdp",
         )
 
 
@@ -177,6 +214,8 @@ class ParallelDims:
     pp: int = 1
     zero_stage: int = 0
     offload: str = "none"
+    # parallel.fsdp: None, "full" or "hybrid" (FSDP2 instead of DDP/ZeRO)
+    fsdp: str | None = None
 
     @property
     def dp(self) -> int:
@@ -186,7 +225,8 @@ class ParallelDims:
     def check(self, model: ModelFacts | None = None, task: str = "causal-lm") -> None:
         """Raise the first rule this layout breaks (for ``model`` and ``task`` when given)."""
         check_mesh(self.world_size, self.tp, self.pp)
-        check_offload(self.zero_stage, self.offload)
+        check_fsdp(self.fsdp, self.zero_stage, self.tp, self.pp, self.offload)
+        check_offload(self.zero_stage, self.offload, self.fsdp)
         check_zero_with_model_parallel(self.zero_stage, self.tp, self.pp)
         check_tensor_parallel_in_node(self.tp, self.gpus_per_node)
         if model is not None:

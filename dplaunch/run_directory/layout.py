@@ -72,6 +72,10 @@ UNIVERSAL_DONE_FILE = "done"
 DEEPSPEED_TAG = "pytorch_model"
 # the pipeline engine's tag (dplaunch/train/pipeline.py)
 PIPELINE_TAG = "pipeline"
+# the FSDP engine's torch.distributed.checkpoint folder (every rank's shards + .metadata) and its
+# scheduler / loss-scaler state (dplaunch/train/fsdp.py)
+FSDP_TAG = "fsdp"
+FSDP_TRAINER_FILE = "trainer_state.pt"
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 

@@ -52,11 +52,12 @@ def build_optimizer(model: Any, train: Any, plan: Plan) -> torch.optim.Optimizer
         {"params": decay, "weight_decay": train.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    if plan.offload != "none":
+    if plan.offload != "none" and plan.engine != "fsdp":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=train.lr, adamw_mode=True)
-    fused = plan.target == "gpu"
+    # FSDP's CPU offload steps torch's AdamW on the host's shards
+    fused = plan.target == "gpu" and plan.offload == "none"
     return torch.optim.AdamW(groups, lr=train.lr, fused=fused)
 
 

@@ -12,7 +12,12 @@ from dplaunch.train.checkpoint import CheckpointError
 
 
 def consolidated_state_dict(directory: Path, engine: str) -> dict[str, Any]:
-    """The full model state dict of a DDP or ZeRO-1/2/3 checkpoint (fp32 master weights for ZeRO)."""
+    """The full model state dict of a DDP, ZeRO-1/2/3 or FSDP checkpoint (fp32 master weights for
+    ZeRO and FSDP)."""
+    if engine == "fsdp":
+        from dplaunch.train.fsdp import consolidated_fsdp_state_dict
+
+        return consolidated_fsdp_state_dict(directory)
     if engine == "ddp":
         from safetensors.torch import load_file
 

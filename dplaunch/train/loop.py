@@ -211,7 +211,7 @@ def train(run_dir: Path) -> int:
     )
     guard.install_fault(model)
     engine = build_engine(plan, config, accelerator, model, total_steps, run_dir)
-    if isinstance(engine, AccelerateEngine):
+    if plan.engine != "pipeline":
         engine.guard = guard  # judges before the update; the pipeline is judged after its step
     for line in getattr(engine, "layout_lines", lambda: [])():
         say(f"[dplaunch] {line}")
@@ -467,6 +467,11 @@ def build_engine(
             optimizer_factory=lambda module: build_optimizer(module, config.train, plan),
             task=config.model.task,
         )
+    if plan.engine == "fsdp":
+        from dplaunch.train.fsdp import FsdpEngine
+
+        # sharded by hand (fully_shard), not through accelerator.prepare: see dplaunch/train/fsdp.py
+        return FsdpEngine(accelerator, model, plan, config, scheduler_for)
     optimizer = build_optimizer(model, config.train, plan)
     model, optimizer = accelerator.prepare(model, optimizer)
     # built on the optimizer that really steps (DeepSpeed's ZeRO optimizer regroups parameters), and
@@ -521,7 +526,7 @@ def _run_steps(run: RankRun, start_step: int) -> tuple[int, str | None]:
         step_lr = engine.current_lr()  # the step's own (the scheduler then moves to the next)
         guard.begin(step + 1)
         loss = engine.train_step(micro_batches)
-        if guard.enabled and not isinstance(engine, AccelerateEngine):
+        if guard.enabled and run.plan.engine == "pipeline":
             guard.judge(loss, None, (), engine.engine)  # the pipeline: DeepSpeed has stepped
         if place.counts_tokens:
             interval[1] += sum(batch_tokens(b) for b in micro_batches)
@@ -615,9 +620,9 @@ def _evaluate(run: RankRun, step: int) -> None:
 
 def _log_samples(run: RankRun, step: int) -> None:
     """train.sample_prompts: rank 0 generates (every rank where forwards are collective: ZeRO-3,
-    TP) and logs the answers to metrics.jsonl, TensorBoard text and the log."""
+    TP, FSDP) and logs the answers to metrics.jsonl, TensorBoard text and the log."""
     plan, accelerator = run.plan, run.accelerator
-    synced = plan.zero_stage == 3 or plan.tensor_parallel_size > 1
+    synced = plan.zero_stage == 3 or plan.tensor_parallel_size > 1 or plan.engine == "fsdp"
     if not (synced or run.place.is_main):
         return
     model = accelerator.unwrap_model(run.engine.model)
