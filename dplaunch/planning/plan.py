@@ -58,6 +58,10 @@ class Plan:
         return self.mesh.pipeline_parallel_size
 
     @property
+    def sequence_parallel_size(self) -> int:
+        return self.mesh.sequence_parallel_size
+
+    @property
     def backend(self) -> str:
         return "nccl" if self.target == "gpu" else "gloo"
 
@@ -106,6 +110,7 @@ class Plan:
             "data_parallel_size": self.data_parallel_size,
             "tensor_parallel_size": self.tensor_parallel_size,
             "pipeline_parallel_size": self.pipeline_parallel_size,
+            "sequence_parallel_size": self.sequence_parallel_size,
             "zero_stage": self.zero_stage,
             "offload": self.offload,
             "global_batch_size": self.global_batch_size,
@@ -192,16 +197,29 @@ def make_plan(
             "several nodes rendezvous at 127.0.0.1: pass --master-addr <head node> unless all run here"
         )
     dims = ParallelDims(
-        total, per_node, parallel.tp, parallel.pp, parallel.zero_stage, parallel.offload
+        total,
+        per_node,
+        parallel.tp,
+        parallel.pp,
+        parallel.zero_stage,
+        parallel.offload,
+        parallel.sp,
     )
     dims.check(model, task)
-    mesh = Mesh(dims.dp, dims.tp, dims.pp)
+    mesh = Mesh(dims.dp, dims.tp, dims.pp, dims.sp)
     if train.compile and (mesh.tensor_parallel_size > 1 or mesh.pipeline_parallel_size > 1):
         raise UserError(
             "train.compile",
             "torch.compile is applied to DDP and ZeRO models only; AutoTP and the pipeline engine "
             "rebuild the model's layers after it would compile them",
             "drop train.compile, or use tp 1 and pp 1",
+        )
+    if mesh.sequence_parallel_size > 1 and attn_implementation == "eager":
+        raise UserError(
+            "model.attn_implementation",
+            "eager attention builds a full 4D mask, which Ulysses sequence parallelism cannot "
+            "split (DeepSpeed refuses it)",
+            "use sdpa (what transformers picks when the key is unset) or a flash kernel",
         )
     mixed_precision = _mixed_precision(train.mixed_precision, target, machine)
     if target == "cpu" and (attn_implementation or "").startswith("flash_attention"):
