@@ -194,7 +194,9 @@ def tile_mlps(model: Any, tiles: int) -> None:
 class FinalHidden:
     """Keeps the decoder's last hidden state (after the final norm) of a forward, so the tiled loss
     applies the lm_head to it tile by tile; the model's own logits are then computed for no
-    position (logits_to_keep)."""
+    position (logits_to_keep). Registered after the engine wraps the model: ZeRO-3's own hook
+    replaces the norm's output with one whose backward gathers the norm's weight first, and this
+    hook must keep that one."""
 
     def __init__(self, model: Any):
         self.value: torch.Tensor | None = None
@@ -214,11 +216,12 @@ class LongSequenceEngine(AccelerateEngine):
     """DDP and ZeRO 0-3 with each micro-batch's sequence split over an sp group (Ulysses) and/or
     the logits + loss computed in tiles: same step, same optimizer, another loss."""
 
-    def __init__(self, *args: Any, shards: SequenceShards, lm_head: Any, final: Any, tiles: int):
+    def __init__(self, *args: Any, shards: SequenceShards, tiled_loss: bool, tiles: int):
         super().__init__(*args)
         self.shards = shards
-        self.lm_head = lm_head
-        self.final = final
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        self.lm_head = unwrapped.lm_head
+        self.final = FinalHidden(unwrapped) if tiled_loss else None
         self.tiles = tiles
 
     def layout_lines(self) -> list[str]:
@@ -276,8 +279,6 @@ def prepare_long_sequences(
         install_ulysses(model, group, rows)
     shards = SequenceShards(sp, plan.mesh.sequence_parallel_rank(rank), pad_id)
     tiles = tiles_for(config.data.max_length // sp, model.config.get_text_config().hidden_size)
-    final = None
     if config.train.tiled_mlp:
         tile_mlps(model, tiles)
-        final = FinalHidden(model)
-    return {"shards": shards, "lm_head": model.lm_head, "final": final, "tiles": tiles}
+    return {"shards": shards, "tiled_loss": config.train.tiled_mlp, "tiles": tiles}

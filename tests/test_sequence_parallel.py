@@ -1,0 +1,241 @@
+"""Long context: Ulysses sequence parallelism (--sp) and tiled MLP + loss give DP's numbers.
+
+Real ranks on gloo. Each distributed configuration runs once (module fixtures) and many checks
+read its outputs: a tiny Llama (hidden 64, 4 heads, 2 KV heads, 2 layers) on blocks of 256 tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from tests.helpers import (
+    SFT_CONFIG,
+    TINY_LLAMA,
+    max_relative_gap,
+    read_metrics,
+    refusal_line,
+    run_dplaunch,
+    train,
+    train_losses,
+    write_config,
+)
+
+# fp32 on CPU: the sp slices sum their losses in another order than one rank does
+TOLERANCE = 1e-5
+SEQUENCE = 256
+
+
+def _tiny_model() -> dict:
+    model = yaml.safe_load(TINY_LLAMA.read_text())["model"]["config"]
+    return {**model, "num_hidden_layers": 2, "max_position_embeddings": SEQUENCE}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("sequence-parallel")
+
+
+@pytest.fixture(scope="module")
+def long_config(runs) -> Path:
+    """The tiny Llama as a causal LM on packed blocks of 256 tokens, 3 steps of 4 samples."""
+    return write_config(
+        runs / "long.yaml",
+        model={"config": _tiny_model()},
+        data={"max_length": SEQUENCE},
+        train={"max_steps": 3, "global_batch_size": 4, "micro_batch_size": 2},
+    )
+
+
+@pytest.fixture(scope="module")
+def ddp_run(runs, long_config) -> Path:
+    """The reference: plain DDP on 2 ranks (dp 2), each rank whole sequences."""
+    run = runs / "ddp"
+    train(run, "--cpu", "--gpus", "2", config=long_config)
+    return run
+
+
+@pytest.fixture(scope="module")
+def sp_run(runs, long_config) -> tuple[Path, str]:
+    """sp 2 on 2 ranks (dp 1) for 2 steps, stopped, then resumed for step 3 as dp 2 (sp 1)."""
+    run = runs / "sp2"
+    first = train(
+        run,
+        "--cpu",
+        "--gpus",
+        "2",
+        "--sp",
+        "2",
+        "--set",
+        "train.stop_after_steps=2",
+        config=long_config,
+    )
+    resumed = train(run, "--cpu", "--gpus", "2", "--resume", "auto", config=long_config)
+    return run, first.stdout + first.stderr + resumed.stdout + resumed.stderr
+
+
+def test_sp2_gives_ddp_losses_and_weights(ddp_run, sp_run):
+    run, output = sp_run
+    header = read_metrics(run)[0]
+    assert (header["data_parallel_size"], header["sequence_parallel_size"]) == (1, 2)
+    assert header["gradient_accumulation_steps"] == 2  # micro 2 × accum 2 × dp 1 = 4 samples
+    assert "mesh: dp 1 × sp 2 × tp 1 × pp 1 = 2 ranks" in output
+    assert "Ulysses over 2 ranks" in output
+    reference = train_losses(ddp_run)
+    assert len(reference) == 3 and reference[-1] < reference[0]
+    assert max_relative_gap(train_losses(run), reference) < TOLERANCE, (
+        train_losses(run),
+        reference,
+    )
+
+
+def test_a_sp2_checkpoint_resumes_as_dp2(ddp_run, sp_run):
+    # the step-3 loss and the export above come from the dp 2 continuation of the sp 2 run
+    run, output = sp_run
+    assert "sequence-parallel degree 2 → 1" in output
+    exported = load_file(str(run / "model" / "model.safetensors"))
+    reference = load_file(str(ddp_run / "model" / "model.safetensors"))
+    assert exported.keys() == reference.keys()
+    for name in reference:
+        torch.testing.assert_close(exported[name], reference[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_packed_sft_on_sp2_by_dp2_with_zero3_and_tiling_gives_one_rank_losses(runs):
+    # packed chat examples (position ids restart per example, answers only trained): every example
+    # attends only to itself across the two slices; ZeRO-3 partitions over all 4 ranks; the tiled
+    # MLP and tiled logits + loss (2 tiles per slice) change no number. The reference: one rank
+    config = write_config(
+        runs / "sft.yaml",
+        SFT_CONFIG,
+        model={"config": _tiny_model()},
+        data={"eval_dataset": None},
+        train={
+            "sample_prompts": None,
+            "eval_every": None,
+            "log_every": 1,
+            "max_steps": 3,
+            "global_batch_size": 12,
+            "micro_batch_size": 3,
+        },
+    )
+    one, tiled = runs / "sft-1", runs / "sft-sp2-dp2-zero3-tiled"
+    train(one, "--cpu", "--gpus", "1", config=config)
+    flags = ("--cpu", "--gpus", "4", "--sp", "2", "--zero", "3", "--set", "train.tiled_mlp=true")
+    result = train(tiled, *flags, config=config)
+    assert "DEEPSPEED" in result.stdout and "tiled MLP and loss: 2 tiles" in result.stdout
+    assert "sequence-parallel groups: [[0, 1], [2, 3]]" in result.stdout
+    header = read_metrics(tiled)[0]
+    assert (header["world_size"], header["data_parallel_size"]) == (4, 2)
+    assert (header["sequence_parallel_size"], header["zero_stage"]) == (2, 3)
+    assert len(train_losses(one)) == 3
+    assert max_relative_gap(train_losses(tiled), train_losses(one)) < TOLERANCE, (
+        train_losses(tiled),
+        train_losses(one),
+    )
+    assert (tiled / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        (["--gpus", "3", "--sp", "2"], "parallel.sp: sp 2 does not divide 3 GPUs"),
+        (["--gpus", "8", "--sp", "8"], "sp 8 does not divide the model's 4 attention heads"),
+        (["--gpus", "4", "--sp", "2", "--tp", "2"], "Ulysses and AutoTP both split"),
+        (["--gpus", "4", "--sp", "2", "--pp", "2"], "the pipeline engine runs its own"),
+        (
+            ["--gpus", "2", "--sp", "2", "--set", "data.max_length=65"],
+            "data.max_length: 65 tokens do not split evenly over sp 2 ranks",
+        ),
+        (
+            ["--gpus", "2", "--sp", "2", "--set", "model.attn_implementation=eager"],
+            "model.attn_implementation: eager attention",
+        ),
+        (
+            ["--gpus", "2", "--sp", "2", "--set", "model.config.model_type=gpt2"],
+            "supported family: llama, mistral, qwen2, qwen3",
+        ),
+        (
+            ["--gpus", "2", "--sp", "2", "--set", "model.task=sequence-classification"],
+            "sequence parallelism (sp 2) trains causal LMs",
+        ),
+    ],
+)
+def test_layouts_sequence_parallelism_cannot_run_are_refused_before_launch(
+    tmp_path, flags, expected
+):
+    result = run_dplaunch("train", TINY_LLAMA, "--cpu", *flags, "-o", tmp_path / "run")
+    refusal_line(result, expected)
+    assert not (tmp_path / "run").exists()
+
+
+def test_kv_heads_may_be_split_or_replicated_but_not_cut():
+    from dplaunch.errors import UserError
+    from dplaunch.planning.model_facts import ModelFacts
+    from dplaunch.planning.rules import check_sequence_parallel_model
+
+    def facts(heads: int, kv: int) -> ModelFacts:
+        return ModelFacts("llama", 2, heads, kv, 64, 128, 259, 256, False, {})
+
+    check_sequence_parallel_model(4, facts(8, 2), "causal-lm")  # 2 KV heads replicated twice
+    check_sequence_parallel_model(2, facts(8, 4), "sft")  # 2 KV heads a rank
+    with pytest.raises(UserError, match="12 KV heads do not divide"):
+        check_sequence_parallel_model(8, facts(24, 12), "causal-lm")
+
+
+def test_mesh_puts_each_sequence_parallel_group_on_consecutive_ranks():
+    from dplaunch.planning.mesh import Mesh
+
+    mesh = Mesh.for_world(8, sp=4)
+    assert (mesh.data_parallel_size, mesh.world_size) == (2, 8)
+    assert mesh.sequence_parallel_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # (stage, data-parallel rank, tensor-parallel rank) and the slice each rank holds
+    assert [mesh.coordinates(r) for r in (0, 3, 4, 7)] == [(0, 0, 0), (0, 0, 0), (0, 1, 0)] + [
+        (0, 1, 0)
+    ]
+    assert [mesh.sequence_parallel_rank(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert mesh.rank_of(0, 1, 0, sp_rank=2) == 6
+
+
+def test_a_zero_checkpoint_changes_shards_only_when_dp_times_sp_does():
+    from types import SimpleNamespace
+
+    from dplaunch.launching.resume import _check_layout
+    from dplaunch.planning.mesh import Mesh
+
+    def saved(dp: int, sp: int) -> dict:
+        mesh = {"data_parallel_size": dp, "tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+        return {
+            "mesh": {**mesh, "sequence_parallel_size": sp},
+            "zero_stage": 2,
+            "offload": "none",
+            "mixed_precision": "no",
+            "gradient_accumulation_steps": 1,
+            "world_size": dp * sp,
+        }
+
+    def plan(dp: int, sp: int) -> SimpleNamespace:
+        mesh = Mesh(dp, 1, 1, sp)
+        return SimpleNamespace(
+            pipeline_parallel_size=1,
+            tensor_parallel_size=1,
+            data_parallel_size=dp,
+            sequence_parallel_size=sp,
+            zero_stage=2,
+            offload="none",
+            mixed_precision="no",
+            uses_deepspeed=True,
+            engine="deepspeed",
+            global_batch_size=8,
+            gradient_accumulation_steps=1,
+            mesh=mesh,
+        )
+
+    info = SimpleNamespace(path="ckpt")
+    # 4 ZeRO shards either way: dp and sp traded, loaded as they are
+    assert _check_layout(saved(2, 2), plan(4, 1), info)[0] is None
+    # same dp, sp 2 → 1: 4 shards → 2, re-sharded through a universal checkpoint
+    assert _check_layout(saved(2, 2), plan(2, 1), info)[0] == "universal"
