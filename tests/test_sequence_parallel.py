@@ -24,6 +24,7 @@ from tests.helpers import (
     train_losses,
     write_config,
 )
+from tests.test_estimate import LLAMA_7B
 
 # fp32 on CPU: the sp slices sum their losses in another order than one rank does
 TOLERANCE = 1e-5
@@ -172,7 +173,7 @@ def test_layouts_sequence_parallelism_cannot_run_are_refused_before_launch(
     assert not (tmp_path / "run").exists()
 
 
-def test_kv_heads_may_be_split_or_replicated_but_not_cut():
+def test_sp_divides_the_attention_heads_and_the_kv_heads():
     from dplaunch.errors import UserError
     from dplaunch.planning.model_facts import ModelFacts
     from dplaunch.planning.rules import check_sequence_parallel_model
@@ -180,10 +181,9 @@ def test_kv_heads_may_be_split_or_replicated_but_not_cut():
     def facts(heads: int, kv: int) -> ModelFacts:
         return ModelFacts("llama", 2, heads, kv, 64, 128, 259, 256, False, {})
 
-    check_sequence_parallel_model(4, facts(8, 2), "causal-lm")  # 2 KV heads replicated twice
-    check_sequence_parallel_model(2, facts(8, 4), "sft")  # 2 KV heads a rank
-    with pytest.raises(UserError, match="12 KV heads do not divide"):
-        check_sequence_parallel_model(8, facts(24, 12), "causal-lm")
+    check_sequence_parallel_model(2, facts(8, 4), "sft")  # 4 heads and 2 KV heads a rank
+    with pytest.raises(UserError, match="sp 4 does not divide the model's 2 KV heads"):
+        check_sequence_parallel_model(4, facts(8, 2), "causal-lm")
 
 
 def test_mesh_puts_each_sequence_parallel_group_on_consecutive_ranks():
@@ -239,3 +239,109 @@ def test_a_zero_checkpoint_changes_shards_only_when_dp_times_sp_does():
     assert _check_layout(saved(2, 2), plan(4, 1), info)[0] is None
     # same dp, sp 2 → 1: 4 shards → 2, re-sharded through a universal checkpoint
     assert _check_layout(saved(2, 2), plan(2, 1), info)[0] == "universal"
+
+
+# -- memory: what a rank keeps, what the plan says ------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_sp2_halves_the_activations_a_rank_keeps_as_the_estimate_says(tmp_path):
+    # 2 real ranks, fp32 Llama layer (hidden 128, MLP 344), 2 × 256 tokens: one layer's saved
+    # activations with whole sequences, then with Ulysses' half of each (tests/sequence_memory_probe.py)
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, child_environment
+
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+        + ["--master_port", "29623", str(REPO / "tests" / "sequence_memory_probe.py")],
+        env=child_environment(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("MEMORY "))
+    measured = json.loads(line.removeprefix("MEMORY "))
+    # measured on this machine: 5,451,776 and 2,856,960 bytes (0.52: the gathered position ids
+    # and Ulysses' own copies of q, k, v around its all-to-alls)
+    assert 0.45 < measured["sp_layer"] / measured["sp1_layer"] < 0.56, measured
+
+    from dplaunch.planning.estimate import activation_bytes_per_layer, count_parameters
+    from dplaunch.planning.model_facts import ModelFacts
+    from tests.sequence_memory_probe import MICRO_BATCH, SEQ_LEN, SHAPE
+
+    count = count_parameters(ModelFacts.from_config_dict(SHAPE))
+    for sp, key in ((1, "sp1_layer"), (2, "sp_layer")):
+        estimated = activation_bytes_per_layer(
+            count,
+            micro_batch=MICRO_BATCH,
+            seq_len=SEQ_LEN // sp,
+            mixed_precision="no",
+            attention_scores=False,
+        )
+        assert measured[key] == pytest.approx(estimated, rel=0.10), (sp, measured, estimated)
+
+
+def test_the_estimate_splits_activations_and_logits_by_sp_and_zero_states_by_dp_times_sp():
+    from dplaunch.planning.estimate import estimate_memory
+    from dplaunch.planning.model_facts import ModelFacts
+
+    facts = ModelFacts.from_config_dict(LLAMA_7B)
+    shape = dict(zero_stage=3, mixed_precision="bf16", seq_len=32768)
+    whole = estimate_memory(facts, dp=8, **shape)
+    split = estimate_memory(facts, dp=4, sp=2, **shape)
+    assert split.activations_gb == pytest.approx(whole.activations_gb / 2)
+    assert split.logits_gb == pytest.approx(whole.logits_gb / 2)
+    # ZeRO-3 over 4 dp × 2 sp ranks holds what it holds over 8 dp ranks
+    assert split.model_states_gb == pytest.approx(whole.model_states_gb)
+
+
+def test_auto_splits_sequences_only_when_activations_do_not_fit(tmp_path):
+    # a 7B Llama on 8 × 80 GB, activation checkpointing: at 64K tokens ZeRO-3 fits, at 256K no
+    # data-parallel plan does, and sp 4 is the least sequence splitting that fits (sp 2 does not)
+    from dplaunch.config.load import build_run_config
+    from dplaunch.planning.auto import resolve_auto_parallel
+    from dplaunch.planning.model_facts import ModelFacts
+    from dplaunch.planning.plan import Machine
+
+    facts = ModelFacts.from_config_dict(LLAMA_7B)
+    data = yaml.safe_load(TINY_LLAMA.read_text())
+    data["model"]["config"] = dict(LLAMA_7B)
+    data["model"]["gradient_checkpointing"] = True
+    data["train"].update(global_batch_size=8, micro_batch_size=1, mixed_precision="bf16")
+    data["parallel"] = "auto"
+    picked = {}
+    for length in (65536, 262144):
+        data["data"]["max_length"] = length
+        config = build_run_config(
+            data, assignments=["launch.gpus=8", "launch.gpu_memory_gb=80"], base_dir=tmp_path
+        )
+        choice = resolve_auto_parallel(config, facts, Machine())
+        p = choice.parallel
+        picked[length] = (p.zero_stage, p.sp, p.tp, p.pp)
+        table = {(c.zero_stage, c.offload, c.sp): c for c in choice.candidates if c.tp * c.pp == 1}
+    assert picked == {65536: (3, 1, 1, 1), 262144: (3, 4, 1, 1)}
+    assert not table[3, "none", 2].fits and table[3, "none", 4].fits
+    assert "the activations are the problem, and sp 4 is the least" in choice.note
+
+
+def test_plan_with_seq_len_lists_the_sequence_parallel_rows(tmp_path):
+    import json
+
+    config_json = tmp_path / "llama-7b" / "config.json"
+    config_json.parent.mkdir()
+    config_json.write_text(json.dumps(LLAMA_7B))
+    flags = ["--model", config_json.parent, "--gpus", "8", "--gpu-memory", "80"]
+    result = run_dplaunch("plan", *flags, "--seq-len", "131072", "--activation-checkpointing")
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if "+ sp " in line]
+    assert {line.split("+ sp ")[1].split()[0] for line in rows} == {"2", "4", "8"}
+    marked = [line for line in result.stdout.splitlines() if line.startswith("* ")]
+    assert marked[0].startswith("* ZeRO-3 + sp 2 ") and marked[0].endswith("yes")
+    # without --seq-len the table is the one it was
+    plain = run_dplaunch("plan", *flags)
+    assert plain.returncode == 0 and "+ sp" not in plain.stdout

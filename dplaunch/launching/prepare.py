@@ -70,7 +70,7 @@ class _RunFlagsBase:
         """Flags that were given, as dotted run-file keys."""
         given = {name: getattr(self, name) for name in FLAG_KEYS}
         chosen = [
-            f"--{name}" for name in ("zero", "offload", "tp", "pp") if given[name] is not None
+            f"--{name}" for name in ("zero", "offload", "tp", "pp", "sp") if given[name] is not None
         ]
         if given["parallel"] == "auto" and chosen:
             raise UserError(

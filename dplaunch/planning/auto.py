@@ -69,6 +69,7 @@ def run_workload(config: RunConfig) -> Workload:
         pipeline=not (
             config.model.task == "sft" and (config.data.packing or config.train.sample_prompts)
         ),
+        sequence_parallel=True,
     )
 
 
@@ -116,6 +117,7 @@ def plan_candidates(
         global_batch_size=workload.global_batch_size,
         feasible=_runs_as_configured(workload),
         attn_implementation=workload.attn_implementation,
+        sequence_parallel=workload.sequence_parallel,
     )
 
 
@@ -127,11 +129,11 @@ def resolve_auto_parallel(
 ) -> AutoChoice:
     """Replace ``parallel: auto`` by the recommended plan for this run and machine."""
     given = config.parallel
-    if (given.zero_stage, given.offload, given.tp, given.pp) != (0, "none", 1, 1):
+    if (given.zero_stage, given.offload, given.tp, given.pp, given.sp) != (0, "none", 1, 1, 1):
         raise UserError(
             "parallel.auto",
-            "auto picks zero_stage, offload, tp and pp itself",
-            "drop --zero/--offload/--tp/--pp (or those keys), or drop auto",
+            "auto picks zero_stage, offload, tp and pp itself (and sp)",
+            "drop --zero/--offload/--tp/--pp/--sp (or those keys), or drop auto",
         )
     launch = config.launch
     target, gpus = _devices(launch, machine, [])
@@ -163,7 +165,11 @@ def resolve_auto_parallel(
             batch_math(workload.global_batch_size or 1, workload.fixed_micro_batch, best.dp)
         raise UserError("parallel.auto", recommendation_line(candidates))
     parallel = ParallelConfig(
-        zero_stage=chosen.zero_stage, offload=chosen.offload, tp=chosen.tp, pp=chosen.pp
+        zero_stage=chosen.zero_stage,
+        offload=chosen.offload,
+        tp=chosen.tp,
+        pp=chosen.pp,
+        sp=chosen.sp,
     )
     source = "launch.gpu_memory_gb" if launch.gpu_memory_gb is not None else "nvidia-smi"
     note = f"parallel: auto → {chosen.why} ({memory:g} GB per GPU from {source})"

@@ -19,9 +19,9 @@ The rules, and why:
 - optimizer offload needs ZeRO, parameter offload ('all') needs ZeRO-3;
 - sequence parallelism (sp, DeepSpeed's Ulysses) composes with dp and ZeRO 0-3 only: AutoTP
   splits the attention heads Ulysses splits, and the pipeline engine runs its own micro-batch
-  schedule without the all-to-all; sp divides the attention heads (KV heads: either divides the
-  other, Ulysses replicates them), the family is one whose attention it wraps, the task a causal
-  one (a classifier pools over the whole sequence).
+  schedule without the all-to-all; sp divides the attention heads and the KV heads, the family
+  is one whose attention it wraps, the task a causal one (a classifier pools over the whole
+  sequence).
 """
 
 from __future__ import annotations
@@ -116,21 +116,16 @@ def check_sequence_parallel_model(sp: int, model: ModelFacts, task: str) -> None
             f"is {task!r}",
             "use sp 1 for a classifier (it pools over the whole sequence)",
         )
-    if model.num_heads % sp:
-        raise UserError(
-            "parallel.sp",
-            f"sp {sp} does not divide the model's {model.num_heads} attention heads (Ulysses "
-            "gives each rank of a group whole heads)",
-            f"choose sp among the divisors of {model.num_heads}",
-        )
-    kv = model.num_kv_heads
-    if kv % sp and sp % kv:
-        raise UserError(
-            "parallel.sp",
-            f"sp {sp} and the model's {kv} KV heads do not divide one another (Ulysses splits or "
-            "replicates whole KV heads)",
-            f"choose sp among the divisors or multiples of {kv} that divide {model.num_heads}",
-        )
+    # Ulysses gives each rank whole heads. It could also copy KV heads to more ranks than there
+    # are (sp a multiple of them); dplaunch keeps to even splits, as with tp
+    for name, count in (("attention heads", model.num_heads), ("KV heads", model.num_kv_heads)):
+        if count % sp:
+            raise UserError(
+                "parallel.sp",
+                f"sp {sp} does not divide the model's {count} {name} (Ulysses gives each rank "
+                "of a group whole heads)",
+                f"choose sp among the divisors of {count}",
+            )
 
 
 def check_sequence_length_splits(sp: int, max_length: int) -> None:
