@@ -54,53 +54,59 @@ def long_config(runs) -> Path:
 
 @pytest.fixture(scope="module")
 def ddp_run(runs, long_config) -> Path:
-    """The reference: plain DDP on 2 ranks (dp 2), each rank whole sequences."""
+    """The reference: plain DDP on 2 ranks (dp 2), each rank whole sequences; a checkpoint at 2."""
     run = runs / "ddp"
-    train(run, "--cpu", "--gpus", "2", config=long_config)
+    train(run, "--cpu", "--gpus", "2", "--set", "train.checkpoint_every=2", config=long_config)
     return run
 
 
 @pytest.fixture(scope="module")
-def sp_run(runs, long_config) -> tuple[Path, str]:
-    """sp 2 on 2 ranks (dp 1) for 2 steps, stopped, then resumed for step 3 as dp 2 (sp 1)."""
-    run = runs / "sp2"
-    first = train(
-        run,
-        "--cpu",
-        "--gpus",
-        "2",
-        "--sp",
-        "2",
-        "--set",
-        "train.stop_after_steps=2",
-        config=long_config,
-    )
-    resumed = train(run, "--cpu", "--gpus", "2", "--resume", "auto", config=long_config)
-    return run, first.stdout + first.stderr + resumed.stdout + resumed.stderr
+def sp_verify(runs, long_config, ddp_run) -> tuple[Path, str]:
+    """`dplaunch verify` of sp 2 on 2 ranks (dp 1) against the DDP run: the plan run and its output."""
+    out = runs / "verify"
+    flags = ("--cpu", "--gpus", "2", "--sp", "2", "--steps", "3", "--reference", ddp_run)
+    result = run_dplaunch("verify", long_config, *flags, "-o", out, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out / "plan", result.stdout
 
 
-def test_sp2_gives_ddp_losses_and_weights(ddp_run, sp_run):
-    run, output = sp_run
+def test_sp2_gives_ddp_losses_and_verify_says_so(ddp_run, sp_verify):
+    run, output = sp_verify
     header = read_metrics(run)[0]
     assert (header["data_parallel_size"], header["sequence_parallel_size"]) == (1, 2)
     assert header["gradient_accumulation_steps"] == 2  # micro 2 × accum 2 × dp 1 = 4 samples
     assert "mesh: dp 1 × sp 2 × tp 1 × pp 1 = 2 ranks" in output
-    assert "Ulysses over 2 ranks" in output
+    assert "sequence-parallel groups: [[0, 1]]" in output
     reference = train_losses(ddp_run)
     assert len(reference) == 3 and reference[-1] < reference[0]
     assert max_relative_gap(train_losses(run), reference) < TOLERANCE, (
         train_losses(run),
         reference,
     )
+    assert "DDP (dp 1 × sp 2) vs DDP (2 ranks" in output
+    assert "verify: PASS" in output
+    exported = load_file(str(run / "model" / "model.safetensors"))
+    reference_weights = load_file(str(ddp_run / "model" / "model.safetensors"))
+    assert exported.keys() == reference_weights.keys()
+    for name in exported:
+        torch.testing.assert_close(
+            exported[name], reference_weights[name], rtol=1e-4, atol=1e-5, msg=name
+        )
 
 
-def test_a_sp2_checkpoint_resumes_as_dp2(ddp_run, sp_run):
-    # the step-3 loss and the export above come from the dp 2 continuation of the sp 2 run
-    run, output = sp_run
-    assert "sequence-parallel degree 2 → 1" in output
+def test_a_dp2_checkpoint_resumes_on_sp2(runs, long_config, ddp_run):
+    # DDP's step-2 checkpoint continued for step 3 by an sp 2 run: DDP's step 3 and weights
+    (checkpoint,) = [p for p in (ddp_run / "checkpoints").iterdir() if "2" in p.name]
+    run = runs / "resumed-sp2"
+    result = train(
+        run, "--cpu", "--gpus", "2", "--sp", "2", "--resume", checkpoint, config=long_config
+    )
+    assert "sequence-parallel degree 1 → 2" in result.stdout + result.stderr
+    assert "Ulysses over 2 ranks" in result.stdout
+    assert [r["step"] for r in read_metrics(run) if r["type"] == "train"] == [3]
+    assert train_losses(run)[0] == pytest.approx(train_losses(ddp_run)[2], rel=TOLERANCE)
     exported = load_file(str(run / "model" / "model.safetensors"))
     reference = load_file(str(ddp_run / "model" / "model.safetensors"))
-    assert exported.keys() == reference.keys()
     for name in reference:
         torch.testing.assert_close(exported[name], reference[name], rtol=1e-4, atol=1e-5, msg=name)
 
