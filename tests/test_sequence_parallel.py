@@ -96,7 +96,7 @@ def test_sp2_gives_ddp_losses_and_verify_says_so(ddp_run, sp_verify):
 
 def test_a_dp2_checkpoint_resumes_on_sp2(runs, long_config, ddp_run):
     # DDP's step-2 checkpoint continued for step 3 by an sp 2 run: DDP's step 3 and weights
-    (checkpoint,) = [p for p in (ddp_run / "checkpoints").iterdir() if "2" in p.name]
+    checkpoint = ddp_run / "checkpoints" / "step-2"
     run = runs / "resumed-sp2"
     result = train(
         run, "--cpu", "--gpus", "2", "--sp", "2", "--resume", checkpoint, config=long_config
@@ -132,7 +132,7 @@ def test_packed_sft_on_sp2_by_dp2_with_zero3_and_tiling_gives_one_rank_losses(ru
     one, tiled = runs / "sft-1", runs / "sft-sp2-dp2-zero3-tiled"
     train(one, "--cpu", "--gpus", "1", config=config)
     flags = ("--cpu", "--gpus", "4", "--sp", "2", "--zero", "3", "--set", "train.tiled_mlp=true")
-    result = train(tiled, *flags, config=config)
+    result = train(tiled, *flags, "--set", "train.checkpoint_every=3", config=config)
     assert "DEEPSPEED" in result.stdout and "tiled MLP and loss: 2 tiles" in result.stdout
     assert "sequence-parallel groups: [[0, 1], [2, 3]]" in result.stdout
     header = read_metrics(tiled)[0]
@@ -143,7 +143,15 @@ def test_packed_sft_on_sp2_by_dp2_with_zero3_and_tiling_gives_one_rank_losses(ru
         train_losses(tiled),
         train_losses(one),
     )
-    assert (tiled / "model" / "model.safetensors").is_file()
+    # the ZeRO-3 shards of 4 ranks (dp 2 × sp 2) export offline to the weights the run exported
+    checkpoint = tiled / "checkpoints" / "step-3"
+    exported = run_dplaunch("export", checkpoint, "--out", runs / "sft-export")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    offline = load_file(str(runs / "sft-export" / "model.safetensors"))
+    online = load_file(str(tiled / "model" / "model.safetensors"))
+    assert offline.keys() == online.keys()
+    for name in online:
+        torch.testing.assert_close(offline[name], online[name], msg=name)
 
 
 @pytest.mark.parametrize(
