@@ -70,6 +70,7 @@ def sp_verify(runs, long_config, ddp_run) -> tuple[Path, str]:
     return out / "plan", result.stdout
 
 
+@pytest.mark.multiprocess
 def test_sp2_gives_ddp_losses_and_verify_says_so(ddp_run, sp_verify):
     run, output = sp_verify
     header = read_metrics(run)[0]
@@ -94,6 +95,7 @@ def test_sp2_gives_ddp_losses_and_verify_says_so(ddp_run, sp_verify):
         )
 
 
+@pytest.mark.multiprocess
 def test_a_dp2_checkpoint_resumes_on_sp2(runs, long_config, ddp_run):
     # DDP's step-2 checkpoint continued for step 3 by an sp 2 run: DDP's step 3 and weights
     checkpoint = ddp_run / "checkpoints" / "step-2"
@@ -111,6 +113,7 @@ def test_a_dp2_checkpoint_resumes_on_sp2(runs, long_config, ddp_run):
         torch.testing.assert_close(exported[name], reference[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.multiprocess
 def test_packed_sft_on_sp2_by_dp2_with_zero3_and_tiling_gives_one_rank_losses(runs):
     # packed chat examples (position ids restart per example, answers only trained): every example
     # attends only to itself across the two slices; ZeRO-3 partitions over all 4 ranks; the tiled
@@ -157,10 +160,8 @@ def test_packed_sft_on_sp2_by_dp2_with_zero3_and_tiling_gives_one_rank_losses(ru
 @pytest.mark.parametrize(
     "flags,expected",
     [
-        (["--gpus", "3", "--sp", "2"], "parallel.sp: sp 2 does not divide 3 GPUs"),
         (["--gpus", "8", "--sp", "8"], "sp 8 does not divide the model's 4 attention heads"),
         (["--gpus", "4", "--sp", "2", "--tp", "2"], "Ulysses and AutoTP both split"),
-        (["--gpus", "4", "--sp", "2", "--pp", "2"], "the pipeline engine runs its own"),
         (
             ["--gpus", "2", "--sp", "2", "--set", "data.max_length=65"],
             "data.max_length: 65 tokens do not split evenly over sp 2 ranks",
@@ -168,14 +169,6 @@ def test_packed_sft_on_sp2_by_dp2_with_zero3_and_tiling_gives_one_rank_losses(ru
         (
             ["--gpus", "2", "--sp", "2", "--set", "model.attn_implementation=eager"],
             "model.attn_implementation: eager attention",
-        ),
-        (
-            ["--gpus", "2", "--sp", "2", "--set", "model.config.model_type=gpt2"],
-            "supported family: llama, mistral, qwen2, qwen3",
-        ),
-        (
-            ["--gpus", "2", "--sp", "2", "--set", "model.task=sequence-classification"],
-            "sequence parallelism (sp 2) trains causal LMs",
         ),
     ],
 )
@@ -185,6 +178,27 @@ def test_layouts_sequence_parallelism_cannot_run_are_refused_before_launch(
     result = run_dplaunch("train", TINY_LLAMA, "--cpu", *flags, "-o", tmp_path / "run")
     refusal_line(result, expected)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "dims,task,expected",
+    [
+        (dict(world_size=3, sp=2), "causal-lm", "parallel.sp: sp 2 does not divide 3 GPUs"),
+        (dict(world_size=4, pp=2, sp=2), "causal-lm", "the pipeline engine runs its own"),
+        (dict(world_size=2, sp=2), "sequence-classification", "sp 2) trains causal LMs"),
+        (dict(world_size=2, sp=2, family="gpt2"), "causal-lm", "llama, mistral, qwen2, qwen3"),
+    ],
+)
+def test_the_rules_refuse_what_ulysses_cannot_split(dims, task, expected):
+    from dplaunch.errors import UserError
+    from dplaunch.planning.model_facts import ModelFacts
+    from dplaunch.planning.rules import ParallelDims
+
+    family = dims.pop("family", "llama")
+    model = ModelFacts(family, 2, 4, 2, 64, 128, 259, 256, False, {})
+    with pytest.raises(UserError) as refused:
+        ParallelDims(gpus_per_node=dims["world_size"], **dims).check(model, task)
+    assert expected in str(refused.value)
 
 
 def test_sp_divides_the_attention_heads_and_the_kv_heads():
