@@ -373,3 +373,19 @@ def test_plan_with_seq_len_lists_the_sequence_parallel_rows(tmp_path):
     # without --seq-len the table is the one it was
     plain = run_dplaunch("plan", *flags)
     assert plain.returncode == 0 and "+ sp" not in plain.stdout
+
+
+def test_zero3_builds_each_ranks_partition_over_dp_times_sp_in_host_memory():
+    # the host-RAM check before launch: ZeRO-3's zero.Init builds 1/(dp × sp) of the model a rank
+    from dplaunch.config.schema import ParallelConfig
+    from dplaunch.planning.mesh import Mesh
+    from dplaunch.planning.model_facts import ModelFacts
+    from dplaunch.planning.plan import check_host_memory
+
+    facts = ModelFacts.from_config_dict(LLAMA_7B)
+    parallel = ParallelConfig(zero_stage=3)
+    lines = [
+        check_host_memory(facts, parallel, mesh, 8, "bf16", "causal-lm", 10.0, refuse=False)
+        for mesh in (Mesh(8), Mesh(4, sequence_parallel_size=2), Mesh(4))
+    ]
+    assert lines[0] == lines[1] != lines[2]

@@ -339,6 +339,7 @@ def check_host_memory(
         dp=mesh.data_parallel_size,
         tp=mesh.tensor_parallel_size,
         pp=mesh.pipeline_parallel_size,
+        sp=mesh.sequence_parallel_size,
         zero_stage=parallel.zero_stage,
         offload=parallel.offload,
         mixed_precision=mixed_precision,
