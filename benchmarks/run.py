@@ -4,6 +4,7 @@
     python -m benchmarks.run --quick             # one repetition, shorter windows (a smoke run)
     python -m benchmarks.run --only throughput   # some of: startup, launch_overhead, throughput, scaling, flags, fsdp
     python -m benchmarks.run --only scaling_peers  # optional: scaling of dplaunch and of the hand loop
+    python -m benchmarks.run --only long_context   # optional: longest sequence under a memory budget, sp 1 vs 2
     python -m benchmarks.run --reps 5 --no-write # more repetitions (throughput: rounds), keep results/ untouched
 
 Results go to benchmarks/results/NAME.json (with date, machine, versions) and NAME.png. The GPU
@@ -20,12 +21,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import flags, fsdp, launch_overhead, scaling, scaling_peers, startup, throughput
+from benchmarks import (
+    flags,
+    fsdp,
+    launch_overhead,
+    long_context,
+    scaling,
+    scaling_peers,
+    startup,
+    throughput,
+)
 from benchmarks.common import RESULTS, Options, machine_facts, verdict
 
 # what `make bench` runs without --only; the optional ones would take it past 15 minutes
 DEFAULT = (startup, launch_overhead, throughput, scaling, flags, fsdp)
-OPTIONAL = (scaling_peers,)
+OPTIONAL = (scaling_peers, long_context)
 COMPARISONS = {module.NAME: module for module in (*DEFAULT, *OPTIONAL)}
 
 

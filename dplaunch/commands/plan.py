@@ -6,7 +6,7 @@ Reads only the model's config.json (or a run file's ``model.config``), never the
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,9 @@ def _from_run_file(options: PlanOptions) -> tuple[ModelFacts, str, Workload, Any
     config = load_run_config(options.config, overrides=overrides, assignments=options.assignments)
     facts = model_facts(config.model)
     label = config.model.name_or_path or f"{facts.model_type} from the run file's model.config"
-    return facts, label, run_workload(config), config.launch
+    # sequence-parallel rows when the sequence length is the question (--seq-len)
+    workload = replace(run_workload(config), sequence_parallel=options.seq_len is not None)
+    return facts, label, workload, config.launch
 
 
 def _model_config(model: str) -> dict[str, Any]:
@@ -131,6 +133,7 @@ def _from_model(options: PlanOptions) -> tuple[ModelFacts, str, Workload]:
         global_batch_size=options.global_batch,
         fixed_micro_batch=options.micro_batch or 1,
         attn_implementation=options.attn_implementation,
+        sequence_parallel=options.seq_len is not None,
     )
     return facts, str(options.model), workload
 

@@ -129,7 +129,8 @@ def _shrink_assignments(flags: Any) -> tuple[list[str], str]:
     )
     model = config.model
     raw = model.config if model.config is not None else load_config_json(model.name_or_path or "")
-    tp, pp = config.parallel.tp, config.parallel.pp
+    # sp splits the heads as tp does: the shrunk model keeps them divisible by either
+    tp, pp = max(config.parallel.tp, config.parallel.sp), config.parallel.pp
     if config.parallel.auto:
         raise UserError(
             "--shrink",
@@ -219,10 +220,15 @@ def reference_mismatch(
     """
     layout = tuple(
         reference_header.get(key, 1)
-        for key in ("zero_stage", "tensor_parallel_size", "pipeline_parallel_size")
+        for key in (
+            "zero_stage",
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "sequence_parallel_size",
+        )
     )
-    if layout[0] != 0 or layout[1:] != (1, 1):
-        return "it is not a pure DDP run (ZeRO {}, tp {}, pp {})".format(*layout)
+    if layout[0] != 0 or layout[1:] != (1, 1, 1):
+        return "it is not a pure DDP run (ZeRO {}, tp {}, pp {}, sp {})".format(*layout)
     for section in ("model", "data"):
         if plan_config.get(section) != reference_config.get(section):
             return f"its {section} section differs from the plan's"
@@ -327,10 +333,11 @@ def run_verify(flags: Any, options: VerifyOptions) -> int:
                 tp=None,
                 pp=None,
                 fsdp=None,
+                sp=None,
                 output_dir=str(base / REFERENCE_DIR),
                 assignments=[
                     *common,
-                    "parallel={zero_stage: 0, offload: none, tp: 1, pp: 1, fsdp: null}",
+                    "parallel={zero_stage: 0, offload: none, tp: 1, pp: 1, fsdp: null, sp: 1}",
                 ],
             )
         )
@@ -397,6 +404,8 @@ def _layout_label(plan: Any) -> str:
         parts.append(f"tp {plan.tensor_parallel_size}")
     if plan.pipeline_parallel_size > 1:
         parts.append(f"pp {plan.pipeline_parallel_size}")
+    if plan.sequence_parallel_size > 1:
+        parts.append(f"sp {plan.sequence_parallel_size}")
     engine = {"ddp": "DDP", "deepspeed": "DeepSpeed", "pipeline": "pipeline", "fsdp": "FSDP"}[
         plan.engine
     ]

@@ -57,6 +57,9 @@ RUN_FLAGS: dict[str, RunFlag] = {
     "offload": RunFlag("parallel.offload", "ZeRO CPU offload.", typing.get_args(Offload)),
     "tp": RunFlag("parallel.tp", "Tensor-parallel degree (DeepSpeed AutoTP)."),
     "pp": RunFlag("parallel.pp", "Pipeline-parallel degree."),
+    "sp": RunFlag(
+        "parallel.sp", "Sequence-parallel degree (DeepSpeed Ulysses): ranks sharing each sequence."
+    ),
     "global_batch": RunFlag(
         "train.global_batch_size", "Samples per optimizer step over all ranks.", panel=BATCH_PANEL
     ),

@@ -46,6 +46,7 @@ from dplaunch.planning.model_facts import (
     load_config_json,
 )
 from dplaunch.planning.plan import Machine, Plan, make_plan
+from dplaunch.planning.rules import check_sequence_length_splits
 from dplaunch.rendering.accelerate_config import accelerate_config_name, render_accelerate_config
 from dplaunch.rendering.deepspeed_config import render_deepspeed_config
 from dplaunch.rendering.launch_command import (
@@ -69,7 +70,7 @@ class _RunFlagsBase:
         """Flags that were given, as dotted run-file keys."""
         given = {name: getattr(self, name) for name in FLAG_KEYS}
         chosen = [
-            f"--{name}" for name in ("zero", "offload", "tp", "pp") if given[name] is not None
+            f"--{name}" for name in ("zero", "offload", "tp", "pp", "sp") if given[name] is not None
         ]
         if given["parallel"] == "auto" and chosen:
             raise UserError(
@@ -218,6 +219,7 @@ def prepare_training_run(
     )
     if length_note is not None:
         plan_notes.append(length_note)
+    check_sequence_length_splits(config.parallel.sp, config.data.max_length)
     check_tokenizer(config.model)
     data_task = config.model.task
     if data_task == "sft":
@@ -324,6 +326,12 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
             "parallel.pp",
             "pipeline parallelism needs dplaunch's own loop",
             "use `dplaunch train` for pp > 1",
+        )
+    if plan.sequence_parallel_size > 1:
+        raise UserError(
+            "parallel.sp",
+            "sequence parallelism needs dplaunch's own loop (it shards each batch's sequence)",
+            "use `dplaunch train` for sp > 1",
         )
     if plan.target == "cpu" and plan.uses_deepspeed:
         plan = replace(

@@ -280,7 +280,15 @@ def _check_layout(
             f"grad-accum {saved['gradient_accumulation_steps']} → {plan.gradient_accumulation_steps}"
         )
         return None, notes
-    if old_dp == plan.data_parallel_size:
+    old_sp = mesh.get("sequence_parallel_size", 1)
+    if old_sp != plan.sequence_parallel_size:
+        notes.append(
+            f"sequence-parallel degree {old_sp} → {plan.sequence_parallel_size} (every rank holds "
+            "the whole model: the sequence slices are no part of a checkpoint)"
+        )
+    # DeepSpeed sees the sp ranks as data-parallel ones: ZeRO shards over dp × sp
+    same_shards = old_dp * old_sp == plan.data_parallel_size * plan.sequence_parallel_size
+    if old_dp == plan.data_parallel_size and (old_zero == 0 or same_shards):
         return None, notes
     batch = (
         f"global batch {plan.global_batch_size} kept: grad-accum {saved['gradient_accumulation_steps']} → "
@@ -297,6 +305,10 @@ def _check_layout(
         notes.append(
             f"data-parallel size {old_dp} → {plan.data_parallel_size} (DDP state is the same on every rank); {batch}"
         )
+        return None, notes
+    if same_shards:
+        # as many ZeRO shards as before (dp and sp traded): they load as they are
+        notes.append(f"data-parallel size {old_dp} → {plan.data_parallel_size}; {batch}")
         return None, notes
     notes.append(
         f"data-parallel size {old_dp} → {plan.data_parallel_size}: the ZeRO-{old_zero} optimizer shards are "

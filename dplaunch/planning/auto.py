@@ -72,6 +72,7 @@ def run_workload(config: RunConfig) -> Workload:
         pipeline=not (
             config.model.task == "sft" and (config.data.packing or config.train.sample_prompts)
         ),
+        sequence_parallel=True,
     )
 
 
@@ -121,6 +122,7 @@ def plan_candidates(
         feasible=_runs_as_configured(workload),
         attn_implementation=workload.attn_implementation,
         fsdp=fsdp,
+        sequence_parallel=workload.sequence_parallel,
     )
 
 
@@ -137,11 +139,11 @@ def resolve_auto_parallel(
 ) -> AutoChoice:
     """Replace ``parallel: auto`` by the recommended plan for this run and machine."""
     given = config.parallel
-    if (given.zero_stage, given.offload, given.tp, given.pp) != (0, "none", 1, 1):
+    if (given.zero_stage, given.offload, given.tp, given.pp, given.sp) != (0, "none", 1, 1, 1):
         raise UserError(
             "parallel.auto",
-            "auto picks zero_stage, offload, tp and pp itself",
-            "drop --zero/--offload/--tp/--pp (or those keys), or drop auto",
+            "auto picks zero_stage, offload, tp and pp itself (and sp)",
+            "drop --zero/--offload/--tp/--pp/--sp (or those keys), or drop auto",
         )
     launch = config.launch
     target, gpus = _devices(launch, machine, [])
@@ -184,6 +186,7 @@ def resolve_auto_parallel(
         tp=chosen.tp,
         pp=chosen.pp,
         **_engine(chosen.fsdp),
+        sp=chosen.sp,
     )
     source = "launch.gpu_memory_gb" if launch.gpu_memory_gb is not None else "nvidia-smi"
     note = f"parallel: auto → {chosen.why} ({memory:g} GB per GPU from {source})"

@@ -1,4 +1,4 @@
-"""The plan table: every DDP / ZeRO / offload / tp / pp layout for a GPU count, its memory and traffic.
+"""The plan table: every DDP / ZeRO / offload / tp / pp / sp layout for a GPU count, its memory and traffic.
 
 Pure Python. Numbers come from :mod:`dplaunch.planning.estimate`; this module only enumerates
 layouts, checks which fit, and picks one.
@@ -6,10 +6,12 @@ layouts, checks which fit, and picks one.
 How one plan is recommended (among those that fit; ``_rank`` is the code):
 
 1. plain data parallelism without offload (DDP, ZeRO-1/2/3) first — nothing to cut, no CPU in the
-   step; then tensor/pipeline parallel without offload; CPU offload last (PCIe-bound Adam);
-2. within that, the smallest model-parallel degree tp·pp: splitting the model further only buys
-   memory, and its costs are not bytes (pipeline bubble, per-layer latency of TP), so bytes alone
-   would always pick the deepest pipeline;
+   step; then sequence parallelism (sp, Ulysses) without offload, which splits only activations
+   (states are ZeRO's to split): it fits where activations, not states, are the problem; then
+   tensor/pipeline parallel without offload; CPU offload last (PCIe-bound Adam);
+2. within that, the smallest degree tp·pp·sp: splitting the model or its sequences further only
+   buys memory, and its costs are not bytes (pipeline bubble, per-layer latency of TP, Ulysses'
+   all-to-alls), so bytes alone would always pick the deepest pipeline;
 3. then the least network traffic per step per GPU (bytes, :func:`estimate_communication`);
 4. ties → the simpler plan: no offload, lower ZeRO stage, smaller pp, smaller tp.
 
@@ -36,10 +38,12 @@ from dplaunch.planning.estimate import (
     estimate_communication,
     estimate_memory,
 )
-from dplaunch.planning.model_facts import ModelFacts
+from dplaunch.planning.model_facts import ModelFacts, attention_implementation
 from dplaunch.planning.rules import ParallelDims
 
 TP_DEGREES = (1, 2, 4, 8)
+# sequence-parallel degrees the table lists (where they divide the GPUs and the model's heads)
+SP_DEGREES = (2, 4, 8)
 OFFLOAD_RANK = {"none": 0, "optimizer": 1, "all": 2}
 
 
@@ -76,6 +80,8 @@ class Candidate:
     memory: MemoryEstimate | None = None
     # FSDP2 rows: "full" or "hybrid" (zero_stage 0 then; the memory is ZeRO-3's formula)
     fsdp: str | None = None
+    # ranks sharing each sequence (Ulysses); dp × sp × tp × pp = GPUs
+    sp: int = 1
 
     @property
     def other_gb(self) -> float:
@@ -104,7 +110,11 @@ class Candidate:
     @property
     def layout(self) -> str:
         """The plan in words: "ZeRO-1 with tp 4 and pp 2"."""
-        degrees = [f"{axis} {n}" for axis, n in (("tp", self.tp), ("pp", self.pp)) if n > 1]
+        degrees = [
+            f"{axis} {n}"
+            for axis, n in (("sp", self.sp), ("tp", self.tp), ("pp", self.pp))
+            if n > 1
+        ]
         return self.name + (" with " + " and ".join(degrees) if degrees else "")
 
 
@@ -127,6 +137,8 @@ class Workload:
     # False: the run's data rules out the pipeline engine (sft_check refuses packed SFT examples and
     # sample prompts with pp > 1), so no pp layout is recommended for it
     pipeline: bool = True
+    # list sequence-parallel layouts (sp 2/4/8) too: `plan --seq-len`, `parallel: auto`
+    sequence_parallel: bool = False
 
     def accumulation_steps(self, dp: int) -> int | None:
         """Micro-batches per optimizer step on dp data-parallel ranks (rounded up); None: unknown."""
@@ -145,6 +157,7 @@ def workload_memory(
     zero_stage: int = 0,
     offload: str = "none",
     count: ParameterCount | None = None,
+    sp: int = 1,
 ) -> MemoryEstimate:
     """The memory estimate the plan table makes for one layout of this workload (the benchmark
     compares it with the peaks a run measured: one estimate for both)."""
@@ -165,6 +178,7 @@ def workload_memory(
         gradient_accumulation_steps=steps,
         attn_implementation=workload.attn_implementation,
         count=count,
+        sp=sp,
     )
 
 
@@ -176,12 +190,16 @@ def _powers_of_two(limit: int) -> list[int]:
     return degrees
 
 
-def _layouts(facts: ModelFacts, gpus: int, gpus_per_node: int, task: str):
-    """(tp, pp) pairs the rules (planning/rules.py) allow for this model on this many GPUs."""
+def _layouts(facts: ModelFacts, gpus: int, gpus_per_node: int, task: str, sequences: bool):
+    """(tp, pp, sp) the rules (planning/rules.py) allow for this model on this many GPUs; sp > 1
+    only when ``sequences`` (sequence parallelism composes with dp and ZeRO alone)."""
     for tp in TP_DEGREES:
         for pp in _powers_of_two(facts.num_layers):
             if ParallelDims(gpus, gpus_per_node, tp, pp).allowed(facts, task):
-                yield tp, pp
+                yield tp, pp, 1
+    for sp in SP_DEGREES if sequences else ():
+        if ParallelDims(gpus, gpus_per_node, sp=sp).allowed(facts, task):
+            yield 1, 1, sp
 
 
 def _stages_and_offloads(dims: ParallelDims):
@@ -192,7 +210,8 @@ def _stages_and_offloads(dims: ParallelDims):
     """
     for stage in range(4):
         for offload in OFFLOAD_RANK:
-            if offload == "none" and stage > 0 and dims.dp == 1:
+            # ZeRO partitions over the sp ranks too (DeepSpeed sees them as data-parallel)
+            if offload == "none" and stage > 0 and dims.dp * dims.sp == 1:
                 continue
             if replace(dims, zero_stage=stage, offload=offload).allowed():
                 yield stage, offload
@@ -215,6 +234,7 @@ def candidate_plans(
     feasible: Callable[[Candidate], bool] | None = None,
     attn_implementation: str | None = None,
     fsdp: str | None = None,
+    sequence_parallel: bool = False,
 ) -> list[Candidate]:
     """Every layout for ``gpus`` GPUs with its memory per GPU and traffic per step; one recommended.
 
@@ -226,6 +246,7 @@ def candidate_plans(
     in the table. ``attn_implementation``: the run's model.attn_implementation (unset = what
     transformers picks for the model; only eager keeps the attention scores). ``fsdp``: the run
     asks for FSDP of that kind; the recommendation is then among its rows (else never them).
+    ``sequence_parallel``: list sp 2/4/8 rows too (Ulysses; not with eager attention).
     """
     if gpus < 1:
         raise UserError("launch.gpus", f"{gpus} GPUs", "plan for at least 1 GPU")
@@ -246,8 +267,13 @@ def candidate_plans(
         attn_implementation=attn_implementation,
     )
     candidates: list[Candidate] = []
-    for tp, pp in _layouts(facts, gpus, gpus_per_node, task):
-        dims = ParallelDims(gpus, gpus_per_node, tp, pp)
+    sequences = sequence_parallel and (
+        attention_implementation(facts.model_type, attn_implementation) != "eager"
+    )
+    for tp, pp, sp in _layouts(facts, gpus, gpus_per_node, task, sequences):
+        if seq_len % sp:  # each rank holds an equal slice (rules.check_sequence_length_splits)
+            continue
+        dims = ParallelDims(gpus, gpus_per_node, tp, pp, sp=sp)
         dp = dims.dp
         steps = workload.accumulation_steps(dp)
         for stage, offload in _stages_and_offloads(dims):
@@ -265,9 +291,20 @@ def candidate_plans(
                 count=count,
             )
             memory = workload_memory(
-                facts, workload, dp=dp, tp=tp, pp=pp, zero_stage=stage, offload=offload, count=count
+                facts,
+                workload,
+                dp=dp,
+                tp=tp,
+                pp=pp,
+                zero_stage=stage,
+                offload=offload,
+                count=count,
+                sp=sp,
             )
-            traffic = estimate_communication(facts, gradient_accumulation_steps=steps or 1, **shape)
+            # DeepSpeed averages gradients over the sp ranks too (Ulysses' all-to-alls not counted)
+            traffic = estimate_communication(
+                facts, gradient_accumulation_steps=steps or 1, **{**shape, "dp": dp * sp}
+            )
             candidate = Candidate(
                 zero_stage=stage,
                 offload=offload,
@@ -288,10 +325,11 @@ def candidate_plans(
                 usable_gb=usable,
                 fits=memory.total_gb <= usable,
                 memory=memory,
+                sp=sp,
             )
             candidates.append(candidate)
     candidates += _fsdp_rows(facts, workload, gpus, gpus_per_node, gpu_memory_gb, usable, count)
-    _recommend(candidates, feasible, fsdp)
+    _recommend(candidates, _only_for_activations(candidates, feasible), fsdp)
     return candidates
 
 
@@ -376,16 +414,40 @@ def _fsdp_rows(
     return rows
 
 
+def _only_for_activations(
+    candidates: list[Candidate], feasible: Callable[[Candidate], bool] | None
+) -> Callable[[Candidate], bool] | None:
+    """``feasible``, and sequence parallelism only where activations are the problem: where the
+    same ZeRO stage and offload without it does not fit (a layout that cannot split the global
+    batch is no reason to split sequences)."""
+    plain_fits = {
+        (c.zero_stage, c.offload)
+        for c in candidates
+        if c.fits and c.tp * c.pp * c.sp == 1 and c.fsdp is None
+    }
+    if not any(c.sp > 1 for c in candidates):
+        return feasible
+
+    def eligible(candidate: Candidate) -> bool:
+        if candidate.sp > 1 and (candidate.zero_stage, candidate.offload) in plain_fits:
+            return False
+        return feasible is None or feasible(candidate)
+
+    return eligible
+
+
 def _tier(candidate: Candidate) -> int:
     if candidate.offload != "none":
+        return 3
+    if candidate.tp * candidate.pp > 1:
         return 2
-    return 1 if candidate.tp * candidate.pp > 1 else 0
+    return 1 if candidate.sp > 1 else 0
 
 
 def _rank(candidate: Candidate) -> tuple:
     return (
         _tier(candidate),
-        candidate.tp * candidate.pp,
+        candidate.tp * candidate.pp * candidate.sp,
         round(candidate.comm_gb_per_step, 6),
         round(candidate.offload_gb_per_step, 6),
         OFFLOAD_RANK[candidate.offload],
@@ -430,6 +492,11 @@ def _recommend(
         reason = "and needs the least communication of the data-parallel plans"
     elif tier == 1:
         reason = (
+            f"; no data-parallel plan fits without offload, the activations are the problem, and "
+            f"sp {best.sp} is the least sequence splitting that fits"
+        )
+    elif tier == 2:
+        reason = (
             f"; no data-parallel plan fits without offload, and tp·pp = {best.tp * best.pp} is the "
             "least model splitting that does, with the least communication"
         )
@@ -452,6 +519,7 @@ ROW_KEYS = (
     "offload",
     "tp",
     "pp",
+    "sp",
     "dp",
     "params_per_gpu",
     "weights_gb",
@@ -490,10 +558,16 @@ def to_json_rows(candidates: list[Candidate]) -> list[dict]:
     return rows
 
 
+def _table_name(candidate: Candidate) -> str:
+    return candidate.name + (f" + sp {candidate.sp}" if candidate.sp > 1 else "")
+
+
 def format_table(candidates: list[Candidate]) -> str:
     """Fixed-width text table, the recommended row marked ``*``, then the recommendation line."""
+    # sp rows name longer plans ("ZeRO-1 + offload optimizer + sp 2")
+    width = max([26, *(len(_table_name(c)) + 1 for c in candidates)])
     header = (
-        f"  {'plan':<26}{'tp':>3}{'pp':>4}{'dp':>5}{'states':>9}{'activ':>8}{'other':>8}{'total':>8}"
+        f"  {'plan':<{width}}{'tp':>3}{'pp':>4}{'dp':>5}{'states':>9}{'activ':>8}{'other':>8}{'total':>8}"
         f"{'cpu':>8}{'comm/step':>11}{'fits':>6}"
     )
     lines = [header, "  " + "-" * (len(header) - 2)]
@@ -503,7 +577,7 @@ def format_table(candidates: list[Candidate]) -> str:
     for c in candidates:
         mark = "*" if c.recommended else " "
         lines.append(
-            f"{mark} {c.name:<26}{c.tp:>3}{c.pp:>4}{c.dp:>5}{c.model_states_gb:>9.{d}f}"
+            f"{mark} {_table_name(c):<{width}}{c.tp:>3}{c.pp:>4}{c.dp:>5}{c.model_states_gb:>9.{d}f}"
             f"{c.activations_gb:>8.{d}f}{c.other_gb:>8.{d}f}{c.total_gb:>8.{d}f}{c.cpu_gb:>8.{d}f}"
             f"{c.comm_gb_per_step:>11.{d}f}{'yes' if c.fits else 'no':>6}"
         )

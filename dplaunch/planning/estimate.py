@@ -598,8 +598,14 @@ def estimate_memory(
     gradient_accumulation_steps: int | None = None,
     attn_implementation: str | None = None,
     count: ParameterCount | None = None,
+    sp: int = 1,
 ) -> MemoryEstimate:
-    """Memory on the busiest GPU of a dp × tp × pp plan, as the ranks will run it on GPUs.
+    """Memory on the busiest GPU of a dp × tp × pp (or dp × sp) plan, as the ranks will run it on GPUs.
+
+    Sequence parallelism (``sp``, Ulysses): a rank keeps 1/sp of every sequence, and between its
+    all-to-alls attention runs on whole sequences of heads/sp heads, as many bytes: every
+    activation and the logits are those of ``seq_len / sp`` tokens. DeepSpeed sees the sp ranks
+    as data-parallel ones, so ZeRO partitions over dp × sp.
 
     Model states: :func:`model_state_bytes` of the parameters this GPU holds (:func:`stage_shares`).
     ZeRO-3 also needs the largest unit it gathers at once (a layer, the embedding or the head) in
@@ -632,8 +638,11 @@ def estimate_memory(
     model (4 bytes × all parameters: TP and PP cut it afterwards) — except ZeRO-3, where
     ``zero.Init`` builds each rank's partition only (4·Ψ/Nd).
     """
-    if dp < 1 or tp < 1 or pp < 1:
+    if dp < 1 or tp < 1 or pp < 1 or sp < 1:
         raise UserError("parallel", f"dp={dp}, tp={tp}, pp={pp}: every degree must be at least 1")
+    # the tokens of each sequence this rank holds, and the ranks ZeRO partitions over
+    nccl_axes = (dp, tp, pp, sp)
+    seq_len, dp = seq_len / sp, dp * sp
     count = count or count_parameters(facts, task, num_labels)
     check_pipeline_depth(pp, count.num_layers)
     implementation = attention_implementation(facts.model_type, attn_implementation)
@@ -667,7 +676,7 @@ def estimate_memory(
         buckets = 2 * BUCKET_SIZE * element
     elif zero_stage == 3:
         buckets = BUCKET_SIZE * element + BUCKET_SIZE // 4 * element
-    nccl = NCCL_BYTES_PER_COMMUNICATOR * sum(degree > 1 for degree in (dp, tp, pp))
+    nccl = NCCL_BYTES_PER_COMMUNICATOR * sum(degree > 1 for degree in nccl_axes)
     if zero_stage == 3:
         host_load = 4 * count.total / dp
     else:

@@ -1,8 +1,10 @@
-"""The device mesh: world = dp × tp × pp, and which global ranks form each group.
+"""The device mesh: world = dp × sp × tp × pp, and which global ranks form each group.
 
 Rank layout (the one DeepSpeed's pipeline grid and AutoTP use): tp varies fastest, then dp,
 then pp — so a TP group is consecutive ranks (inside one node: planning/rules.py makes tp divide
-the GPUs per node), and the pipeline stage of rank r is r // (dp × tp).
+the GPUs per node), and the pipeline stage of rank r is r // (dp × tp). Sequence parallelism
+(sp, which composes with dp only: planning/rules.py) takes tp's place: an sp group is consecutive
+ranks, as DeepSpeed's Ulysses groups are, and data-parallel rank r // sp.
 """
 
 from __future__ import annotations
@@ -19,24 +21,41 @@ class Mesh:
     data_parallel_size: int
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # ranks that share each sequence (DeepSpeed Ulysses); they read the same samples
+    sequence_parallel_size: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
+        return (
+            self.data_parallel_size
+            * self.sequence_parallel_size
+            * self.tensor_parallel_size
+            * self.pipeline_parallel_size
+        )
 
     @classmethod
-    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1) -> Mesh:
+    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, sp: int = 1) -> Mesh:
         """Infer dp from the world size, refusing layouts that do not tile it."""
-        return cls(check_mesh(world_size, tp, pp), tp, pp)
+        return cls(check_mesh(world_size, tp, pp, sp), tp, pp, sp)
 
     def coordinates(self, rank: int) -> tuple[int, int, int]:
         """(pipeline stage, data-parallel rank, tensor-parallel rank) of a global rank."""
-        tp, dp = self.tensor_parallel_size, self.data_parallel_size
-        return rank // (dp * tp), (rank // tp) % dp, rank % tp
+        inner, dp = self.tensor_parallel_size * self.sequence_parallel_size, self.data_parallel_size
+        return rank // (dp * inner), (rank // inner) % dp, rank % self.tensor_parallel_size
 
-    def rank_of(self, stage: int, dp_rank: int, tp_rank: int) -> int:
+    def sequence_parallel_rank(self, rank: int) -> int:
+        """Which slice of each sequence a global rank holds (0 without sequence parallelism)."""
+        return (rank // self.tensor_parallel_size) % self.sequence_parallel_size
+
+    def sequence_parallel_groups(self) -> list[list[int]]:
+        """Ranks that share each sequence: consecutive ranks, one group per data-parallel rank."""
+        sp = self.sequence_parallel_size
+        return [list(range(start, start + sp)) for start in range(0, self.world_size, sp)]
+
+    def rank_of(self, stage: int, dp_rank: int, tp_rank: int, sp_rank: int = 0) -> int:
         """Global rank at the given coordinates."""
-        return (stage * self.data_parallel_size + dp_rank) * self.tensor_parallel_size + tp_rank
+        group = (stage * self.data_parallel_size + dp_rank) * self.sequence_parallel_size + sp_rank
+        return group * self.tensor_parallel_size + tp_rank
 
     def tensor_parallel_groups(self) -> list[list[int]]:
         """Ranks that hold shards of the same layers and must see the same batch."""
@@ -64,10 +83,15 @@ class Mesh:
 
     def describe(self, stage_layers: list[str] | None = None) -> list[str]:
         """Human-readable lines: the degrees, then each group of ranks."""
+        sp = self.sequence_parallel_size
         lines = [
-            f"mesh: dp {self.data_parallel_size} × tp {self.tensor_parallel_size} × "
-            f"pp {self.pipeline_parallel_size} = {self.world_size} ranks"
+            f"mesh: dp {self.data_parallel_size} × "
+            + (f"sp {sp} × " if sp > 1 else "")
+            + f"tp {self.tensor_parallel_size} × pp {self.pipeline_parallel_size} = "
+            f"{self.world_size} ranks"
         ]
+        if sp > 1:
+            lines.append(f"  sequence-parallel groups: {self.sequence_parallel_groups()}")
         if self.tensor_parallel_size > 1:
             lines.append(f"  tensor-parallel groups: {self.tensor_parallel_groups()}")
         if self.pipeline_parallel_size > 1:

@@ -60,6 +60,10 @@ class Plan:
         return self.mesh.pipeline_parallel_size
 
     @property
+    def sequence_parallel_size(self) -> int:
+        return self.mesh.sequence_parallel_size
+
+    @property
     def backend(self) -> str:
         return "nccl" if self.target == "gpu" else "gloo"
 
@@ -139,6 +143,7 @@ class Plan:
             "data_parallel_size": self.data_parallel_size,
             "tensor_parallel_size": self.tensor_parallel_size,
             "pipeline_parallel_size": self.pipeline_parallel_size,
+            "sequence_parallel_size": self.sequence_parallel_size,
             "zero_stage": self.zero_stage,
             **({"fsdp": self.fsdp} if self.fsdp else {}),
             "offload": self.offload,
@@ -232,16 +237,24 @@ def make_plan(
         parallel.pp,
         parallel.zero_stage,
         parallel.offload,
-        parallel.fsdp,
+        fsdp=parallel.fsdp,
+        sp=parallel.sp,
     )
     dims.check(model, task)
-    mesh = Mesh(dims.dp, dims.tp, dims.pp)
+    mesh = Mesh(dims.dp, dims.tp, dims.pp, dims.sp)
     if train.compile and (mesh.tensor_parallel_size > 1 or mesh.pipeline_parallel_size > 1):
         raise UserError(
             "train.compile",
             "torch.compile is applied to DDP and ZeRO models only; AutoTP and the pipeline engine "
             "rebuild the model's layers after it would compile them",
             "drop train.compile, or use tp 1 and pp 1",
+        )
+    if mesh.sequence_parallel_size > 1 and attn_implementation == "eager":
+        raise UserError(
+            "model.attn_implementation",
+            "eager attention builds a full 4D mask, which Ulysses sequence parallelism cannot "
+            "split (DeepSpeed refuses it)",
+            "use sdpa (what transformers picks when the key is unset) or a flash kernel",
         )
     mixed_precision = _mixed_precision(train.mixed_precision, target, machine)
     if target == "cpu" and (attn_implementation or "").startswith("flash_attention"):
@@ -362,6 +375,7 @@ def check_host_memory(
         dp=mesh.data_parallel_size,
         tp=mesh.tensor_parallel_size,
         pp=mesh.pipeline_parallel_size,
+        sp=mesh.sequence_parallel_size,
         zero_stage=parallel.zero_stage,
         # FSDP: every rank builds the whole model, then shards it (what ZeRO-0 holds at load)
         offload="none" if parallel.fsdp else parallel.offload,

@@ -21,6 +21,11 @@ The rules, and why:
   with the pipeline engine (DeepSpeed's), not with tp yet (FSDP × DTensor TP is not built); its
   CPU offload moves parameters, gradients and optimizer states together ('all' only); `hybrid`
   shards inside a node, so the node's GPUs must hold more than one rank to shard over.
+- sequence parallelism (sp, DeepSpeed's Ulysses) composes with dp and ZeRO 0-3 only (not with FSDP: its engine does not carry the sp groups yet): AutoTP
+  splits the attention heads Ulysses splits, and the pipeline engine runs its own micro-batch
+  schedule without the all-to-all; sp divides the attention heads and the KV heads, the family
+  is one whose attention it wraps, the task a causal one (a classifier pools over the whole
+  sequence).
 """
 
 from __future__ import annotations
@@ -54,19 +59,95 @@ AUTOTP_FAMILIES = (
 PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
 # the pipeline engine's last stage computes a causal-LM loss
 PIPELINE_TASKS = CAUSAL_TASKS
+# families whose attention DeepSpeed's Ulysses wraps and whose MLP train.tiled_mlp tiles
+# (dplaunch/train/sequence_parallel.py); Ulysses and the tiled loss train causal LMs
+SEQUENCE_PARALLEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SEQUENCE_PARALLEL_TASKS = CAUSAL_TASKS
 
 
-def check_mesh(world_size: int, tp: int, pp: int) -> int:
-    """The data-parallel degree of tp × pp over ``world_size`` ranks; UserError when they do not tile it."""
-    if tp < 1 or pp < 1:
-        raise UserError("parallel.tp/pp", "degrees must be at least 1", "use 1 to turn one off")
-    if world_size % (tp * pp) != 0:
+def check_mesh(world_size: int, tp: int, pp: int, sp: int = 1) -> int:
+    """The data-parallel degree of tp × pp (× sp) over ``world_size`` ranks; UserError when they
+    do not tile it."""
+    if tp < 1 or pp < 1 or sp < 1:
+        raise UserError("parallel.tp/pp/sp", "degrees must be at least 1", "use 1 to turn one off")
+    if sp > 1 and world_size % sp != 0:
+        raise UserError(
+            "parallel.sp",
+            f"sp {sp} does not divide {world_size} GPUs (world = dp × sp)",
+            f"choose sp among the divisors of {world_size}, or change --gpus",
+        )
+    if world_size % (tp * pp * sp) != 0:
         raise UserError(
             "parallel",
             f"tp {tp} × pp {pp} = {tp * pp} does not divide {world_size} GPUs",
             f"choose tp × pp among the divisors of {world_size}, or change --gpus",
         )
-    return world_size // (tp * pp)
+    return world_size // (tp * pp * sp)
+
+
+def check_sequence_parallel_layout(sp: int, tp: int, pp: int, fsdp: str | None = None) -> None:
+    """Ulysses composes with data parallelism and ZeRO, not with AutoTP, the pipeline engine or
+    FSDP."""
+    if sp > 1 and fsdp is not None:
+        raise UserError(
+            "parallel.sp",
+            f"sp {sp} with FSDP: the FSDP engine shards over every rank and does not carry "
+            "sequence-parallel groups (not built)",
+            "use sp with DDP or ZeRO 0-3 (ZeRO-3 shards like FSDP full), or FSDP with sp 1",
+        )
+    if sp > 1 and tp > 1:
+        raise UserError(
+            "parallel.sp",
+            f"sp {sp} × tp {tp}: Ulysses and AutoTP both split the attention heads, and DeepSpeed "
+            "does not compose the two",
+            "use sp with dp and ZeRO 0-3 (tp 1), or tp without sp",
+        )
+    if sp > 1 and pp > 1:
+        raise UserError(
+            "parallel.sp",
+            f"sp {sp} × pp {pp}: the pipeline engine runs its own micro-batch schedule, without "
+            "Ulysses' all-to-all between its stages",
+            "use sp with dp and ZeRO 0-3 (pp 1), or pp without sp",
+        )
+
+
+def check_sequence_parallel_model(sp: int, model: ModelFacts, task: str) -> None:
+    """Ulysses wraps the family's attention, sp splits its heads evenly, the task is causal."""
+    if sp <= 1:
+        return
+    if model.model_type not in SEQUENCE_PARALLEL_FAMILIES:
+        raise UserError(
+            "parallel.sp",
+            f"sequence parallelism (sp {sp}) is not supported for model type {model.model_type!r}",
+            f"use sp 1, or a supported family: {', '.join(SEQUENCE_PARALLEL_FAMILIES)}",
+        )
+    if task not in SEQUENCE_PARALLEL_TASKS:
+        raise UserError(
+            "parallel.sp",
+            f"sequence parallelism (sp {sp}) trains causal LMs (causal-lm, sft), and model.task "
+            f"is {task!r}",
+            "use sp 1 for a classifier (it pools over the whole sequence)",
+        )
+    # Ulysses gives each rank whole heads. It could also copy KV heads to more ranks than there
+    # are (sp a multiple of them); dplaunch keeps to even splits, as with tp
+    for name, count in (("attention heads", model.num_heads), ("KV heads", model.num_kv_heads)):
+        if count % sp:
+            raise UserError(
+                "parallel.sp",
+                f"sp {sp} does not divide the model's {count} {name} (Ulysses gives each rank "
+                "of a group whole heads)",
+                f"choose sp among the divisors of {count}",
+            )
+
+
+def check_sequence_length_splits(sp: int, max_length: int) -> None:
+    """Every rank of a sequence-parallel group holds an equal slice of the block."""
+    if sp > 1 and max_length % sp:
+        raise UserError(
+            "data.max_length",
+            f"{max_length} tokens do not split evenly over sp {sp} ranks",
+            f"use a multiple of {sp}: {(max_length // sp) * sp or sp} or {(max_length // sp + 1) * sp}",
+        )
 
 
 def check_offload(zero_stage: int, offload: str, fsdp: str | None = None) -> None:
@@ -206,7 +287,7 @@ def check_pipeline_model(pp: int, model: ModelFacts, task: str) -> None:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """One layout: ``world_size`` ranks on nodes of ``gpus_per_node``, tp × pp, ZeRO and offload."""
+    """One layout: ``world_size`` ranks on nodes of ``gpus_per_node``, tp × pp (or sp), ZeRO and offload."""
 
     world_size: int
     gpus_per_node: int
@@ -216,22 +297,25 @@ class ParallelDims:
     offload: str = "none"
     # parallel.fsdp: None, "full" or "hybrid" (FSDP2 instead of DDP/ZeRO)
     fsdp: str | None = None
+    sp: int = 1
 
     @property
     def dp(self) -> int:
         """The data-parallel degree (valid once ``check`` passed)."""
-        return self.world_size // (self.tp * self.pp)
+        return self.world_size // (self.tp * self.pp * self.sp)
 
     def check(self, model: ModelFacts | None = None, task: str = "causal-lm") -> None:
         """Raise the first rule this layout breaks (for ``model`` and ``task`` when given)."""
-        check_mesh(self.world_size, self.tp, self.pp)
+        check_mesh(self.world_size, self.tp, self.pp, self.sp)
         check_fsdp(self.fsdp, self.zero_stage, self.tp, self.pp, self.offload)
         check_offload(self.zero_stage, self.offload, self.fsdp)
+        check_sequence_parallel_layout(self.sp, self.tp, self.pp, self.fsdp)
         check_zero_with_model_parallel(self.zero_stage, self.tp, self.pp)
         check_tensor_parallel_in_node(self.tp, self.gpus_per_node)
         if model is not None:
             check_tensor_parallel_model(self.tp, model)
             check_pipeline_model(self.pp, model, task)
+            check_sequence_parallel_model(self.sp, model, task)
 
     def allowed(self, model: ModelFacts | None = None, task: str = "causal-lm") -> bool:
         """Whether ``check`` passes: the predicate the plan table enumerates layouts with."""

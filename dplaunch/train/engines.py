@@ -112,7 +112,7 @@ class AccelerateEngine:
             # rows of unequal length: this micro-batch's share of the step's tokens (data.py)
             scale = batch.pop("loss_scale", None)
             with accelerator.accumulate(model):
-                loss = model(**batch, **self.forward_options).loss
+                loss = self.forward_loss(batch)
                 if scale is not None:
                     loss = loss * scale
                 total += loss.detach().float()
@@ -142,6 +142,10 @@ class AccelerateEngine:
                         self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
         return total / len(micro_batches)
+
+    def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The micro-batch's loss: the model's own (sequence parallelism computes its own)."""
+        return self.model(**batch, **self.forward_options).loss
 
     def _loss_scale(self) -> float | None:
         # fp16 under DDP: torch's GradScaler (DeepSpeed keeps its own and reports its overflows)

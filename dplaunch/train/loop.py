@@ -52,6 +52,7 @@ from dplaunch.train.metrics import (
 )
 from dplaunch.train.modeling import load_model, load_tokenizer
 from dplaunch.train.nonfinite import EXIT_NONFINITE, NonFiniteGuard
+from dplaunch.train.sequence_parallel import LongSequenceEngine, prepare_long_sequences
 from dplaunch.train.trackers import open_trackers
 
 # the stop reason of train.stop_after_steps (exit 0); signals give their name (exit 75)
@@ -68,11 +69,14 @@ class RankPlace:
     data_parallel_rank: int
     tensor_parallel_rank: int
     is_main: bool
+    sequence_parallel_rank: int = 0
 
     @property
     def counts_tokens(self) -> bool:
-        # one rank per data-parallel shard counts its tokens, so TP/PP copies are not double-counted
-        return self.tensor_parallel_rank == 0 and self.stage == 0
+        # one rank per data-parallel shard counts its tokens, so TP/PP/SP copies are not double-counted
+        return (
+            self.tensor_parallel_rank == 0 and self.stage == 0 and self.sequence_parallel_rank == 0
+        )
 
 
 def read_run(run_dir: Path) -> tuple[RunConfig, Plan]:
@@ -138,6 +142,7 @@ def start_rank(
         dp_rank,
         tp_rank,
         accelerator.is_main_process,
+        plan.mesh.sequence_parallel_rank(accelerator.process_index),
     )
     if place.world_size != plan.world_size:
         raise RuntimeError(f"launched {place.world_size} ranks but the plan has {plan.world_size}")
@@ -210,7 +215,17 @@ def train(run_dir: Path) -> int:
         config.train.on_nonfinite, config.train.max_skipped_steps, accelerator, plan.mixed_precision
     )
     guard.install_fault(model)
-    engine = build_engine(plan, config, accelerator, model, total_steps, run_dir)
+    long_sequences = prepare_long_sequences(
+        model,
+        plan,
+        config,
+        place.rank,
+        tokenizer.pad_token_id,
+        rows=1 if batcher.flatten_packed else plan.micro_batch_size,
+    )
+    engine = build_engine(
+        plan, config, accelerator, model, total_steps, run_dir, long_sequences=long_sequences
+    )
     if plan.engine != "pipeline":
         engine.guard = guard  # judges before the update; the pipeline is judged after its step
     for line in getattr(engine, "layout_lines", lambda: [])():
@@ -441,9 +456,16 @@ def _partition_line(model: Any) -> str | None:
 
 
 def build_engine(
-    plan: Plan, config: RunConfig, accelerator: Any, model: Any, total_steps: int, run_dir: Path
+    plan: Plan,
+    config: RunConfig,
+    accelerator: Any,
+    model: Any,
+    total_steps: int,
+    run_dir: Path,
+    *,
+    long_sequences: dict[str, Any] | None = None,
 ) -> StepEngine:
-    """The step engine for the planned layout."""
+    """The step engine for the planned layout (``long_sequences``: sequence_parallel.py's)."""
     from transformers import get_scheduler
 
     def scheduler_for(optimizer: Any) -> Any:
@@ -478,9 +500,17 @@ def build_engine(
     # stepped by the engine once per optimizer step: Accelerate's wrapper would step it once per rank
     scheduler = scheduler_for(_innermost_optimizer(optimizer))
     accelerator.register_for_checkpointing(scheduler)
-    return AccelerateEngine(
-        accelerator, model, optimizer, scheduler, config.train.max_grad_norm, config.model.task
+    engine_args = (
+        accelerator,
+        model,
+        optimizer,
+        scheduler,
+        config.train.max_grad_norm,
+        config.model.task,
     )
+    if long_sequences:
+        return LongSequenceEngine(*engine_args, **long_sequences)
+    return AccelerateEngine(*engine_args)
 
 
 def _innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:

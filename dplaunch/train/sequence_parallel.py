@@ -1,0 +1,284 @@
+"""Long sequences: Ulysses sequence parallelism (parallel.sp) and tiled MLP + loss (train.tiled_mlp).
+
+The ``sp`` consecutive ranks of a group read the same samples (one data-parallel rank's); each
+keeps one slice of every sequence. DeepSpeed's ``UlyssesSPAttentionHF`` wraps the model's attention
+kernel: an all-to-all turns sequence slices of all heads into whole sequences of ``heads / sp``
+heads, attention runs, a second all-to-all turns them back. Everything else in a decoder works
+token by token, so it runs on the slice as it is.
+
+The loss: each rank sums the cross-entropy of its slice's labels (shifted before slicing, so the
+token after a slice's end is still predicted) and divides by the labelled tokens of the whole
+micro-batch, times ``sp``. DDP and ZeRO average gradients over every rank, sp ranks included, so
+the sp copies of each partial gradient add up to the group's gradient of the micro-batch mean, and
+the logged loss (summed over ranks ÷ world) is the mean over the step's tokens: DP's numbers.
+
+Tiling (ALST): with ``train.tiled_mlp`` each MLP and the logits + loss run over tiles of the
+sequence, each tile under non-reentrant activation checkpointing, so only one tile's intermediate
+activations (and logits) exist at a time, in the forward and in the backward. DeepSpeed's
+``TiledMLP`` and ``TiledFusedLogitsLoss`` do the same by running backward passes of their own, inside
+the backward and inside the forward: then a weight's gradient is accumulated once per tile, which
+DDP's reducer refuses ("marked ready twice") and which needs ZeRO's ``ds_grad_is_ready`` handshake.
+Checkpointed tiles stay inside autograd's one backward, so they compose with DDP and ZeRO 1-3 alike.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from dplaunch.train.data import IGNORE_INDEX
+from dplaunch.train.engines import AccelerateEngine
+
+
+class SequenceShards:
+    """This rank's place in its sequence-parallel group: cuts micro-batches into its slice."""
+
+    def __init__(self, size: int, rank: int, pad_id: int):
+        self.size = size
+        self.rank = rank
+        self.pad_id = pad_id
+
+    def slice(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+        """(this rank's slice of the micro-batch, the micro-batch's labelled tokens).
+
+        Labels are shifted before slicing (the next token of each position, -100 past the end),
+        position ids made explicit (Ulysses gathers them to mask whole sequences), and the rows
+        padded to a multiple of sp: padding comes after a row's tokens, which never attend to it."""
+        input_ids, labels = batch["input_ids"], batch["labels"]
+        rows, width = input_ids.shape
+        positions = batch.get("position_ids")
+        if positions is None:
+            positions = torch.arange(width, device=input_ids.device).expand(rows, width)
+        shift = torch.full_like(labels, IGNORE_INDEX)
+        shift[:, :-1] = labels[:, 1:]
+        tokens = int((shift != IGNORE_INDEX).sum())
+        pad = -width % self.size
+        if pad:
+            packed = "position_ids" in batch
+            input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=self.pad_id)
+            shift = torch.nn.functional.pad(shift, (0, pad), value=IGNORE_INDEX)
+            # packed rows pad with one-token segments (position 0), as data.py does
+            after = (
+                torch.zeros((rows, pad), dtype=positions.dtype, device=positions.device)
+                if packed
+                else torch.arange(width, width + pad, device=positions.device).expand(rows, pad)
+            )
+            positions = torch.cat([positions, after], dim=1)
+        part = (width + pad) // self.size
+        cut = slice(self.rank * part, (self.rank + 1) * part)
+        local = {
+            "input_ids": input_ids[:, cut].contiguous(),
+            "position_ids": positions[:, cut].contiguous(),
+            "shift_labels": shift[:, cut].contiguous(),
+        }
+        return local, tokens
+
+
+def sequence_parallel_groups(world_groups: list[list[int]], rank: int) -> Any:
+    """The torch process group of this rank's sp ranks (every rank creates every group, in order)."""
+    import torch.distributed as dist
+
+    mine = None
+    for ranks in world_groups:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def _deepspeed_comm() -> None:
+    # Ulysses runs its collectives through deepspeed.comm: under DDP nothing has set it up yet,
+    # and it adopts the process group Accelerate already made
+    import deepspeed.comm as ds_comm
+
+    if not ds_comm.is_initialized():
+        ds_comm.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
+
+
+def packed_aware(core: Any) -> Any:
+    """The model's attention kernel, given the mask of the whole gathered sequence.
+
+    Ulysses drops the model's mask (built for a slice) and the kernel then masks causally over the
+    whole row, which would let the examples packed into a row (sft) attend to one another. From
+    the gathered position ids this rebuilds the block-diagonal causal mask transformers builds
+    without sequence parallelism (masking_utils.find_packed_sequence_indices); a row of one
+    sequence keeps the plain causal kernel."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    def attend(module, query, key, value, attention_mask, *args, **kwargs):
+        positions = kwargs.get("position_ids")
+        segments = None if positions is None else find_packed_sequence_indices(positions)
+        if segments is not None and attention_mask is None:
+            length = segments.shape[-1]
+            causal = torch.ones(length, length, dtype=torch.bool, device=segments.device).tril()
+            same = segments[:, :, None] == segments[:, None, :]
+            attention_mask = (same & causal)[:, None]
+        return core(module, query, key, value, attention_mask, *args, **kwargs)
+
+    return attend
+
+
+def install_ulysses(model: Any, group: Any, micro_batch_size: int) -> None:
+    """Route the model's attention through DeepSpeed's Ulysses all-to-all over ``group``.
+
+    As DeepSpeed's register_with_transformers, without its global mpu (which needs ZeRO's
+    engine): the kernel the model uses is replaced in transformers' table by the wrapper. In
+    evaluation (model.eval()) every rank of a group holds the whole sequences and the wrapper
+    passes the call through."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    _deepspeed_comm()
+    config = model.config.get_text_config()
+    kernel_name = model.config._attn_implementation
+    core = ALL_ATTENTION_FUNCTIONS[kernel_name]
+    ulysses = UlyssesSPAttentionHF(
+        # flash kernels go varlen from the gathered position ids themselves
+        attn=packed_aware(core) if kernel_name == "sdpa" else core,
+        batch_size=micro_batch_size,
+        attn_head_count=config.num_attention_heads,
+        attn_head_size=getattr(
+            config, "head_dim", config.hidden_size // config.num_attention_heads
+        ),
+        kv_head_count=config.num_key_value_heads,
+        num_hidden_layers=config.num_hidden_layers,
+        process_group=group,
+        seq_length_is_variable=True,
+    )
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        if not module.training:
+            return core(module, query, key, value, attention_mask, *args, **kwargs)
+        # the model's mask covers a slice only: the gathered position ids mask the whole sequence
+        return ulysses(module, query, key, value, None, *args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS[kernel_name] = attention
+
+
+def tiles_for(tokens: int, hidden_size: int) -> int:
+    """How many tiles a sequence slice runs in: tiles of about ``hidden_size`` tokens, as
+    DeepSpeed's TiledMLP example chooses (a tile's logits are then about the lm_head's size)."""
+    return max(1, math.ceil(tokens / hidden_size))
+
+
+def tiled(function: Any, hidden: torch.Tensor, tiles: int, *extra: torch.Tensor) -> list[Any]:
+    """``function`` over ``tiles`` slices of the sequence (dim 1), each checkpointed: its
+    intermediate activations are recomputed in the backward, one tile at a time. Always exactly
+    ``tiles`` calls (empty slices too), so ZeRO-3's parameter gathers match on every rank."""
+    pieces = zip(
+        torch.tensor_split(hidden, tiles, dim=1),
+        *(torch.tensor_split(t, tiles, dim=1) for t in extra),
+        strict=True,
+    )
+    return [checkpoint(function, *piece, use_reentrant=False) for piece in pieces]
+
+
+def tile_mlps(model: Any, tiles: int) -> None:
+    """Run every decoder layer's MLP over ``tiles`` tiles of the sequence (train.tiled_mlp)."""
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        whole = type(mlp).forward
+
+        def forward(self: Any, hidden: torch.Tensor, _whole: Any = whole) -> torch.Tensor:
+            if not self.training:
+                return _whole(self, hidden)
+            return torch.cat(tiled(lambda part: _whole(self, part), hidden, tiles), dim=1)
+
+        mlp.forward = types.MethodType(forward, mlp)
+
+
+class FinalHidden:
+    """Keeps the decoder's last hidden state (after the final norm) of a forward, so the tiled loss
+    applies the lm_head to it tile by tile; the model's own logits are then computed for no
+    position (logits_to_keep). Registered after the engine wraps the model: ZeRO-3's own hook
+    replaces the norm's output with one whose backward gathers the norm's weight first, and this
+    hook must keep that one."""
+
+    def __init__(self, model: Any):
+        self.value: torch.Tensor | None = None
+        model.model.norm.register_forward_hook(self._keep)
+
+    def _keep(self, module: Any, _inputs: Any, output: torch.Tensor) -> None:
+        if module.training:  # evaluation computes the model's own logits
+            self.value = output
+
+    def take(self) -> torch.Tensor:
+        value, self.value = self.value, None
+        assert value is not None, "the forward did not reach the final norm"
+        return value
+
+
+class LongSequenceEngine(AccelerateEngine):
+    """DDP and ZeRO 0-3 with each micro-batch's sequence split over an sp group (Ulysses) and/or
+    the logits + loss computed in tiles: same step, same optimizer, another loss."""
+
+    def __init__(self, *args: Any, shards: SequenceShards, tiled_loss: bool, tiles: int):
+        super().__init__(*args)
+        self.shards = shards
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        self.lm_head = unwrapped.lm_head
+        self.final = FinalHidden(unwrapped) if tiled_loss else None
+        self.tiles = tiles
+
+    def layout_lines(self) -> list[str]:
+        lines = super().layout_lines()
+        if self.shards.size > 1:
+            lines.append(
+                f"sequence parallel: Ulysses over {self.shards.size} ranks, this rank holds "
+                f"slice {self.shards.rank} of each sequence"
+            )
+        if self.final is not None:
+            lines.append(f"tiled MLP and loss: {self.tiles} tiles per sequence slice")
+        return lines
+
+    def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        local, tokens = self.shards.slice(batch)
+        shift_labels = local.pop("shift_labels")
+        if self.final is None:
+            logits = self.model(**local, **self.forward_options).logits
+            loss_sum = _cross_entropy_sum(logits, shift_labels)
+        else:
+            no_logits = torch.zeros(0, dtype=torch.long, device=shift_labels.device)
+            self.model(**local, **self.forward_options, logits_to_keep=no_logits)
+            hidden = self.final.take()
+            parts = tiled(
+                lambda h, y: _cross_entropy_sum(self.lm_head(h), y),
+                hidden,
+                self.tiles,
+                shift_labels,
+            )
+            loss_sum = torch.stack(parts).sum()
+        # the sp copies of every gradient add up over the group (see the module's docstring)
+        return loss_sum * (self.shards.size / max(tokens, 1))
+
+
+def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)),
+        labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+def prepare_long_sequences(
+    model: Any, plan: Any, config: Any, rank: int, pad_id: int, rows: int
+) -> dict[str, Any]:
+    """Before Accelerate wraps the model: Ulysses attention and tiled MLPs as the run asks; the
+    keyword arguments of LongSequenceEngine (empty when neither is asked). ``rows``: the rows of
+    a training micro-batch."""
+    sp = plan.sequence_parallel_size
+    if sp <= 1 and not config.train.tiled_mlp:
+        return {}
+    if sp > 1:
+        group = sequence_parallel_groups(plan.mesh.sequence_parallel_groups(), rank)
+        install_ulysses(model, group, rows)
+    shards = SequenceShards(sp, plan.mesh.sequence_parallel_rank(rank), pad_id)
+    tiles = tiles_for(config.data.max_length // sp, model.config.get_text_config().hidden_size)
+    if config.train.tiled_mlp:
+        tile_mlps(model, tiles)
+    return {"shards": shards, "tiled_loss": config.train.tiled_mlp, "tiles": tiles}
