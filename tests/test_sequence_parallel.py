@@ -185,6 +185,7 @@ def test_layouts_sequence_parallelism_cannot_run_are_refused_before_launch(
     [
         (dict(world_size=3, sp=2), "causal-lm", "parallel.sp: sp 2 does not divide 3 GPUs"),
         (dict(world_size=4, pp=2, sp=2), "causal-lm", "the pipeline engine runs its own"),
+        (dict(world_size=2, sp=2, fsdp="full"), "causal-lm", "sp 2 with FSDP: the FSDP engine"),
         (dict(world_size=2, sp=2), "sequence-classification", "sp 2) trains causal LMs"),
         (dict(world_size=2, sp=2, family="gpt2"), "causal-lm", "llama, mistral, qwen2, qwen3"),
     ],
