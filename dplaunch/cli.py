@@ -237,6 +237,13 @@ class AttentionKernel(str, Enum):
     flex_attention = "flex_attention"
 
 
+class LoraQuantizeChoice(str, Enum):
+    """model.lora.quantize's values (schema.LoraQuantize; a test keeps them equal)."""
+
+    four_bit = "4bit"
+    eight_bit = "8bit"
+
+
 @app.command()
 def plan(
     config: Annotated[
@@ -301,6 +308,24 @@ def plan(
     task: Annotated[
         Task | None, typer.Option("--task", help="The model's head.", rich_help_panel=_WORKLOAD)
     ] = None,
+    lora: Annotated[
+        int | None,
+        typer.Option(
+            "--lora",
+            min=1,
+            metavar="R",
+            help="Plan LoRA training of rank R (adapters on every linear layer; the base frozen).",
+            rich_help_panel=_WORKLOAD,
+        ),
+    ] = None,
+    quantize: Annotated[
+        LoraQuantizeChoice | None,
+        typer.Option(
+            "--quantize",
+            help="QLoRA: the frozen base in 4-bit (nf4) or 8-bit (with --lora).",
+            rich_help_panel=_WORKLOAD,
+        ),
+    ] = None,
     safety_margin: Annotated[
         float, typer.Option("--safety-margin", help="Fraction of GPU memory kept free.")
     ] = 0.1,
@@ -329,6 +354,8 @@ def plan(
         activation_checkpointing=activation_checkpointing,
         attn_implementation=attn_implementation.value if attn_implementation else None,
         task=task.value if task else None,
+        lora=lora,
+        quantize=quantize.value if quantize else None,
         safety_margin=safety_margin,
         as_json=as_json,
         assignments=assignments or [],

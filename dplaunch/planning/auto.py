@@ -12,7 +12,7 @@ What the estimate assumes for the run (the same inputs `dplaunch plan CONFIG` us
 - sequence length ``data.max_length``, ``train.mixed_precision``, activation checkpointing from
   ``model.gradient_checkpointing``, the attention kernel from ``model.attn_implementation``
   (unset: transformers' own pick, sdpa for the families that support it), the model's task and
-  labels.
+  labels, and ``model.lora`` (adapters trained, the base frozen or quantized).
 
 On CPU ranks there is no GPU memory to plan for: auto keeps DDP there and says so, unless
 ``launch.gpu_memory_gb`` gives a memory per rank, in which case the same rule picks as on GPUs
@@ -33,6 +33,7 @@ from dplaunch.planning.candidates import (
     recommendation_line,
     workload_memory,
 )
+from dplaunch.planning.lora import LoraSpec
 from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.planning.plan import DEFAULT_MAX_MICRO_BATCH, Machine, _devices, _nodes, batch_math
 
@@ -69,6 +70,7 @@ def run_workload(config: RunConfig) -> Workload:
         pipeline=not (
             config.model.task == "sft" and (config.data.packing or config.train.sample_prompts)
         ),
+        lora=LoraSpec.from_config(config.model.lora),
     )
 
 
@@ -116,6 +118,7 @@ def plan_candidates(
         global_batch_size=workload.global_batch_size,
         feasible=_runs_as_configured(workload),
         attn_implementation=workload.attn_implementation,
+        lora=workload.lora,
     )
 
 

@@ -28,6 +28,7 @@ from dplaunch.planning.estimate import (
     estimate_communication,
     estimate_memory,
 )
+from dplaunch.planning.lora import LoraCount, LoraSpec, count_lora
 from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.planning.rules import ParallelDims
 
@@ -114,6 +115,8 @@ class Workload:
     # False: the run's data rules out the pipeline engine (sft_check refuses packed SFT examples and
     # sample prompts with pp > 1), so no pp layout is recommended for it
     pipeline: bool = True
+    # model.lora: only adapters are trained (None: every weight)
+    lora: LoraSpec | None = None
 
     def accumulation_steps(self, dp: int) -> int | None:
         """Micro-batches per optimizer step on dp data-parallel ranks (rounded up); None: unknown."""
@@ -132,10 +135,13 @@ def workload_memory(
     zero_stage: int = 0,
     offload: str = "none",
     count: ParameterCount | None = None,
+    lora: LoraCount | None = None,
 ) -> MemoryEstimate:
     """The memory estimate the plan table makes for one layout of this workload (the benchmark
     compares it with the peaks a run measured: one estimate for both)."""
     steps = workload.accumulation_steps(dp)
+    if lora is None and workload.lora is not None:
+        lora = count_lora(facts, workload.lora, workload.task, workload.num_labels)
     return estimate_memory(
         facts,
         dp=dp,
@@ -152,6 +158,7 @@ def workload_memory(
         gradient_accumulation_steps=steps,
         attn_implementation=workload.attn_implementation,
         count=count,
+        lora=lora,
     )
 
 
@@ -201,6 +208,7 @@ def candidate_plans(
     global_batch_size: int | None = None,
     feasible: Callable[[Candidate], bool] | None = None,
     attn_implementation: str | None = None,
+    lora: LoraSpec | None = None,
 ) -> list[Candidate]:
     """Every layout for ``gpus`` GPUs with its memory per GPU and traffic per step; one recommended.
 
@@ -210,7 +218,8 @@ def candidate_plans(
     pp in flight for memory. ``feasible`` (optional) rules plans out of the recommendation that
     fit but cannot run as configured (e.g. a global batch that dp does not divide); they stay
     in the table. ``attn_implementation``: the run's model.attn_implementation (unset = what
-    transformers picks for the model; only eager keeps the attention scores).
+    transformers picks for the model; only eager keeps the attention scores). ``lora``: a LoRA
+    run (only adapters trained; :mod:`dplaunch.planning.lora`).
     """
     if gpus < 1:
         raise UserError("launch.gpus", f"{gpus} GPUs", "plan for at least 1 GPU")
@@ -219,6 +228,7 @@ def candidate_plans(
     if not 0 <= safety_margin < 1:
         raise UserError("safety_margin", f"{safety_margin} is not in [0, 1)")
     count = count_parameters(facts, task, num_labels)
+    lora_count = count_lora(facts, lora, task, num_labels) if lora is not None else None
     usable = gpu_memory_gb * (1 - safety_margin)
     workload = Workload(
         micro_batch=micro_batch,
@@ -229,6 +239,7 @@ def candidate_plans(
         num_labels=num_labels,
         global_batch_size=global_batch_size,
         attn_implementation=attn_implementation,
+        lora=lora,
     )
     candidates: list[Candidate] = []
     for tp, pp in _layouts(facts, gpus, gpus_per_node, task):
@@ -250,9 +261,19 @@ def candidate_plans(
                 count=count,
             )
             memory = workload_memory(
-                facts, workload, dp=dp, tp=tp, pp=pp, zero_stage=stage, offload=offload, count=count
+                facts,
+                workload,
+                dp=dp,
+                tp=tp,
+                pp=pp,
+                zero_stage=stage,
+                offload=offload,
+                count=count,
+                lora=lora_count,
             )
-            traffic = estimate_communication(facts, gradient_accumulation_steps=steps or 1, **shape)
+            traffic = estimate_communication(
+                facts, gradient_accumulation_steps=steps or 1, lora=lora_count, **shape
+            )
             candidate = Candidate(
                 zero_stage=stage,
                 offload=offload,
