@@ -12,7 +12,7 @@
       checkpoints/          complete step-N/ folders, `latest`, saves in progress (see below)
       model/                the trained model a finished run exports (save_pretrained); merged under LoRA
       adapter/              a LoRA run's adapter, a PEFT folder (PeftModel.from_pretrained(base, adapter/))
-      base/                 a LoRA run's untrained base when it is randomly initialised (model.config)
+        base/               its untrained base when that is randomly initialised (model.config)
       job.sbatch, logs/     the SLURM job's script and logs (`dplaunch slurm`)
       .requeue-JOBID        a job's ranks checkpointed to be requeued (in logs/ from job.sbatch)
 
@@ -54,8 +54,8 @@ EXPORT_DIR = "model"
 # RUN/adapter: a LoRA run's trained adapter (peft's save_pretrained: adapter_config.json,
 # adapter_model.safetensors); RUN/model then holds the adapter merged into the base
 ADAPTER_DIR = "adapter"
-# RUN/base: the untrained base of a LoRA run on a model.config (random init), which exists
-# nowhere else; the adapter's base_model_name_or_path names it
+# RUN/adapter/base: the untrained base of a LoRA run on a model.config (random init), which
+# exists nowhere else; the adapter's base_model_name_or_path names it
 BASE_MODEL_DIR = "base"
 # `dplaunch slurm`: RUN/job.sbatch and the job's RUN/logs/
 SBATCH_SCRIPT = "job.sbatch"

@@ -143,16 +143,18 @@ def write_exports(
     config: ModelConfig,
     adapter_dir: Path | None,
     model_dir: Path | None,
-    base_dir: Path | None,
     seed: int,
     label_names: list[str] | None,
 ) -> None:
-    """Write the PEFT folder (ADAPTER_DIR), the merged full model (MODEL_DIR) and, for a randomly
-    initialised base (model.config), that base (BASE_DIR), which the adapter names as its base.
-    MODEL is rebuild_with_adapters'; it is merged in place, last."""
+    """Write the PEFT folder (ADAPTER_DIR) and the merged full model (MODEL_DIR). For a randomly
+    initialised base (model.config) the adapter folder holds that base too (ADAPTER_DIR/base), as
+    its base_model_name_or_path. MODEL is rebuild_with_adapters'; it is merged in place, last."""
+    from dplaunch.run_directory.layout import BASE_MODEL_DIR
+
     if adapter_dir is not None:
         peft_model_config = model.peft_config["default"]
-        if config.config is not None and base_dir is not None:
+        if config.config is not None:
+            base_dir = adapter_dir / BASE_MODEL_DIR
             # a random-init base exists nowhere else: built again (seeded, as in training) and saved
             from dplaunch.train.modeling import load_model
 
@@ -174,9 +176,9 @@ def write_exports(
 
 
 def export_run(engine: Any, config: Any, tokenizer: Any, run_dir: Path) -> None:
-    """End of a LoRA run: RUN/adapter/, RUN/model/ (merged) and, for a model.config base, RUN/base/,
-    written by rank 0 from the gathered trained values; every rank calls it."""
-    from dplaunch.run_directory.layout import ADAPTER_DIR, BASE_MODEL_DIR, EXPORT_DIR
+    """End of a LoRA run: RUN/adapter/ and RUN/model/ (merged), written by rank 0 from the
+    gathered trained values; every rank calls it."""
+    from dplaunch.run_directory.layout import ADAPTER_DIR, EXPORT_DIR
 
     state = engine.trained_state()
     if state is not None:
@@ -189,7 +191,6 @@ def export_run(engine: Any, config: Any, tokenizer: Any, run_dir: Path) -> None:
             config.model,
             run_dir / ADAPTER_DIR,
             run_dir / EXPORT_DIR,
-            run_dir / BASE_MODEL_DIR,
             config.train.seed,
             config.data.label_names,
         )
