@@ -455,14 +455,22 @@ def export(
         ),
     ],
     out: Annotated[Path, typer.Option("--out", help="Directory for the HF model + tokenizer.")],
+    adapter: Annotated[
+        bool,
+        typer.Option(
+            "--adapter",
+            help="A LoRA run's adapter as a PEFT folder instead of the model merged with it.",
+        ),
+    ] = False,
 ) -> None:
     """One consolidated HF model + tokenizer (safetensors) from a checkpoint, for from_pretrained.
 
-    Tensor-parallel checkpoints are joined by a short job of CPU ranks (one per tp rank).
+    Tensor-parallel checkpoints are joined by a short job of CPU ranks (one per tp rank). A LoRA
+    run's checkpoint gives its adapter merged into the base, or with --adapter the PEFT folder.
     """
     from dplaunch.commands.export import run_export
 
-    raise typer.Exit(run_export(checkpoint, out))
+    raise typer.Exit(run_export(checkpoint, out, adapter))
 
 
 _JOB = "SLURM job"

@@ -27,7 +27,7 @@ from dplaunch.run_directory.files import (
     read_resume,
     read_run_file,
 )
-from dplaunch.run_directory.layout import DEEPSPEED_FILE, EXPORT_DIR
+from dplaunch.run_directory.layout import ADAPTER_DIR, DEEPSPEED_FILE, EXPORT_DIR
 from dplaunch.stop_signals import EXIT_CHECKPOINTED, StopSignals
 from dplaunch.train.checkpoint import Checkpointer
 from dplaunch.train.control import ControlChannel
@@ -291,8 +291,14 @@ def train(run_dir: Path) -> int:
         return _stop_early(run, step, stop_reason)
 
     export_dir = run_dir / EXPORT_DIR
-    engine.export(str(export_dir), tokenizer)
-    say(f"[dplaunch] exported the trained model to {export_dir}")
+    if config.model.lora is not None:
+        from dplaunch.train.lora import export_run
+
+        export_run(engine, config, tokenizer, run_dir)
+        say(f"[dplaunch] exported the adapter to {run_dir / ADAPTER_DIR}, merged into {export_dir}")
+    else:
+        engine.export(str(export_dir), tokenizer)
+        say(f"[dplaunch] exported the trained model to {export_dir}")
     metrics.close()
     accelerator.end_training()
     return 0
