@@ -680,8 +680,6 @@ def estimate_memory(
     head_params = count.head - count.head_sharded + count.head_sharded // tp
     largest_unit = max(layer_params, count.embedding, head_params)
     autocast = 2 * (count.total - count.embedding + count.tied_params) if ddp and sixteen_bit else 0
-    if lora is not None and lora.spec.quantize:
-        autocast = 0  # QLoRA's base is already in its 16-bit compute dtype
     buckets = 0
     if zero_stage in (1, 2):
         buckets = 2 * BUCKET_SIZE * element

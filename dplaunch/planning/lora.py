@@ -12,8 +12,8 @@ trainable copy; a classification head is always one of them (peft's SEQ_CLS task
 The base model stays in memory, frozen: no gradients, no optimizer states. QLoRA
 (``quantize``) holds the base's linear layers (not the head, embeddings or norms) in
 bitsandbytes' 4-bit nf4 (half a byte per weight + one fp32 absmax per block of 64) or 8-bit
-(a byte per weight + one fp32 scale per output row); the rest of the base is bf16, the compute
-dtype. Adapter counts are exact for the families :mod:`dplaunch.planning.estimate` counts exactly
+(a byte per weight + one fp32 scale per output row); the rest of the base is held as without
+quantization (fp32 in the ranks: peft's prepare_model_for_kbit_training casts it). Adapter counts are exact for the families :mod:`dplaunch.planning.estimate` counts exactly
 (checked against peft in tests/test_estimate.py).
 """
 
@@ -30,8 +30,6 @@ ALL_LINEAR = "all-linear"
 # and on CPU after bitsandbytes repacks the weights, the constants take less)
 NF4_BLOCK = 64
 QUANTIZED_BYTES = {"4bit": 0.5, "8bit": 1.0}
-# the dtype QLoRA computes in, and holds the base's unquantized weights in
-QLORA_COMPUTE_BYTES = 2
 
 
 @dataclass(frozen=True)
@@ -327,7 +325,7 @@ def lora_state_bytes(
     DDP, where they stay fp32 beside fp32 gradients and Adam's two states (4 + 4 + 8 bytes: peft
     keeps adapters fp32 and Accelerate computes under autocast). The frozen base adds its
     weights only: fp32 under DDP or in an fp32 run, 16-bit under DeepSpeed's bf16/fp16; under
-    QLoRA its linear layers quantized and the rest bf16. ZeRO-3 partitions the frozen weights
+    QLoRA its linear layers quantized. ZeRO-3 partitions the frozen weights
     too; ``offload: all`` moves that partition to the host.
     """
     trainable, quantized, quantized_bytes = lora.stage(
@@ -340,10 +338,8 @@ def lora_state_bytes(
         offload=offload,
         mixed_precision="no" if ddp else mixed_precision,
     )
-    if lora.spec.quantize:
-        frozen = (share.params - quantized) * QLORA_COMPUTE_BYTES + quantized_bytes
-    else:
-        frozen = share.params * (4 if ddp or mixed_precision == "no" else 2)
+    frozen = (share.params - quantized) * (4 if ddp or mixed_precision == "no" else 2)
+    frozen += quantized_bytes
     frozen /= dp if zero_stage == 3 else 1
     if offload == "all":
         cpu += frozen
