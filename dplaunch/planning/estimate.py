@@ -680,6 +680,9 @@ def estimate_memory(
     head_params = count.head - count.head_sharded + count.head_sharded // tp
     largest_unit = max(layer_params, count.embedding, head_params)
     autocast = 2 * (count.total - count.embedding + count.tied_params) if ddp and sixteen_bit else 0
+    if lora is not None and autocast:
+        # QLoRA's quantized layers dequantize inside their own kernels: no autocast copy of them
+        autocast -= 2 * lora.stage(count.num_layers, True, True)[1]
     buckets = 0
     if zero_stage in (1, 2):
         buckets = 2 * BUCKET_SIZE * element
