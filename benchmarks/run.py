@@ -2,7 +2,7 @@
 
     python -m benchmarks.run                     # all comparisons (8–11 minutes on 2 cores)
     python -m benchmarks.run --quick             # one repetition, shorter windows (a smoke run)
-    python -m benchmarks.run --only throughput   # some of: startup, launch_overhead, throughput, scaling, flags
+    python -m benchmarks.run --only throughput   # some of: startup, launch_overhead, throughput, lora, scaling, flags
     python -m benchmarks.run --only scaling_peers  # optional: scaling of dplaunch and of the hand loop
     python -m benchmarks.run --reps 5 --no-write # more repetitions (throughput: rounds), keep results/ untouched
 
@@ -20,11 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import flags, launch_overhead, scaling, scaling_peers, startup, throughput
+from benchmarks import flags, launch_overhead, lora, scaling, scaling_peers, startup, throughput
 from benchmarks.common import RESULTS, Options, machine_facts, verdict
 
 # what `make bench` runs without --only; the optional ones would take it past 15 minutes
-DEFAULT = (startup, launch_overhead, throughput, scaling, flags)
+DEFAULT = (startup, launch_overhead, throughput, lora, scaling, flags)
 OPTIONAL = (scaling_peers,)
 COMPARISONS = {module.NAME: module for module in (*DEFAULT, *OPTIONAL)}
 
