@@ -16,7 +16,10 @@ The rules, and why:
   estimate's ``layers_per_stage`` splits unevenly the same way), so 6 layers run on 4 stages;
 - ZeRO-2/3 partition gradients the pipeline still needs (pp with ZeRO ≤ 1); ZeRO-3 with AutoTP is
   experimental upstream (tp with ZeRO ≤ 2); AutoTP does not compose with the pipeline engine;
-- optimizer offload needs ZeRO, parameter offload ('all') needs ZeRO-3.
+- optimizer offload needs ZeRO, parameter offload ('all') needs ZeRO-3;
+- LoRA (model.lora) trains on DDP and ZeRO-1/2/3 only: tried with deepspeed 0.19.8 and peft
+  0.21.2, AutoTP shards peft's adapter layers as model layers (the backward then fails: "loss
+  must be a scalar tensor") and the pipeline engine cuts the HF model, which peft has wrapped.
 """
 
 from __future__ import annotations
@@ -164,6 +167,24 @@ def check_pipeline_model(pp: int, model: ModelFacts, task: str) -> None:
             "parallel.pp",
             f"pipeline parallelism (pp {pp}) trains causal LMs only, and model.task is {task!r}",
             "use --pp 1 (data parallelism, ZeRO or --tp for a large model), or model.task causal-lm",
+        )
+
+
+def check_lora_layout(tp: int, pp: int) -> None:
+    """LoRA adapters train with data parallelism (DDP, ZeRO-1/2/3), not with AutoTP or the pipeline."""
+    if tp > 1:
+        raise UserError(
+            "model.lora",
+            f"LoRA with tensor parallelism (tp {tp}): DeepSpeed AutoTP splits peft's adapter "
+            "layers like the model's own and its backward fails",
+            "use --tp 1; ZeRO-3 (--zero 3) spreads a model too large for one GPU",
+        )
+    if pp > 1:
+        raise UserError(
+            "model.lora",
+            f"LoRA with pipeline parallelism (pp {pp}): the pipeline engine cuts the model into "
+            "stages and cannot cut one peft has wrapped",
+            "use --pp 1; ZeRO-3 (--zero 3) spreads a model too large for one GPU",
         )
 
 

@@ -16,6 +16,7 @@ get_state_dict), never from the rank's empty partitions (the empty-adapter bug, 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,12 @@ def quantization_options(lora: LoraConfig | None) -> dict[str, Any]:
         )
     else:
         config = BitsAndBytesConfig(load_in_8bit=True)
-    return {"quantization_config": config}
+    options: dict[str, Any] = {"quantization_config": config}
+    if torch.cuda.is_available():
+        # quantized weights are placed as they load (a quantized model cannot be moved later):
+        # on this rank's GPU, as torchrun numbers them
+        options["device_map"] = {"": torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))}
+    return options
 
 
 def add_adapters(model: Any, config: ModelConfig, seed: int) -> Any:
