@@ -668,6 +668,11 @@ LORA_CASES = {
         "causal-lm",
         dict(r=4, target_modules=("q_proj", "v_proj"), modules_to_save=("lm_head",)),
     ),
+    "llama, an adapted embedding": (
+        TINY_LLAMA,
+        "causal-lm",
+        dict(r=4, target_modules=("q_proj", "embed_tokens")),
+    ),
     "llama classifier (its head trained in full)": (TINY_LLAMA, "sequence-classification", {}),
     "qwen2": (TINY_CONFIGS["qwen2"], "causal-lm", dict(r=8)),
     "qwen3, saved embeddings": (

@@ -222,6 +222,8 @@ def test_auto_counts_lora_a_7b_base_frozen_in_bf16_fits_8_x_24gb_with_zero1(tmp_
     assert picked.gradients_gb * GIB == 2 * 39_976_960  # the adapters' only
     ddp = next(c for c in choice.candidates if c.name == "DDP")
     assert not ddp.fits  # DDP keeps the frozen base in fp32: 25 GiB
+    # LoRA trains with data parallelism only (rules.check_lora_layout): no tp or pp row
+    assert {(c.tp, c.pp) for c in choice.candidates} == {(1, 1)}
 
 
 def test_plan_shows_lora_and_qlora_and_refuses_quantize_without_lora(tmp_path):

@@ -30,7 +30,7 @@ from dplaunch.planning.estimate import (
 )
 from dplaunch.planning.lora import LoraCount, LoraSpec, count_lora
 from dplaunch.planning.model_facts import ModelFacts
-from dplaunch.planning.rules import ParallelDims
+from dplaunch.planning.rules import ParallelDims, check_lora_layout
 
 TP_DEGREES = (1, 2, 4, 8)
 OFFLOAD_RANK = {"none": 0, "optimizer": 1, "all": 2}
@@ -170,10 +170,16 @@ def _powers_of_two(limit: int) -> list[int]:
     return degrees
 
 
-def _layouts(facts: ModelFacts, gpus: int, gpus_per_node: int, task: str):
-    """(tp, pp) pairs the rules (planning/rules.py) allow for this model on this many GPUs."""
+def _layouts(facts: ModelFacts, gpus: int, gpus_per_node: int, task: str, lora: bool = False):
+    """(tp, pp) pairs the rules (planning/rules.py) allow for this model on this many GPUs (and
+    for LoRA, which trains with data parallelism only)."""
     for tp in TP_DEGREES:
         for pp in _powers_of_two(facts.num_layers):
+            if lora:
+                try:
+                    check_lora_layout(tp, pp)
+                except UserError:
+                    continue
             if ParallelDims(gpus, gpus_per_node, tp, pp).allowed(facts, task):
                 yield tp, pp
 
@@ -242,7 +248,7 @@ def candidate_plans(
         lora=lora,
     )
     candidates: list[Candidate] = []
-    for tp, pp in _layouts(facts, gpus, gpus_per_node, task):
+    for tp, pp in _layouts(facts, gpus, gpus_per_node, task, lora is not None):
         dims = ParallelDims(gpus, gpus_per_node, tp, pp)
         dp = dims.dp
         steps = workload.accumulation_steps(dp)

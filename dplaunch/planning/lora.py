@@ -68,7 +68,8 @@ class Module:
 
     path: str
     params: int
-    # a linear layer: (in_features, out_features); None for embeddings and norms
+    # (in, out) of a linear layer, (vocabulary, hidden) of an embedding (peft adapts both when
+    # named); None for norms
     shape: tuple[int, int] | None = None
     # decoder layer index; None: outside the blocks
     layer: int | None = None
@@ -76,6 +77,8 @@ class Module:
     side: str = "embedding"
     # the output head peft's all-linear leaves alone (lm_head, score, classifier, BERT's decoder)
     output_head: bool = False
+    # an embedding table: adapted only when named, never quantized
+    embedding: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,10 @@ def _linear(path: str, n_in: int, n_out: int, bias: bool, layer: int | None, **k
     return Module(path, n_in * n_out + (n_out if bias else 0), (n_in, n_out), layer, **kw)
 
 
+def _embedding(path: str, rows: int, hidden: int) -> Module:
+    return Module(path, rows * hidden, (rows, hidden), embedding=True)
+
+
 def model_modules(facts: ModelFacts, task: str = "causal-lm", num_labels: int | None = None):
     """(exact, modules): the linear layers, embeddings and head of the HF model, as peft sees them.
 
@@ -154,8 +161,8 @@ def model_modules(facts: ModelFacts, task: str = "causal-lm", num_labels: int | 
             ]
         positions = int(get("n_positions", "max_position_embeddings"))
         modules += [
-            Module("transformer.wte", vocab * hidden),
-            Module("transformer.wpe", positions * hidden),
+            _embedding("transformer.wte", vocab, hidden),
+            _embedding("transformer.wpe", positions, hidden),
         ]
         head = (
             _linear("score", hidden, labels, False, None, side="head", output_head=True)
@@ -177,7 +184,7 @@ def model_modules(facts: ModelFacts, task: str = "causal-lm", num_labels: int | 
                 _linear(f"{block}.intermediate.dense", hidden, inter, True, i),
                 _linear(f"{block}.output.dense", inter, hidden, True, i),
             ]
-        modules.append(Module("bert.embeddings.word_embeddings", vocab * hidden))
+        modules.append(_embedding("bert.embeddings.word_embeddings", vocab, hidden))
         if classify:
             modules += [
                 _linear("bert.pooler.dense", hidden, hidden, True, None, side="head"),
@@ -220,7 +227,7 @@ def model_modules(facts: ModelFacts, task: str = "causal-lm", num_labels: int | 
             _linear(f"{block}.mlp.down_proj", inter, hidden, mlp_bias, i),
         ]
     modules += [
-        Module("model.embed_tokens", vocab * hidden),
+        _embedding("model.embed_tokens", vocab, hidden),
         Module("model.norm", hidden, side="head"),
     ]
     if classify:
@@ -262,13 +269,13 @@ def count_lora(
         if module.shape is None or any(_inside(module.path, name) for name in saved_names):
             continue
         if spec.target_modules == ALL_LINEAR:
-            chosen = not module.output_head
+            chosen = not module.output_head and not module.embedding
         else:
             chosen = any(_named(module.path, name) for name in spec.target_modules)
         if chosen:
             targeted.append(module)
     # bitsandbytes quantizes every linear layer but the output head (transformers skips it)
-    quantized = [m for m in modules if m.shape is not None and not m.output_head]
+    quantized = [m for m in modules if m.shape and not m.output_head and not m.embedding]
 
     def adapter(module: Module) -> int:
         n_in, n_out = module.shape or (0, 0)
