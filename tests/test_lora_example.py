@@ -38,9 +38,14 @@ def test_the_chat_data_generator_is_deterministic_and_the_shipped_files_are_curr
 def test_the_lora_example_plans_as_a_lora_run_on_2_cpu_ranks(tmp_path):
     plan = run_dplaunch("plan", LORA_CONFIG, "--gpus", "2", "--gpu-memory", "16")
     assert plan.returncode == 0, plan.stderr
-    # r 16 on the 7 linear layers of 4 blocks (hidden 128, kv 64, MLP 256): 16·(in + out) each
+    # r 16 on the 7 linear layers of 4 blocks (hidden 128, kv 64, MLP 256): 16·(in + out) each;
+    # the embedding and head (259 × 128 each) and the final norm (128) trained in full
     adapters = 4 * 16 * (128 + 128 + 2 * (128 + 64) + 128 + 128 + 3 * (128 + 256))
-    assert f"LoRA r 16 on all-linear: {adapters:,} trainable parameters" in plan.stdout
+    saved = 2 * 259 * 128 + 128
+    assert (
+        f"LoRA r 16 on all-linear: {adapters + saved:,} trainable parameters ({adapters:,} in "
+        f"adapters + {saved:,} in modules_to_save"
+    ) in plan.stdout
     dry = run_dplaunch(
         "train", LORA_CONFIG, "--cpu", "--gpus", "2", "--dry-run", "-o", tmp_path / "run"
     )
