@@ -410,6 +410,40 @@ def test_bytes_each_rank_holds_are_within_10_percent_of_the_estimate(tmp_path, s
         assert total == pytest.approx(estimate.model_states_gb * GIB, rel=0.10)
 
 
+@pytest.mark.multiprocess
+def test_lora_bytes_each_zero_3_rank_holds_are_within_10_percent_of_the_estimate(tmp_path):
+    # ZeRO-3 partitions the frozen base too; gradients and optimizer states are the adapters' only
+    from dplaunch.planning.lora import LoraSpec, count_lora
+    from tests.memory_probe import PROBE_CONFIG, SEQ_LEN
+
+    flags = ("--cpu", "--gpus", "2", "--zero", "3", "--global-batch", "8", "--micro-batch", "2")
+    result = run_dplaunch(
+        "launch",
+        REPO / "tests" / "memory_probe.py",
+        *flags,
+        "-o",
+        tmp_path / "run",
+        env=child_environment(PROBE_LORA_RANK="8"),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [json.loads(m) for m in re.findall(r"MEMORY (\{.*?\})", result.stdout)]
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    facts = ModelFacts.from_config_dict(PROBE_CONFIG)
+    lora = count_lora(facts, LoraSpec(r=8))
+    estimate = estimate_memory(
+        facts, dp=2, zero_stage=3, mixed_precision="no", micro_batch=2, seq_len=SEQ_LEN, lora=lora
+    )
+    expected = {
+        "parameters": estimate.weights_gb * GIB,
+        "gradients": estimate.gradients_gb * GIB,
+        "optimizer": estimate.optimizer_gb * GIB,
+    }
+    for held in ranks:
+        print(f"LoRA ZeRO-3 rank {held['rank']}: held {held}, estimated {expected}")
+        for kind, estimated in expected.items():
+            assert held[kind] == pytest.approx(estimated, rel=0.10), kind
+
+
 # -- dplaunch verify ------------------------------------------------------------------------------
 
 
