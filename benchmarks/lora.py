@@ -12,12 +12,15 @@ the head (alpha 32, no dropout) and the base frozen:
 
 Interleaved by turns as the throughput comparison (benchmarks/interleave.py). Memory per rank: the
 peak resident memory rank 0 reports at its last step (metrics.jsonl `memory_gb`, CPU ranks: the
-process's whole RSS, the Python and torch runtime included) of the LoRA and full runs.
+process's whole RSS, the Python and torch runtime included, which hides a 3.3 M model's states),
+and the model states (weights, gradients, Adam) `dplaunch plan` estimates for each run, the
+estimate tests/test_estimate.py checks against the bytes a rank holds (within 10 %).
 Goal: dplaunch / Trainer + PEFT ≥ 1.0×.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +58,23 @@ DPLAUNCH_LORA = "dplaunch train --lora 16"
 TRAINER_PEFT = "HF Trainer + PEFT"
 TRAINER_PEFT_AGAIN = "HF Trainer + PEFT, second copy"
 DPLAUNCH_FULL = "dplaunch train, full fine-tuning"
+
+
+def model_states_mb(render: Path) -> dict[str, float]:
+    """The model states of one rank (MiB) that the plan estimates for the LoRA and the full run."""
+    from dplaunch.config.schema import RunConfig
+    from dplaunch.planning.auto import run_workload, workload_memory
+    from dplaunch.planning.model_facts import ModelFacts
+    from dplaunch.run_directory.files import read_run_file
+
+    config = RunConfig.model_validate(read_run_file(render))
+    facts = ModelFacts.from_config_dict(config.model.config or {})
+    lora = run_workload(config)
+    full = replace(lora, lora=None)
+    return {
+        name: round(workload_memory(facts, workload, dp=2).model_states_gb * 1024, 2)
+        for name, workload in ((DPLAUNCH_LORA, lora), (DPLAUNCH_FULL, full))
+    }
 
 
 def peak_memory_gb(run_dir: Path) -> float | None:
@@ -100,7 +120,7 @@ def measure(rounds: int, work: Path, options: Options):
         name: [step_tokens / seconds for seconds in per_round]
         for name, per_round in measured.step_s.items()
     }
-    return tokens, measured.to_first_step, runs
+    return tokens, measured.to_first_step, runs, model_states_mb(render)
 
 
 def run(options: Options) -> dict[str, Any]:
@@ -110,7 +130,7 @@ def run(options: Options) -> dict[str, Any]:
         f"\n[{NAME}] LoRA r {RANK} tokens/s and memory, 2 CPU ranks × 1 thread, {CONFIG.name}, "
         f"interleaved, {rounds} rounds"
     )
-    samples, first_step, runs = measure(rounds, work, options)
+    samples, first_step, runs, states = measure(rounds, work, options)
     ratios = {
         "LoRA: dplaunch / HF Trainer + PEFT": ratio_entry(
             samples[DPLAUNCH_LORA],
@@ -142,6 +162,10 @@ def run(options: Options) -> dict[str, Any]:
         "  rank 0 peak memory (RSS): "
         + ", ".join(f"{name} {gb:.3f} GB" for name, gb in memory.items() if gb is not None)
     )
+    print(
+        "  model states per rank (dplaunch plan's estimate): "
+        + ", ".join(f"{name} {mb:.1f} MiB" for name, mb in states.items())
+    )
     payload = {
         "what": "steady-state tokens/s of LoRA fine-tuning, interleaved as the throughput "
         "comparison; rank 0's peak resident memory of the dplaunch LoRA and full runs",
@@ -150,6 +174,7 @@ def run(options: Options) -> dict[str, Any]:
         "tokens_per_s": summarize(samples, "tokens/s"),
         "to_first_step_s": {name: round(seconds, 2) for name, seconds in first_step.items()},
         "rank0_peak_memory_gb": memory,
+        "model_states_per_rank_mib_estimated": states,
         "ratios": ratios,
     }
     write_result(NAME, payload, options)
