@@ -1,6 +1,6 @@
 """`make bench` = `python -m benchmarks.run`: every comparison, side by side, medians and ratios.
 
-    python -m benchmarks.run                     # all comparisons (8–11 minutes on 2 cores)
+    python -m benchmarks.run                     # all comparisons (13–19 minutes on 2 cores)
     python -m benchmarks.run --quick             # one repetition, shorter windows (a smoke run)
     python -m benchmarks.run --only throughput   # some of: startup, launch_overhead, throughput, lora, scaling, flags
     python -m benchmarks.run --only scaling_peers  # optional: scaling of dplaunch and of the hand loop
@@ -23,7 +23,7 @@ from pathlib import Path
 from benchmarks import flags, launch_overhead, lora, scaling, scaling_peers, startup, throughput
 from benchmarks.common import RESULTS, Options, machine_facts, verdict
 
-# what `make bench` runs without --only; the optional ones would take it past 15 minutes
+# what `make bench` runs without --only; the optional ones would take it past 20 minutes
 DEFAULT = (startup, launch_overhead, throughput, lora, scaling, flags)
 OPTIONAL = (scaling_peers,)
 COMPARISONS = {module.NAME: module for module in (*DEFAULT, *OPTIONAL)}
