@@ -8,6 +8,7 @@ SIGUSR1/SIGTERM, at train.stop_after_steps) go through dplaunch/train/checkpoint
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -656,5 +657,8 @@ def _quiet_libraries(is_main: bool) -> None:
     import transformers
 
     datasets.disable_progress_bars()
+    # bitsandbytes' CPU backend (imported by transformers and peft when installed) logs on every
+    # rank that it could not fetch an optional kernel from the Hub; it falls back to its own
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_warning() if is_main else transformers.utils.logging.set_verbosity_error()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ def quantization_options(lora: LoraConfig | None) -> dict[str, Any]:
     bf16 compute, or LLM.int8."""
     if lora is None or lora.quantize is None:
         return {}
+    _quiet_imports()
     import torch
     from transformers import BitsAndBytesConfig
 
@@ -68,9 +70,17 @@ def quantization_options(lora: LoraConfig | None) -> dict[str, Any]:
     return options
 
 
+def _quiet_imports() -> None:
+    # peft 0.21 asks transformers 5 a deprecated question on every wrap
+    warnings.filterwarnings(
+        "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+    )
+
+
 def add_adapters(model: Any, config: ModelConfig, seed: int) -> Any:
     """MODEL wrapped with peft's LoRA adapters as model.lora says; only they (and modules_to_save)
     require gradients."""
+    _quiet_imports()
     import torch
     from peft import get_peft_model, prepare_model_for_kbit_training
 
