@@ -196,6 +196,8 @@ def test_qlora_trains_a_4bit_base_on_cpu_ranks_and_its_adapter_loads_on_the_base
     losses = train_losses(run)
     assert len(losses) == 4 and losses[-1] < losses[0], losses
     assert "4bit" in (run / "run.yaml").read_text() and "Traceback" not in result.stderr
+    # 4 layers × (q, o: 4·(64+64); k, v: 4·(64+32); gate, up, down: 4·(64+128)) adapters train
+    assert "LoRA: 16,384 of " in result.stdout + result.stderr
     settings = json.loads((run / "adapter" / "adapter_config.json").read_text())
     assert settings["base_model_name_or_path"] == str(base)
     assert not (run / "adapter" / "base").exists()  # a pretrained base: named, not copied

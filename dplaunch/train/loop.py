@@ -203,6 +203,10 @@ def train(run_dir: Path) -> int:
     partition = _partition_line(model)
     if partition is not None:
         say(f"[dplaunch] {partition}")
+    if config.model.lora is not None:
+        from dplaunch.train.lora import trained_line
+
+        say(f"[dplaunch] {trained_line(model)}")
     # flash-attention keeps packed examples apart only in one flattened row (data.py)
     batcher.flatten_packed = "flash" in str(getattr(model.config, "_attn_implementation", ""))
     # counted before the engine shards anything (ZeRO-3 partitions keep the full size in ds_numel)

@@ -211,3 +211,14 @@ def export_run(engine: Any, config: Any, tokenizer: Any, run_dir: Path) -> None:
             config.data.label_names,
         )
     engine.accelerator.wait_for_everyone()
+
+
+def trained_line(model: Any) -> str:
+    """What trains of a LoRA model, for the start-up log (ZeRO-3 partitions count in full)."""
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
+    trained = sum(size for size, grad in sizes if grad)
+    total = sum(size for size, _ in sizes)
+    return (
+        f"LoRA: {trained:,} of {total:,} parameters train ({trained / total:.2%}: the adapters "
+        "and modules_to_save); the base is frozen"
+    )
