@@ -170,3 +170,60 @@ def test_the_zero3_adapter_holds_the_trained_values_and_the_exports_are_the_trai
     assert again.keys() == saved.keys()
     for key in saved:
         torch.testing.assert_close(again[key], saved[key], rtol=0, atol=0, msg=key)
+
+
+def test_qlora_trains_a_4bit_base_on_cpu_ranks_and_its_adapter_loads_on_the_base(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from dplaunch.config.schema import RunConfig
+    from dplaunch.train.modeling import load_model, load_tokenizer
+
+    spec = RunConfig.model_validate(yaml.safe_load(TINY_LLAMA.read_text())).model
+    base = tmp_path / "base-model"
+    tokenizer = load_tokenizer(spec)
+    load_model(spec, tokenizer, seed=3).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    lora = {"r": 4, "quantize": "4bit"}
+    run_file = write_config(
+        tmp_path / "qlora.yaml",
+        model={"config": None, "name_or_path": str(base), "tokenizer": str(base), "lora": lora},
+        train={"lr": 1.0e-2, "warmup_steps": 0},
+    )
+    run = tmp_path / "run"
+    result = train(run, "--cpu", "--gpus", "1", "--max-steps", "4", config=run_file)
+    losses = train_losses(run)
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    assert "4bit" in (run / "run.yaml").read_text() and "Traceback" not in result.stderr
+    # 4 layers × (q, o: 4·(64+64); k, v: 4·(64+32); gate, up, down: 4·(64+128)) adapters train
+    assert "LoRA: 16,384 of " in result.stdout + result.stderr
+    settings = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    assert settings["base_model_name_or_path"] == str(base)
+    assert not (run / "adapter" / "base").exists()  # a pretrained base: named, not copied
+    # the adapter on the full-precision base, and the merged model (the adapter merged into it)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), run / "adapter")
+    merged = AutoModelForCausalLM.from_pretrained(run / "model")
+    inputs = torch.randint(3, 259, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(inputs).logits, model(inputs).logits, rtol=0, atol=1e-5)
+
+
+def test_a_classifier_with_lora_trains_its_head_in_full_and_the_adapters_only():
+    from dplaunch.config.schema import ModelConfig
+    from dplaunch.train.modeling import load_model, load_tokenizer
+
+    spec = yaml.safe_load(TINY_LLAMA.read_text())["model"]
+    spec.update(task="sequence-classification", num_labels=3, lora={"r": 4})
+    config = ModelConfig.model_validate(spec)
+    model = load_model(config, load_tokenizer(config), seed=7)
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    head = [name for name in trained if ".score." in name]
+    assert head and all("modules_to_save" in name for name in head), head
+    others = [name for name in trained if name not in head]
+    assert others and all(".lora_A." in name or ".lora_B." in name for name in others)
+    assert not any("score" in name and "lora" in name for name in trained)  # no adapter on the head
+    # the same adapters on every rank: their initialisation is seeded
+    again = load_model(config, load_tokenizer(config), seed=7)
+    for (name, left), right in zip(model.named_parameters(), again.parameters(), strict=True):
+        torch.testing.assert_close(left, right, rtol=0, atol=0, msg=name)

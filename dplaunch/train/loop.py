@@ -8,6 +8,7 @@ SIGUSR1/SIGTERM, at train.stop_after_steps) go through dplaunch/train/checkpoint
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -202,6 +203,10 @@ def train(run_dir: Path) -> int:
     partition = _partition_line(model)
     if partition is not None:
         say(f"[dplaunch] {partition}")
+    if config.model.lora is not None:
+        from dplaunch.train.lora import trained_line
+
+        say(f"[dplaunch] {trained_line(model)}")
     # flash-attention keeps packed examples apart only in one flattened row (data.py)
     batcher.flatten_packed = "flash" in str(getattr(model.config, "_attn_implementation", ""))
     # counted before the engine shards anything (ZeRO-3 partitions keep the full size in ds_numel)
@@ -656,5 +661,8 @@ def _quiet_libraries(is_main: bool) -> None:
     import transformers
 
     datasets.disable_progress_bars()
+    # bitsandbytes' CPU backend (imported by transformers and peft when installed) logs on every
+    # rank that it could not fetch an optional kernel from the Hub; it falls back to its own
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_warning() if is_main else transformers.utils.logging.set_verbosity_error()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ def quantization_options(lora: LoraConfig | None) -> dict[str, Any]:
     bf16 compute, or LLM.int8."""
     if lora is None or lora.quantize is None:
         return {}
+    _quiet_imports()
     import torch
     from transformers import BitsAndBytesConfig
 
@@ -68,9 +70,17 @@ def quantization_options(lora: LoraConfig | None) -> dict[str, Any]:
     return options
 
 
+def _quiet_imports() -> None:
+    # peft 0.21 asks transformers 5 a deprecated question on every wrap
+    warnings.filterwarnings(
+        "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+    )
+
+
 def add_adapters(model: Any, config: ModelConfig, seed: int) -> Any:
     """MODEL wrapped with peft's LoRA adapters as model.lora says; only they (and modules_to_save)
     require gradients."""
+    _quiet_imports()
     import torch
     from peft import get_peft_model, prepare_model_for_kbit_training
 
@@ -201,3 +211,14 @@ def export_run(engine: Any, config: Any, tokenizer: Any, run_dir: Path) -> None:
             config.data.label_names,
         )
     engine.accelerator.wait_for_everyone()
+
+
+def trained_line(model: Any) -> str:
+    """What trains of a LoRA model, for the start-up log (ZeRO-3 partitions count in full)."""
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
+    trained = sum(size for size, grad in sizes if grad)
+    total = sum(size for size, _ in sizes)
+    return (
+        f"LoRA: {trained:,} of {total:,} parameters train ({trained / total:.2%}: the adapters "
+        "and modules_to_save); the base is frozen"
+    )
