@@ -26,8 +26,9 @@ install: $(STAMP)
 # TensorFlow launch tests, CPU build; tf-keras without its dependency on the full `tensorflow`
 # package, whose module tensorflow-cpu already provides
 $(TEST_STAMP): $(STAMP)
-	# the trackers whose logs the tracker tests read back (train.report_to)
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[wandb,mlflow,trackio]'
+	# the trackers whose logs the tracker tests read back (train.report_to), and QLoRA's
+	# bitsandbytes (tests/test_lora.py trains a 4-bit base on CPU ranks)
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[wandb,mlflow,trackio,qlora]'
 	$(PY) -m pip install --quiet -c constraints.txt tensorflow-cpu
 	$(PY) -m pip install --quiet --no-deps -c constraints.txt tf-keras
 	touch $(TEST_STAMP)

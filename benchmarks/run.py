@@ -1,8 +1,8 @@
 """`make bench` = `python -m benchmarks.run`: every comparison, side by side, medians and ratios.
 
-    python -m benchmarks.run                     # all comparisons (8–11 minutes on 2 cores)
+    python -m benchmarks.run                     # all comparisons (13–19 minutes on 2 cores)
     python -m benchmarks.run --quick             # one repetition, shorter windows (a smoke run)
-    python -m benchmarks.run --only throughput   # some of: startup, launch_overhead, throughput, scaling, flags, fsdp
+    python -m benchmarks.run --only throughput   # some of: startup, launch_overhead, throughput, lora, scaling, flags, fsdp
     python -m benchmarks.run --only scaling_peers  # optional: scaling of dplaunch and of the hand loop
     python -m benchmarks.run --only long_context   # optional: longest sequence under a memory budget, sp 1 vs 2
     python -m benchmarks.run --reps 5 --no-write # more repetitions (throughput: rounds), keep results/ untouched
@@ -26,6 +26,7 @@ from benchmarks import (
     fsdp,
     launch_overhead,
     long_context,
+    lora,
     scaling,
     scaling_peers,
     startup,
@@ -33,8 +34,8 @@ from benchmarks import (
 )
 from benchmarks.common import RESULTS, Options, machine_facts, verdict
 
-# what `make bench` runs without --only; the optional ones would take it past 15 minutes
-DEFAULT = (startup, launch_overhead, throughput, scaling, flags, fsdp)
+# what `make bench` runs without --only; the optional ones would take it past 20 minutes
+DEFAULT = (startup, launch_overhead, throughput, lora, scaling, flags, fsdp)
 OPTIONAL = (scaling_peers, long_context)
 COMPARISONS = {module.NAME: module for module in (*DEFAULT, *OPTIONAL)}
 

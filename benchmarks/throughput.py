@@ -111,12 +111,12 @@ def clock_step(record: dict[str, Any]) -> tuple[int, float]:
     return record["step"], record["time"]
 
 
-def dplaunch_contender(name: str, run_dir: Path, *flags: str) -> Contender:
+def dplaunch_contender(name: str, run_dir: Path, *flags: str, config: Path = CONFIG) -> Contender:
     """`dplaunch train` of the benchmark config as an interleaved contender; its log RUN_DIR.log,
     its step clock RUN_DIR/metrics.jsonl."""
     return Contender(
         name,
-        dplaunch_train_argv(CONFIG, run_dir, *flags),
+        dplaunch_train_argv(config, run_dir, *flags),
         bench_environment(),
         run_dir.with_name(f"{run_dir.name}.log"),
         run_dir / METRICS_FILE,

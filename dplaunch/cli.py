@@ -237,6 +237,13 @@ class AttentionKernel(str, Enum):
     flex_attention = "flex_attention"
 
 
+class LoraQuantizeChoice(str, Enum):
+    """model.lora.quantize's values (schema.LoraQuantize; a test keeps them equal)."""
+
+    four_bit = "4bit"
+    eight_bit = "8bit"
+
+
 @app.command()
 def plan(
     config: Annotated[
@@ -301,6 +308,24 @@ def plan(
     task: Annotated[
         Task | None, typer.Option("--task", help="The model's head.", rich_help_panel=_WORKLOAD)
     ] = None,
+    lora: Annotated[
+        int | None,
+        typer.Option(
+            "--lora",
+            min=1,
+            metavar="R",
+            help="Plan LoRA training of rank R (adapters on every linear layer; the base frozen).",
+            rich_help_panel=_WORKLOAD,
+        ),
+    ] = None,
+    quantize: Annotated[
+        LoraQuantizeChoice | None,
+        typer.Option(
+            "--quantize",
+            help="QLoRA: the frozen base in 4-bit (nf4) or 8-bit (with --lora).",
+            rich_help_panel=_WORKLOAD,
+        ),
+    ] = None,
     safety_margin: Annotated[
         float, typer.Option("--safety-margin", help="Fraction of GPU memory kept free.")
     ] = 0.1,
@@ -329,6 +354,8 @@ def plan(
         activation_checkpointing=activation_checkpointing,
         attn_implementation=attn_implementation.value if attn_implementation else None,
         task=task.value if task else None,
+        lora=lora,
+        quantize=quantize.value if quantize else None,
         safety_margin=safety_margin,
         as_json=as_json,
         assignments=assignments or [],
@@ -428,14 +455,22 @@ def export(
         ),
     ],
     out: Annotated[Path, typer.Option("--out", help="Directory for the HF model + tokenizer.")],
+    adapter: Annotated[
+        bool,
+        typer.Option(
+            "--adapter",
+            help="A LoRA run's adapter as a PEFT folder instead of the model merged with it.",
+        ),
+    ] = False,
 ) -> None:
     """One consolidated HF model + tokenizer (safetensors) from a checkpoint, for from_pretrained.
 
-    Tensor-parallel checkpoints are joined by a short job of CPU ranks (one per tp rank).
+    Tensor-parallel checkpoints are joined by a short job of CPU ranks (one per tp rank). A LoRA
+    run's checkpoint gives its adapter merged into the base, or with --adapter the PEFT folder.
     """
     from dplaunch.commands.export import run_export
 
-    raise typer.Exit(run_export(checkpoint, out))
+    raise typer.Exit(run_export(checkpoint, out, adapter))
 
 
 _JOB = "SLURM job"

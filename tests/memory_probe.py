@@ -22,11 +22,16 @@ Communication buffers are reported apart (``buffers``): DeepSpeed's reduce bucke
 contiguous gradients: ``ipg_buffer``), which is a fixed size set by ``reduce_bucket_size``, not a
 model state. A tensor that is a view into a buffer already counted adds nothing (storages are
 deduplicated). Prints one line per rank: ``MEMORY {json}``.
+
+With ``PROBE_LORA_RANK=R`` in the environment the model gets rank-R LoRA adapters on every linear
+layer, as the ranks add them (train/lora.py ``add_adapters``): the base is frozen and only the
+adapters have gradients and optimizer states.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from types import SimpleNamespace
 
 import torch
@@ -115,6 +120,13 @@ def main() -> None:
     model = AutoModelForCausalLM.from_config(
         AutoConfig.for_model(fields.pop("model_type"), **fields)
     )
+    lora_rank = os.environ.get("PROBE_LORA_RANK")
+    if lora_rank:
+        from dplaunch.config.schema import LoraConfig, ModelConfig
+        from dplaunch.train.lora import add_adapters
+
+        settings = ModelConfig(config=PROBE_CONFIG, lora=LoraConfig(r=int(lora_rank)))
+        model = add_adapters(model, settings, seed=0)
     parameters = sum(p.numel() for p in model.parameters())
     if plugin is not None:
         plugin.set_deepspeed_weakref()

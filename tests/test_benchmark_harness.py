@@ -85,3 +85,29 @@ def test_a_contender_that_fails_during_a_turn_is_reported_and_nothing_is_left_ru
         if str(tmp_path / "fake_contender.py") in " ".join(p.info["cmdline"] or [])
     ]
     assert leftovers == []
+
+
+def test_the_lora_comparison_gives_hf_trainer_the_adapters_dplaunch_trains():
+    # benchmarks/lora.py: HF Trainer + PEFT must train exactly the parameters `dplaunch train
+    # --lora 16` trains on the benchmark model, or the tokens/s ratio compares other work
+    import yaml
+
+    pytest.importorskip("peft")
+    from benchmarks import lora, run
+    from benchmarks.contenders.common import build_model
+    from benchmarks.contenders.hf_trainer import with_lora
+    from dplaunch.config.schema import ModelConfig
+    from dplaunch.train.modeling import load_model
+    from dplaunch.train.tokenizer import byte_level_tokenizer
+
+    assert run.COMPARISONS["lora"] is lora and lora in run.DEFAULT
+    bench = yaml.safe_load(lora.CONFIG.read_text())
+    settings = ModelConfig.model_validate({**bench["model"], "lora": {"r": int(lora.RANK)}})
+    ours = load_model(settings, byte_level_tokenizer(), seed=bench["train"]["seed"])
+    peers = with_lora(build_model(bench, pad_token_id=0), settings.lora.model_dump())
+
+    def trained(model):
+        return {name: p.numel() for name, p in model.named_parameters() if p.requires_grad}
+
+    assert trained(peers) == trained(ours) and len(trained(ours)) == 4 * 7 * 2
+    assert peers.peft_config["default"].lora_alpha == ours.peft_config["default"].lora_alpha == 32

@@ -658,3 +658,200 @@ def test_hf_loss_peaks_at_the_bytes_per_logit_the_estimate_counts(mixed_precisio
     count = count_parameters(facts(**TINY_LLAMA))
     memory = estimate_memory(facts(**TINY_LLAMA), micro_batch=batch, seq_len=seq)
     assert memory.logits_gb * GIB == batch * seq * count.vocab_size * LOSS_BYTES_PER_LOGIT
+
+
+# -- LoRA / QLoRA: adapters only are trained, the base is held frozen (or quantized) -------------
+
+LORA_CASES = {
+    "llama, all-linear": (TINY_LLAMA, "causal-lm", dict(r=4)),
+    "llama, q/v and a saved lm_head": (
+        TINY_LLAMA,
+        "causal-lm",
+        dict(r=4, target_modules=("q_proj", "v_proj"), modules_to_save=("lm_head",)),
+    ),
+    "llama, an adapted embedding": (
+        TINY_LLAMA,
+        "causal-lm",
+        dict(r=4, target_modules=("q_proj", "embed_tokens")),
+    ),
+    "llama classifier (its head trained in full)": (TINY_LLAMA, "sequence-classification", {}),
+    "qwen2": (TINY_CONFIGS["qwen2"], "causal-lm", dict(r=8)),
+    "qwen3, saved embeddings": (
+        TINY_CONFIGS["qwen3"],
+        "causal-lm",
+        dict(r=8, modules_to_save=("embed_tokens",)),
+    ),
+    "gpt2 (Conv1D layers)": (TINY_CONFIGS["gpt2"], "causal-lm", dict(r=4)),
+    "gpt2 classifier, c_attn": (
+        TINY_CONFIGS["gpt2"],
+        "sequence-classification",
+        dict(r=4, target_modules=("c_attn",)),
+    ),
+    "bert classifier (pooler adapted)": (TINY_CONFIGS["bert"], "sequence-classification", {}),
+}
+
+
+def peft_model(config: dict, task: str, spec):
+    """The HF model wrapped by peft as the ranks wrap it (train/lora.py's peft config)."""
+    import peft
+    import transformers
+
+    from dplaunch.config.schema import LoraConfig
+    from dplaunch.train.lora import peft_config
+
+    hf_config = transformers.AutoConfig.for_model(**config)
+    if task == "sequence-classification":
+        hf_config.num_labels = 3
+        model = transformers.AutoModelForSequenceClassification.from_config(hf_config)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    targets = spec.target_modules
+    lora = LoraConfig(
+        r=spec.r,
+        target_modules=targets if isinstance(targets, str) else list(targets),
+        modules_to_save=list(spec.modules_to_save) or None,
+    )
+    return peft.get_peft_model(model, peft_config(lora, task))
+
+
+@pytest.mark.parametrize("name", LORA_CASES)
+def test_lora_trainable_count_equals_peft(name):
+    from dplaunch.planning.lora import LoraSpec, count_lora
+
+    config, task, settings = LORA_CASES[name]
+    spec = LoraSpec(**settings)
+    model = peft_model(config, task, spec)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    count = count_lora(facts(**config), spec, task, num_labels=3)
+    assert count.exact and count.trainable == trainable
+
+
+def test_lora_adapters_are_r_times_in_plus_out_of_each_linear_but_the_head():
+    from dplaunch.planning.lora import LoraSpec, count_lora
+
+    # Llama-2-7B, r 16: q/k/v/o 4096×4096, gate/up/down 4096×11008, 32 layers
+    count = count_lora(facts(**LLAMA_7B), LoraSpec(r=16))
+    per_layer = 16 * (4 * (4096 + 4096) + 3 * (4096 + 11008))
+    assert count.trainable == count.adapters == 32 * per_layer == 39_976_960
+    assert count.trainable_embedding == count.trainable_head == 0
+
+
+def test_lora_keeps_the_base_frozen_and_zero_partitions_only_the_adapter_states():
+    from dplaunch.planning.lora import LoraSpec, count_lora
+
+    llama, psi = facts(**LLAMA_7B), 6_738_415_616
+    lora = count_lora(llama, LoraSpec(r=16))
+    a = lora.trainable
+    ddp = estimate_memory(llama, dp=8, lora=lora)
+    # DDP: fp32 base (Accelerate's autocast keeps it), fp32 adapters + gradients + Adam
+    assert ddp.weights_gb * GIB == 4 * psi + 4 * a
+    assert (ddp.gradients_gb * GIB, ddp.optimizer_gb * GIB) == (4 * a, 8 * a)
+    assert ddp.trainable_params == a and ddp.params_per_gpu == psi
+    full = estimate_memory(llama, dp=8)
+    assert ddp.model_states_gb < full.model_states_gb / 3.5  # 16 → 4 bytes per parameter
+    zero2 = estimate_memory(llama, dp=8, zero_stage=2, lora=lora)
+    assert zero2.weights_gb * GIB == 2 * psi + 2 * a  # DeepSpeed's bf16 base, whole
+    assert zero2.gradients_gb * GIB == pytest.approx(2 * a / 8)
+    assert zero2.optimizer_gb * GIB == pytest.approx(12 * a / 8)
+    assert zero2.step_gb * GIB == pytest.approx(4 * a / 8)  # the fp32 gradient partition
+    zero3 = estimate_memory(llama, dp=8, zero_stage=3, lora=lora)
+    assert zero3.weights_gb * GIB == pytest.approx((2 * psi + 2 * a) / 8)  # the base too
+    qlora = count_lora(llama, LoraSpec(r=16, quantize="4bit"))
+    four_bit = estimate_memory(llama, dp=8, lora=qlora)
+    linears = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
+    # the linears in nf4 (+ an fp32 absmax per 64), the rest fp32 under DDP (as the ranks hold it)
+    assert four_bit.weights_gb * GIB == pytest.approx(
+        linears * (0.5 + 4 / 64) + (psi - linears) * 4 + 4 * a
+    )
+    assert four_bit.weights_gb < 4.6  # a 7B base in 4-bit: 4.4 GiB + adapters
+    # autocast copies only what is not quantized: the fp32 lm_head (and the norms, 65 × 4096)
+    assert four_bit.autocast_gb * GIB == 2 * (32000 + 65) * 4096
+
+
+def test_lora_moves_only_adapter_gradients_between_data_parallel_ranks():
+    from dplaunch.planning.lora import LoraSpec, count_lora
+
+    llama, psi = facts(**LLAMA_7B), 6_738_415_616
+    a = count_lora(llama, LoraSpec(r=16))
+    ddp = estimate_communication(llama, dp=16, lora=a)
+    assert ddp.network_bytes == pytest.approx(2 * a.trainable * 2 * 15 / 16)
+    zero3 = estimate_communication(llama, dp=16, zero_stage=3, lora=a)
+    # ZeRO-3 still gathers the frozen base for forward and backward
+    assert zero3.network_bytes == pytest.approx((2 * psi + a.trainable) * 2 * 15 / 16)
+
+
+def held_bytes(model, optimizer) -> dict[str, int]:
+    """Storage of the parameters (bitsandbytes' quantization constants included), gradients and
+    AdamW states, each storage counted once (tests/memory_probe.py's counter)."""
+    from tests.memory_probe import StorageCounter
+
+    counter = StorageCounter()
+    for parameter in model.parameters():
+        counter.add("parameters", parameter.data)
+        counter.add("parameters", getattr(parameter, "SCB", None))  # 8-bit row scales
+        quant_state = getattr(parameter, "quant_state", None)  # 4-bit absmax (and its own)
+        for state in (quant_state, getattr(quant_state, "state2", None)):
+            if state is not None:
+                counter.add_all("parameters", list(vars(state).values()))
+    for state in optimizer.state.values():
+        counter.add_all("optimizer", state)
+    for parameter in model.parameters():
+        counter.add("gradients", parameter.grad)
+    return counter.bytes
+
+
+# every output width a multiple of 32: bitsandbytes' CPU 4-bit kernel repacks weights in blocks of 32
+LORA_PROBE = dict(
+    model_type="llama",
+    vocab_size=128,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+@pytest.mark.parametrize(
+    "quantize, mixed_precision", [(None, "no"), ("4bit", "bf16"), ("8bit", "bf16")]
+)
+def test_lora_bytes_held_after_an_adam_step_are_within_10_percent_of_the_estimate(
+    tmp_path, quantize, mixed_precision
+):
+    import torch
+    import transformers
+
+    from dplaunch.config.schema import LoraConfig, ModelConfig
+    from dplaunch.planning.lora import LoraSpec, count_lora
+    from dplaunch.train.modeling import load_model
+    from dplaunch.train.tokenizer import byte_level_tokenizer
+
+    # the model as the ranks build it (train/modeling.py): bitsandbytes quantizes a pretrained
+    # base as it loads, so the base is a saved folder
+    base = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**LORA_PROBE)
+    )
+    base.save_pretrained(tmp_path)
+    lora = LoraConfig(r=8, quantize=quantize)
+    settings = ModelConfig(name_or_path=str(tmp_path), tokenizer="byte-level", lora=lora)
+    model = load_model(settings, byte_level_tokenizer(), seed=0)
+    spec = LoraSpec.from_config(lora)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    ids = torch.randint(0, LORA_PROBE["vocab_size"], (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()  # Adam's states exist; the next backward's gradients sit beside them
+    model(input_ids=ids, labels=ids).loss.backward()
+    held = held_bytes(model, optimizer)
+    lora = count_lora(facts(**LORA_PROBE), spec)
+    estimate = estimate_memory(
+        facts(**LORA_PROBE), mixed_precision=mixed_precision, seq_len=16, lora=lora
+    )
+    expected = {
+        "parameters": estimate.weights_gb * GIB,
+        "gradients": estimate.gradients_gb * GIB,
+        "optimizer": estimate.optimizer_gb * GIB,
+    }
+    print(f"LoRA {quantize}: held {held}, estimated {expected}")
+    for kind, estimated in expected.items():
+        assert held[kind] == pytest.approx(estimated, rel=0.10), kind
+    assert held["gradients"] == 4 * lora.trainable  # the frozen base has none

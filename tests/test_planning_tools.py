@@ -205,6 +205,52 @@ def test_auto_picks_a_plan_that_fits_when_ddp_does_not(tmp_path):
     assert "(32 GB per GPU from launch.gpu_memory_gb)" in choice.note
 
 
+def test_auto_counts_lora_a_7b_base_frozen_in_bf16_fits_8_x_24gb_with_zero1(tmp_path):
+    # full fine-tuning needs ZeRO-3 (16 bytes per parameter / 8); LoRA holds the 7B base once,
+    # frozen (DeepSpeed's bf16: 12.6 GiB), with 40 M trainable adapter parameters
+    path = llama_7b_run_file(tmp_path / "7b.yaml")
+    setting = ("launch.gpus=8", "launch.gpu_memory_gb=24", "data.max_length=1024")
+    facts = ModelFacts.from_config_dict(LLAMA_7B)
+    full = resolve_auto_parallel(run_config(path, *setting), facts, Machine(visible_gpus=8))
+    assert full.parallel.zero_stage == 3
+    lora = run_config(path, *setting, "model.lora={r: 16}")
+    choice = resolve_auto_parallel(lora, facts, Machine(visible_gpus=8))
+    assert (choice.parallel.zero_stage, choice.parallel.tp, choice.parallel.pp) == (1, 1, 1)
+    assert choice.note.startswith("parallel: auto → ZeRO-1 fits in 24 GB")
+    picked = next(c for c in choice.candidates if c.recommended)
+    assert picked.memory.trainable_params == 39_976_960
+    assert picked.gradients_gb * GIB == 2 * 39_976_960  # the adapters' only
+    ddp = next(c for c in choice.candidates if c.name == "DDP")
+    assert not ddp.fits  # DDP keeps the frozen base in fp32: 25 GiB
+    # LoRA trains with data parallelism only (rules.check_lora_layout): no tp or pp row
+    assert {(c.tp, c.pp) for c in choice.candidates} == {(1, 1)}
+
+
+def test_plan_shows_lora_and_qlora_and_refuses_quantize_without_lora(tmp_path):
+    config_json = tmp_path / "config.json"
+    config_json.write_text(json.dumps(LLAMA_7B))
+    shape = ("--model", config_json, "--gpus", "2", "--gpu-memory", "24", "--seq-len", "1024")
+    qlora = run_dplaunch("plan", *shape, "--lora", "16", "--quantize", "4bit")
+    assert qlora.returncode == 0, qlora.stderr
+    assert (
+        "LoRA r 16 on all-linear: 39,976,960 trainable parameters (39,976,960 in adapters; "
+        "0.59% of the model); base weights 4bit (QLoRA): no gradients, no optimizer states"
+    ) in qlora.stdout
+    # a 7B in 4-bit plus adapters: plain DDP on two 24 GB GPUs
+    assert "* DDP fits in 24 GB" in qlora.stdout
+    rows = json.loads(run_dplaunch("plan", *shape, "--lora", "16", "--json").stdout)
+    ddp = next(row for row in rows if row["name"] == "DDP")
+    assert not ddp["fits"] and ddp["gradients_gb"] == round(4 * 39_976_960 / GIB, 3)
+    refused = run_dplaunch("plan", *shape, "--quantize", "8bit")
+    refusal_line(refused, "--quantize: QLoRA quantizes the frozen base of a LoRA run", "--lora R")
+    import typing
+
+    from dplaunch.cli import LoraQuantizeChoice
+    from dplaunch.config.schema import LoraQuantize
+
+    assert {choice.value for choice in LoraQuantizeChoice} == set(typing.get_args(LoraQuantize))
+
+
 def test_auto_picks_ddp_when_ddp_fits():
     config = run_config(TINY_LLAMA, "parallel=auto", "launch.gpus=2", "launch.gpu_memory_gb=16")
     facts = ModelFacts.from_config_dict(config.model.config)
@@ -362,6 +408,40 @@ def test_bytes_each_rank_holds_are_within_10_percent_of_the_estimate(tmp_path, s
             assert held[kind] == pytest.approx(estimated, rel=0.10), kind
         total = sum(held[kind] for kind in expected)
         assert total == pytest.approx(estimate.model_states_gb * GIB, rel=0.10)
+
+
+@pytest.mark.multiprocess
+def test_lora_bytes_each_zero_3_rank_holds_are_within_10_percent_of_the_estimate(tmp_path):
+    # ZeRO-3 partitions the frozen base too; gradients and optimizer states are the adapters' only
+    from dplaunch.planning.lora import LoraSpec, count_lora
+    from tests.memory_probe import PROBE_CONFIG, SEQ_LEN
+
+    flags = ("--cpu", "--gpus", "2", "--zero", "3", "--global-batch", "8", "--micro-batch", "2")
+    result = run_dplaunch(
+        "launch",
+        REPO / "tests" / "memory_probe.py",
+        *flags,
+        "-o",
+        tmp_path / "run",
+        env=child_environment(PROBE_LORA_RANK="8"),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [json.loads(m) for m in re.findall(r"MEMORY (\{.*?\})", result.stdout)]
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    facts = ModelFacts.from_config_dict(PROBE_CONFIG)
+    lora = count_lora(facts, LoraSpec(r=8))
+    estimate = estimate_memory(
+        facts, dp=2, zero_stage=3, mixed_precision="no", micro_batch=2, seq_len=SEQ_LEN, lora=lora
+    )
+    expected = {
+        "parameters": estimate.weights_gb * GIB,
+        "gradients": estimate.gradients_gb * GIB,
+        "optimizer": estimate.optimizer_gb * GIB,
+    }
+    for held in ranks:
+        print(f"LoRA ZeRO-3 rank {held['rank']}: held {held}, estimated {expected}")
+        for kind, estimated in expected.items():
+            assert held[kind] == pytest.approx(estimated, rel=0.10), kind
 
 
 # -- dplaunch verify ------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ benchmarks.contenders.hf_trainer RUN BLOCKS TIMES`.
 Same model, pre-tokenised blocks, per-device micro batch × gradient accumulation, learning rate,
 schedule, clipping and precision as the rendered plan; the optimizer is torch's AdamW with the
 kernel dplaunch's loop picks for the run (`adamw_torch_fused` when dplaunch fuses it, else
-`adamw_torch`). Everything else is Trainer's default. A callback writes the wall-clock time of every optimizer step to TIMES.
+`adamw_torch`). A run file with model.lora gets PEFT's LoRA adapters (get_peft_model). Everything else is Trainer's default. A callback writes the wall-clock time of every optimizer step to TIMES.
 """
 
 from __future__ import annotations
@@ -40,6 +40,22 @@ class Blocks(torch.utils.data.Dataset):
         return {"input_ids": row, "labels": row}
 
 
+def with_lora(model: torch.nn.Module, lora: dict) -> torch.nn.Module:
+    """The model with PEFT's LoRA adapters as the run file's model.lora says (alpha unset: 2r),
+    written the way a PEFT user writes it."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora["r"],
+        lora_alpha=lora.get("alpha") or 2 * lora["r"],
+        lora_dropout=lora.get("dropout", 0.0),
+        target_modules=lora.get("target_modules", "all-linear"),
+        modules_to_save=lora.get("modules_to_save"),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
 class StepTimes(TrainerCallback):
     def __init__(self, clock: StepClock):
         self.clock = clock
@@ -55,6 +71,9 @@ def main(run_dir: Path, blocks_path: Path, times_path: Path) -> None:
     precision = plan["mixed_precision"]
     data = torch.load(blocks_path)
     model = build_model(run, data["pad_token_id"])
+    lora = run["model"].get("lora")
+    if lora:
+        model = with_lora(model, lora)
     output_dir = tempfile.mkdtemp(prefix="hf-trainer-")
     args = TrainingArguments(
         output_dir=output_dir,

@@ -36,14 +36,24 @@ if TYPE_CHECKING:
     from dplaunch.planning.plan import Plan
 
 
-def run_export(checkpoint: Path, out: Path) -> int:
-    """Write the consolidated model of a checkpoint (or of a run's newest checkpoint) to ``out``."""
+def run_export(checkpoint: Path, out: Path, adapter: bool = False) -> int:
+    """Write the consolidated model of a checkpoint (or of a run's newest checkpoint) to ``out``;
+    of a LoRA run's, the adapter merged into its base, or (ADAPTER) the PEFT adapter folder."""
     from dplaunch.config.schema import RunConfig
     from dplaunch.planning.plan import Plan
 
     info = find_checkpoint(checkpoint.expanduser(), field="CHECKPOINT")
     config = RunConfig.model_validate(read_run_file(info.path))
-    config.model = checkpoint_model(info.path, config.model)
+    if adapter and config.model.lora is None:
+        raise UserError(
+            "--adapter",
+            f"{info.path} is not a LoRA run's checkpoint (its run.yaml has no model.lora)",
+            "drop --adapter to export the full model",
+        )
+    if config.model.lora is None:
+        config.model = checkpoint_model(info.path, config.model)
+    # a LoRA checkpoint holds no base weights: the run file's base (pretrained, or model.config
+    # with its seed) is built again
     name = config.model.name_or_path
     if name is not None:
         # a checkpoint without its own model files (written before they were saved with it)
@@ -54,7 +64,7 @@ def run_export(checkpoint: Path, out: Path) -> int:
         if looks_like_path(name):
             find_model_file(name, ("config.json",), "model.name_or_path")
     plan = Plan.from_dict(read_plan_file(info.path))
-    if (out / "config.json").exists():
+    if (out / "config.json").exists() or (out / "adapter_config.json").exists():
         raise UserError("--out", f"{out} already holds a model", "choose an empty or new directory")
     check_output_dir(out, "--out")
     # checked and planned before anything is written: one line, exit 2
@@ -85,12 +95,15 @@ def run_export(checkpoint: Path, out: Path) -> int:
             if created and not any(out.iterdir()):
                 out.rmdir()
             return code
+    elif config.model.lora is not None:
+        export_lora_checkpoint(info.path, config, plan.engine, out, adapter)
     else:
         export_checkpoint(info.path, config, plan.engine, out)
     size = sum(item.stat().st_size for item in out.iterdir() if item.is_file())
+    how = "PeftModel.from_pretrained(base, OUT)" if adapter else "from_pretrained"
     typer.echo(
         f"wrote {out} ({size / 1e6:.1f} MB, {time.perf_counter() - started:.1f} s): "
-        "load it with from_pretrained"
+        f"load it with {how}"
     )
     return 0
 
@@ -143,6 +156,36 @@ def export_checkpoint(directory: Path, config: object, engine: str, out: Path) -
             )
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
+
+
+def export_lora_checkpoint(
+    directory: Path, config: RunConfig, engine: str, out: Path, adapter: bool
+) -> None:
+    """A LoRA checkpoint's adapter, merged into the run's base (or, ADAPTER, as a PEFT folder)."""
+    from dplaunch.train.export_weights import consolidated_state_dict
+    from dplaunch.train.lora import rebuild_with_adapters, write_exports
+    from dplaunch.train.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(config.model)
+    state = consolidated_state_dict(directory, engine)
+    seed, label_names = config.train.seed, config.data.label_names
+    try:
+        model = rebuild_with_adapters(config.model, tokenizer, seed, label_names, state)
+    except ValueError as error:
+        raise UserError(
+            "CHECKPOINT",
+            f"{directory} does not fit the model of its run.yaml: {error}",
+            "export a checkpoint written by dplaunch for this run file",
+        ) from None
+    write_exports(
+        model,
+        tokenizer,
+        config.model,
+        out if adapter else None,
+        None if adapter else out,
+        seed,
+        label_names,
+    )
 
 
 def export_job_plan(config: RunConfig, saved: Plan) -> tuple[RunConfig, Plan]:

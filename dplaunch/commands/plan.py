@@ -18,6 +18,7 @@ from dplaunch.planning.auto import Workload, plan_candidates, run_workload
 from dplaunch.planning.candidates import Candidate, format_table, to_json_rows
 from dplaunch.planning.estimate import MemoryEstimate, count_parameters
 from dplaunch.planning.hub import hub_offline, looks_like_path
+from dplaunch.planning.lora import LoraSpec, count_lora, lora_line
 from dplaunch.planning.model_facts import ModelFacts, attention_implementation, load_config_json
 from dplaunch.planning.plan import _nodes
 
@@ -43,6 +44,9 @@ class PlanOptions:
     activation_checkpointing: bool = False
     attn_implementation: str | None = None
     task: str | None = None
+    # LoRA rank (None: the run file's model.lora, else full fine-tuning) and QLoRA's base
+    lora: int | None = None
+    quantize: str | None = None
     safety_margin: float = 0.1
     as_json: bool = False
     assignments: list[str] = field(default_factory=list)
@@ -78,8 +82,17 @@ def _from_run_file(options: PlanOptions) -> tuple[ModelFacts, str, Workload, Any
         "model.gradient_checkpointing": options.activation_checkpointing or None,
         "model.attn_implementation": options.attn_implementation,
         "model.task": options.task,
+        "model.lora.r": options.lora,
     }
     config = load_run_config(options.config, overrides=overrides, assignments=options.assignments)
+    if options.quantize is not None:
+        if config.model.lora is None:
+            raise UserError(
+                "--quantize",
+                "QLoRA quantizes the frozen base of a LoRA run, and this run trains every weight",
+                "add --lora R (or model.lora to the run file)",
+            )
+        config.model.lora.quantize = options.quantize
     facts = model_facts(config.model)
     label = config.model.name_or_path or f"{facts.model_type} from the run file's model.config"
     # sequence-parallel rows when the sequence length is the question (--seq-len)
@@ -120,6 +133,12 @@ def _model_config(model: str) -> dict[str, Any]:
 def _from_model(options: PlanOptions) -> tuple[ModelFacts, str, Workload]:
     if options.assignments:
         raise UserError("--set", "overrides a run file's keys", "give a run file, or drop --set")
+    if options.quantize is not None and options.lora is None:
+        raise UserError(
+            "--quantize",
+            "QLoRA quantizes the frozen base of a LoRA run",
+            "add --lora R (the adapters' rank, e.g. --lora 16)",
+        )
     raw = _model_config(options.model or "")
     facts = ModelFacts.from_config_dict(raw)
     seq_len = options.seq_len or min(facts.max_positions or DEFAULT_SEQ_LEN, DEFAULT_SEQ_LEN)
@@ -134,6 +153,7 @@ def _from_model(options: PlanOptions) -> tuple[ModelFacts, str, Workload]:
         fixed_micro_batch=options.micro_batch or 1,
         attn_implementation=options.attn_implementation,
         sequence_parallel=options.seq_len is not None,
+        lora=LoraSpec(r=options.lora, quantize=options.quantize) if options.lora else None,
     )
     return facts, str(options.model), workload
 
@@ -201,6 +221,10 @@ def describe(setting: PlanSetting, safety_margin: float) -> list[str]:
     micro = str(work.micro_batch)
     if work.fixed_micro_batch is None:
         micro += " (the largest one dplaunch would derive; set train.micro_batch_size)"
+    lora = []
+    if work.lora is not None:
+        adapters = count_lora(setting.facts, work.lora, work.task, work.num_labels)
+        lora = [lora_line(adapters, count.total)]
     return [
         f"model: {setting.model_label} ({setting.facts.model_type}, {work.task}): "
         f"{count.total:,} parameters ({_short(count.total)}; {exact})",
@@ -214,6 +238,7 @@ def describe(setting: PlanSetting, safety_margin: float) -> list[str]:
         "states = weights + gradients + optimizer (Adam), busiest GPU; activ = the layers' "
         "activations; other = logits, buffers, CUDA context (the breakdown below); "
         "comm/step = GB each GPU sends per optimizer step; cpu = host memory for offload",
+        *lora,
     ]
 
 

@@ -73,6 +73,11 @@ RUN_FLAGS: dict[str, RunFlag] = {
         typing.get_args(MixedPrecision),
         panel=BATCH_PANEL,
     ),
+    "lora": RunFlag(
+        "model.lora.r",
+        "Train LoRA adapters of rank R (peft) instead of every weight; the base stays frozen.",
+        panel=None,
+    ),
     # `--parallel auto` is the YAML `parallel: auto`, i.e. parallel.auto
     "parallel": RunFlag(
         "parallel",

@@ -262,6 +262,17 @@ def prepare_training_run(
         task=config.model.task,
         attn_implementation=config.model.attn_implementation,
     )
+    if config.model.lora is not None:
+        from dplaunch.planning.lora_check import check_lora
+
+        check_lora(
+            config.model,
+            facts,
+            plan.tensor_parallel_size,
+            plan.pipeline_parallel_size,
+            sp=plan.sequence_parallel_size,
+            fsdp=plan.fsdp,
+        )
     if auto is not None:
         plan = replace(plan, notes=(*plan.notes, auto.note))
     plan = replace(plan, notes=(*plan.notes, *plan_notes))

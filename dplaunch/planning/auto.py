@@ -12,7 +12,7 @@ What the estimate assumes for the run (the same inputs `dplaunch plan CONFIG` us
 - sequence length ``data.max_length``, ``train.mixed_precision``, activation checkpointing from
   ``model.gradient_checkpointing``, the attention kernel from ``model.attn_implementation``
   (unset: transformers' own pick, sdpa for the families that support it), the model's task and
-  labels.
+  labels, and ``model.lora`` (adapters trained, the base frozen or quantized).
 
 With ``parallel.fsdp`` set, auto picks among that engine's rows of the table (FSDP with or
 without offload); without it, never an FSDP row (planning/candidates.py).
@@ -36,6 +36,7 @@ from dplaunch.planning.candidates import (
     recommendation_line,
     workload_memory,
 )
+from dplaunch.planning.lora import LoraSpec
 from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.planning.plan import DEFAULT_MAX_MICRO_BATCH, Machine, _devices, _nodes, batch_math
 
@@ -73,6 +74,7 @@ def run_workload(config: RunConfig) -> Workload:
             config.model.task == "sft" and (config.data.packing or config.train.sample_prompts)
         ),
         sequence_parallel=True,
+        lora=LoraSpec.from_config(config.model.lora),
     )
 
 
@@ -123,6 +125,7 @@ def plan_candidates(
         attn_implementation=workload.attn_implementation,
         fsdp=fsdp,
         sequence_parallel=workload.sequence_parallel,
+        lora=workload.lora,
     )
 
 

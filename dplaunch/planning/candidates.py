@@ -38,8 +38,9 @@ from dplaunch.planning.estimate import (
     estimate_communication,
     estimate_memory,
 )
+from dplaunch.planning.lora import LoraCount, LoraSpec, count_lora
 from dplaunch.planning.model_facts import ModelFacts, attention_implementation
-from dplaunch.planning.rules import ParallelDims
+from dplaunch.planning.rules import ParallelDims, check_lora_layout
 
 TP_DEGREES = (1, 2, 4, 8)
 # sequence-parallel degrees the table lists (where they divide the GPUs and the model's heads)
@@ -139,6 +140,8 @@ class Workload:
     pipeline: bool = True
     # list sequence-parallel layouts (sp 2/4/8) too: `plan --seq-len`, `parallel: auto`
     sequence_parallel: bool = False
+    # model.lora: only adapters are trained (None: every weight)
+    lora: LoraSpec | None = None
 
     def accumulation_steps(self, dp: int) -> int | None:
         """Micro-batches per optimizer step on dp data-parallel ranks (rounded up); None: unknown."""
@@ -158,10 +161,13 @@ def workload_memory(
     offload: str = "none",
     count: ParameterCount | None = None,
     sp: int = 1,
+    lora: LoraCount | None = None,
 ) -> MemoryEstimate:
     """The memory estimate the plan table makes for one layout of this workload (the benchmark
     compares it with the peaks a run measured: one estimate for both)."""
     steps = workload.accumulation_steps(dp)
+    if lora is None and workload.lora is not None:
+        lora = count_lora(facts, workload.lora, workload.task, workload.num_labels)
     return estimate_memory(
         facts,
         dp=dp,
@@ -179,6 +185,7 @@ def workload_memory(
         attn_implementation=workload.attn_implementation,
         count=count,
         sp=sp,
+        lora=lora,
     )
 
 
@@ -190,14 +197,22 @@ def _powers_of_two(limit: int) -> list[int]:
     return degrees
 
 
-def _layouts(facts: ModelFacts, gpus: int, gpus_per_node: int, task: str, sequences: bool):
+def _layouts(
+    facts: ModelFacts, gpus: int, gpus_per_node: int, task: str, sequences: bool, lora: bool
+):
     """(tp, pp, sp) the rules (planning/rules.py) allow for this model on this many GPUs; sp > 1
-    only when ``sequences`` (sequence parallelism composes with dp and ZeRO alone)."""
+    only when ``sequences`` (sequence parallelism composes with dp and ZeRO alone); for LoRA
+    only the layouts it trains on (data parallelism)."""
     for tp in TP_DEGREES:
         for pp in _powers_of_two(facts.num_layers):
+            if lora:
+                try:
+                    check_lora_layout(tp, pp)
+                except UserError:
+                    continue
             if ParallelDims(gpus, gpus_per_node, tp, pp).allowed(facts, task):
                 yield tp, pp, 1
-    for sp in SP_DEGREES if sequences else ():
+    for sp in SP_DEGREES if sequences and not lora else ():
         if ParallelDims(gpus, gpus_per_node, sp=sp).allowed(facts, task):
             yield 1, 1, sp
 
@@ -235,6 +250,7 @@ def candidate_plans(
     attn_implementation: str | None = None,
     fsdp: str | None = None,
     sequence_parallel: bool = False,
+    lora: LoraSpec | None = None,
 ) -> list[Candidate]:
     """Every layout for ``gpus`` GPUs with its memory per GPU and traffic per step; one recommended.
 
@@ -247,6 +263,7 @@ def candidate_plans(
     transformers picks for the model; only eager keeps the attention scores). ``fsdp``: the run
     asks for FSDP of that kind; the recommendation is then among its rows (else never them).
     ``sequence_parallel``: list sp 2/4/8 rows too (Ulysses; not with eager attention).
+    ``lora``: a LoRA run (only adapters trained; :mod:`dplaunch.planning.lora`).
     """
     if gpus < 1:
         raise UserError("launch.gpus", f"{gpus} GPUs", "plan for at least 1 GPU")
@@ -255,6 +272,7 @@ def candidate_plans(
     if not 0 <= safety_margin < 1:
         raise UserError("safety_margin", f"{safety_margin} is not in [0, 1)")
     count = count_parameters(facts, task, num_labels)
+    lora_count = count_lora(facts, lora, task, num_labels) if lora is not None else None
     usable = gpu_memory_gb * (1 - safety_margin)
     workload = Workload(
         micro_batch=micro_batch,
@@ -265,12 +283,13 @@ def candidate_plans(
         num_labels=num_labels,
         global_batch_size=global_batch_size,
         attn_implementation=attn_implementation,
+        lora=lora,
     )
     candidates: list[Candidate] = []
     sequences = sequence_parallel and (
         attention_implementation(facts.model_type, attn_implementation) != "eager"
     )
-    for tp, pp, sp in _layouts(facts, gpus, gpus_per_node, task, sequences):
+    for tp, pp, sp in _layouts(facts, gpus, gpus_per_node, task, sequences, lora is not None):
         if seq_len % sp:  # each rank holds an equal slice (rules.check_sequence_length_splits)
             continue
         dims = ParallelDims(gpus, gpus_per_node, tp, pp, sp=sp)
@@ -300,10 +319,14 @@ def candidate_plans(
                 offload=offload,
                 count=count,
                 sp=sp,
+                lora=lora_count,
             )
             # DeepSpeed averages gradients over the sp ranks too (Ulysses' all-to-alls not counted)
             traffic = estimate_communication(
-                facts, gradient_accumulation_steps=steps or 1, **{**shape, "dp": dp * sp}
+                facts,
+                gradient_accumulation_steps=steps or 1,
+                lora=lora_count,
+                **{**shape, "dp": dp * sp},
             )
             candidate = Candidate(
                 zero_stage=stage,
@@ -328,7 +351,8 @@ def candidate_plans(
                 sp=sp,
             )
             candidates.append(candidate)
-    candidates += _fsdp_rows(facts, workload, gpus, gpus_per_node, gpu_memory_gb, usable, count)
+    if lora is None:  # LoRA does not train under FSDP (rules.check_lora_layout)
+        candidates += _fsdp_rows(facts, workload, gpus, gpus_per_node, gpu_memory_gb, usable, count)
     _recommend(candidates, _only_for_activations(candidates, feasible), fsdp)
     return candidates
 

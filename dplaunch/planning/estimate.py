@@ -19,11 +19,14 @@ what ``from_config`` builds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dplaunch.errors import UserError
 from dplaunch.planning.model_facts import ModelFacts, attention_implementation
 from dplaunch.planning.rules import check_offload, check_pipeline_depth
+
+if TYPE_CHECKING:
+    from dplaunch.planning.lora import LoraCount
 
 # DeepSpeed's reduce and all-gather buckets, in elements, as deepspeed.json sets them (rendering)
 # and the estimate counts them: 200M keeps all-reduces efficient and fits a 24 GB card
@@ -139,6 +142,11 @@ def _config_value(raw: dict[str, Any], family: str, *keys: str) -> Any:
         if defaults.get(key) is not None:
             return defaults[key]
     return None
+
+
+def config_field(facts: ModelFacts, *keys: str) -> Any:
+    """The first of ``keys`` the config sets, else HF's default for the family (None if neither)."""
+    return _config_value(facts.raw, facts.model_type, *keys)
 
 
 def count_parameters(
@@ -425,6 +433,9 @@ class MemoryEstimate:
     cuda_context_gb: float = 0.0
     # host RAM one rank holds while loading the model (the fp32 model, whole or partitioned)
     host_load_gb: float = 0.0
+    # parameters with gradients and optimizer states on this GPU before ZeRO partitions them
+    # (params_per_gpu, or LoRA's adapters and saved copies); None: not computed
+    trainable_params: int | None = None
 
     @property
     def forward_backward_gb(self) -> float:
@@ -599,6 +610,7 @@ def estimate_memory(
     attn_implementation: str | None = None,
     count: ParameterCount | None = None,
     sp: int = 1,
+    lora: LoraCount | None = None,
 ) -> MemoryEstimate:
     """Memory on the busiest GPU of a dp × tp × pp (or dp × sp) plan, as the ranks will run it on GPUs.
 
@@ -606,6 +618,12 @@ def estimate_memory(
     all-to-alls attention runs on whole sequences of heads/sp heads, as many bytes: every
     activation and the logits are those of ``seq_len / sp`` tokens. DeepSpeed sees the sp ranks
     as data-parallel ones, so ZeRO partitions over dp × sp.
+
+    ``lora`` (:func:`dplaunch.planning.lora.count_lora`): only the adapters (and modules_to_save
+    copies) have gradients and optimizer states, ZeRO partitions those; the frozen base weights
+    are held whole (partitioned under ZeRO-3), quantized under QLoRA
+    (:func:`dplaunch.planning.lora.lora_state_bytes`). Activations are counted as for full
+    fine-tuning (the adapters' own, s·b·r per adapter, are left out).
 
     Model states: :func:`model_state_bytes` of the parameters this GPU holds (:func:`stage_shares`).
     ZeRO-3 also needs the largest unit it gathers at once (a layer, the embedding or the head) in
@@ -671,6 +689,9 @@ def estimate_memory(
     head_params = count.head - count.head_sharded + count.head_sharded // tp
     largest_unit = max(layer_params, count.embedding, head_params)
     autocast = 2 * (count.total - count.embedding + count.tied_params) if ddp and sixteen_bit else 0
+    if lora is not None and autocast:
+        # QLoRA's quantized layers dequantize inside their own kernels: no autocast copy of them
+        autocast -= 2 * lora.stage(count.num_layers, True, True)[1]
     buckets = 0
     if zero_stage in (1, 2):
         buckets = 2 * BUCKET_SIZE * element
@@ -692,14 +713,19 @@ def estimate_memory(
         else:
             activations = share.layers * layer_full * in_flight
         stage_logits = logits if share.holds_head else 0
-        weights, gradients, optimizer, cpu = model_state_bytes(
-            share.params,
-            dp=dp,
-            zero_stage=zero_stage,
-            offload=offload,
-            mixed_precision=mixed_precision,
+        state_shape = dict(
+            dp=dp, zero_stage=zero_stage, offload=offload, mixed_precision=mixed_precision
         )
-        fp32_partition = 4 * share.params / dp if zero_stage >= 1 else 0
+        if lora is None:
+            trainable = share.params
+            weights, gradients, optimizer, cpu = model_state_bytes(share.params, **state_shape)
+        else:
+            from dplaunch.planning.lora import lora_state_bytes  # lora.py builds on this module
+
+            trainable, (weights, gradients, optimizer, cpu) = lora_state_bytes(
+                lora, share, ddp=ddp, tp=tp, **state_shape
+            )
+        fp32_partition = 4 * trainable / dp if zero_stage >= 1 else 0
         step = fp32_partition if offload == "none" else 0
         cpu += fp32_partition if offload != "none" else 0
         gathered = element * largest_unit if zero_stage == 3 else 0
@@ -727,6 +753,7 @@ def estimate_memory(
             nccl_gb=nccl / GIB,
             cuda_context_gb=CUDA_CONTEXT_BYTES / GIB,
             host_load_gb=host_load / GIB,
+            trainable_params=trainable,
         )
         if best is None or estimate.total_gb > best.total_gb:
             best = estimate
@@ -773,6 +800,7 @@ def estimate_communication(
     task: str = "causal-lm",
     num_labels: int | None = None,
     count: ParameterCount | None = None,
+    lora: LoraCount | None = None,
 ) -> CommunicationEstimate:
     """Bytes sent per GPU per optimizer step; a ring all-reduce of n bytes over p ranks sends 2n(p−1)/p.
 
@@ -788,6 +816,9 @@ def estimate_communication(
       logits s·mb·V·b in forward.
     - PP: a stage sends its output activations forward and its input gradients backward, s·mb·h·b
       each per micro-batch (a middle stage does both: 2·s·mb·h·b·m).
+    - LoRA (``lora``): the gradients, their reduce-scatter and the offload copies are the
+      trainable parameters' (adapters); ZeRO-3 still gathers every weight twice,
+      (2Ψ + Ψ_trainable)·b·(dp−1)/dp.
     - Offload (PCIe): gradients down and updated 16-bit weights up, (b + 2)·Ψ/Nd per step;
       offload="all" also fetches the weight partition for forward and backward, + 2·2Ψ/Nd.
     """
@@ -796,8 +827,16 @@ def estimate_communication(
     b = 2 if mixed_precision in ("bf16", "fp16") else 4
     m = max(1, gradient_accumulation_steps)
     ring = lambda ranks: 2 * (ranks - 1) / ranks  # noqa: E731
-    dp_factor = 3 if zero_stage == 3 else 2
-    data_parallel = dp_factor * psi * b * (dp - 1) / dp
+    trained = psi
+    if lora is not None:
+        stages = layers_per_stage(count.num_layers, pp)
+        trained = max(
+            lora.stage(layers, stage == 0, stage == pp - 1)[0]
+            for stage, layers in enumerate(stages)
+        )
+    # ZeRO-3 gathers every weight in forward and in backward, then reduce-scatters the gradients
+    sent = 2 * psi + trained if zero_stage == 3 else 2 * trained
+    data_parallel = sent * b * (dp - 1) / dp
     activation = seq_len * micro_batch * count.hidden_size * b
     layers = max(layers_per_stage(count.num_layers, pp))
     tensor_parallel = 0.0
@@ -809,11 +848,11 @@ def estimate_communication(
     if pp > 1:
         pipeline = (2 if pp > 2 else 1) * activation * m
     offload_bytes = 0.0
-    partition = psi / (dp if zero_stage >= 1 else 1)
+    partition = 1 / (dp if zero_stage >= 1 else 1)
     if offload in ("optimizer", "all"):
-        offload_bytes += (b + 2) * partition
+        offload_bytes += (b + 2) * trained * partition
     if offload == "all":
-        offload_bytes += 2 * 2 * partition
+        offload_bytes += 2 * 2 * psi * partition
     return CommunicationEstimate(data_parallel, tensor_parallel, pipeline, offload_bytes)
 
 
@@ -829,6 +868,7 @@ __all__ = [
     "ParameterCount",
     "StageShare",
     "activation_bytes_per_layer",
+    "config_field",
     "count_parameters",
     "estimate_communication",
     "estimate_memory",

@@ -26,6 +26,9 @@ The rules, and why:
   schedule without the all-to-all; sp divides the attention heads and the KV heads, the family
   is one whose attention it wraps, the task a causal one (a classifier pools over the whole
   sequence).
+- LoRA (model.lora) trains on DDP and ZeRO-1/2/3 only: tried with deepspeed 0.19.8 and peft
+  0.21.2, AutoTP shards peft's adapter layers as model layers (the backward then fails: "loss
+  must be a scalar tensor") and the pipeline engine cuts the HF model, which peft has wrapped.
 """
 
 from __future__ import annotations
@@ -282,6 +285,39 @@ def check_pipeline_model(pp: int, model: ModelFacts, task: str) -> None:
             "parallel.pp",
             f"pipeline parallelism (pp {pp}) trains causal LMs only, and model.task is {task!r}",
             "use --pp 1 (data parallelism, ZeRO or --tp for a large model), or model.task causal-lm",
+        )
+
+
+def check_lora_layout(tp: int, pp: int, sp: int = 1, fsdp: str | None = None) -> None:
+    """LoRA adapters train with data parallelism (DDP, ZeRO-1/2/3), not with AutoTP, the pipeline,
+    sequence parallelism or FSDP (the last two: not built for adapters yet)."""
+    if fsdp is not None:
+        raise UserError(
+            "model.lora",
+            "LoRA with FSDP: the FSDP engine does not yet shard, checkpoint and export peft's "
+            "adapters (not built)",
+            "drop --fsdp: ZeRO-3 (--zero 3) shards the frozen base and trains the adapters",
+        )
+    if sp > 1:
+        raise UserError(
+            "model.lora",
+            f"LoRA with sequence parallelism (sp {sp}): adapters under Ulysses are not built or "
+            "tested yet",
+            "use --sp 1 with --lora, or train every weight with sp",
+        )
+    if tp > 1:
+        raise UserError(
+            "model.lora",
+            f"LoRA with tensor parallelism (tp {tp}): DeepSpeed AutoTP splits peft's adapter "
+            "layers like the model's own and its backward fails",
+            "use --tp 1; ZeRO-3 (--zero 3) spreads a model too large for one GPU",
+        )
+    if pp > 1:
+        raise UserError(
+            "model.lora",
+            f"LoRA with pipeline parallelism (pp {pp}): the pipeline engine cuts the model into "
+            "stages and cannot cut one peft has wrapped",
+            "use --pp 1; ZeRO-3 (--zero 3) spreads a model too large for one GPU",
         )
 
 

@@ -10,7 +10,9 @@
       metrics.jsonl         one record per line, rank 0 only; tensorboard/ mirrors its scalars
       errors/rank-N.txt     the traceback of a failing rank
       checkpoints/          complete step-N/ folders, `latest`, saves in progress (see below)
-      model/                the trained model a finished run exports (save_pretrained)
+      model/                the trained model a finished run exports (save_pretrained); merged under LoRA
+      adapter/              a LoRA run's adapter, a PEFT folder (PeftModel.from_pretrained(base, adapter/))
+        base/               its untrained base when that is randomly initialised (model.config)
       job.sbatch, logs/     the SLURM job's script and logs (`dplaunch slurm`)
       .requeue-JOBID        a job's ranks checkpointed to be requeued (in logs/ from job.sbatch)
 
@@ -49,6 +51,12 @@ ERRORS_DIR = "errors"
 CHECKPOINTS_DIR = "checkpoints"
 # RUN/model: the trained model a finished run exports (save_pretrained)
 EXPORT_DIR = "model"
+# RUN/adapter: a LoRA run's trained adapter (peft's save_pretrained: adapter_config.json,
+# adapter_model.safetensors); RUN/model then holds the adapter merged into the base
+ADAPTER_DIR = "adapter"
+# RUN/adapter/base: the untrained base of a LoRA run on a model.config (random init), which
+# exists nowhere else; the adapter's base_model_name_or_path names it
+BASE_MODEL_DIR = "base"
 # `dplaunch slurm`: RUN/job.sbatch and the job's RUN/logs/
 SBATCH_SCRIPT = "job.sbatch"
 LOGS_DIR = "logs"

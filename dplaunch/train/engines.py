@@ -13,6 +13,7 @@ import torch
 
 from dplaunch.config.schema import CAUSAL_TASKS
 from dplaunch.planning.plan import Plan
+from dplaunch.train.lora import is_lora_model, trained_state
 
 
 class StepEngine(Protocol):
@@ -85,6 +86,9 @@ class AccelerateEngine:
         self.max_grad_norm = max_grad_norm
         self.task = task
         self.uses_deepspeed = accelerator.distributed_type.value == "DEEPSPEED"
+        # model.lora: checkpoints hold only what trains (adapters, modules_to_save) and its
+        # optimizer state; the frozen base is built again from the run file on resume
+        self.lora = is_lora_model(accelerator.unwrap_model(model))
         # a causal LM builds a KV cache in every forward unless told not to, in training too: a copy
         # of each layer's keys and values, held until the backward is done (2-5 % of a CPU step)
         self.forward_options = {"use_cache": False} if task in CAUSAL_TASKS else {}
@@ -177,13 +181,20 @@ class AccelerateEngine:
     def save(self, directory: str) -> None:
         # DDP: model, optimizer, scheduler (registered), RNG of every rank; DeepSpeed: its own
         # checkpoint (ZeRO shards of every rank) under tag pytorch_model, plus scheduler and RNG
-        self.accelerator.save_state(directory, safe_serialization=True)
+        frozen_left_out = (
+            {"exclude_frozen_parameters": True} if self.lora and self.uses_deepspeed else {}
+        )
+        self.accelerator.save_state(directory, safe_serialization=True, **frozen_left_out)
 
     def load(self, directory: str) -> None:
         run_file = RunFileHyperparameters(
             _torch_optimizer(self.optimizer).param_groups, self.scheduler
         )
-        self.accelerator.load_state(directory)
+        # a LoRA checkpoint holds no frozen base weights: they stay as built
+        partial = {}
+        if self.lora:
+            partial = {"load_module_strict": False} if self.uses_deepspeed else {"strict": False}
+        self.accelerator.load_state(directory, **partial)
         # accelerate restores its micro-step counter from the checkpoint; gradient accumulation
         # must restart at a step boundary with this run's accumulation (the GPU count may differ)
         self.accelerator.step = 0
@@ -196,10 +207,26 @@ class AccelerateEngine:
         for index, model in enumerate(models):
             if index < len(weights):
                 weights[index] = self.accelerator.get_state_dict(model, unwrap=True)
+                if self.lora:
+                    weights[index] = trained_state(
+                        weights[index], self.accelerator.unwrap_model(model)
+                    )
 
     def _load_unwrapped(self, models: list[Any], _directory: str) -> None:
         for index, model in enumerate(models):
             models[index] = self.accelerator.unwrap_model(model)
+
+    def trained_state(self) -> dict[str, torch.Tensor] | None:
+        """The values of what trains (a LoRA model's adapters), whole, on the CPU, on rank 0 (None
+        on the others); every rank calls it (a ZeRO-3 gather is collective)."""
+        state = self.accelerator.get_state_dict(self.model)  # gathers ZeRO-3 shards on rank 0
+        if not self.accelerator.is_main_process or not state:
+            return None
+        unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        return {
+            key.removeprefix("_orig_mod."): value.detach().float().cpu()
+            for key, value in trained_state(state, unwrapped).items()
+        }
 
     def export(self, directory: str, tokenizer: Any) -> None:
         accelerator = self.accelerator

@@ -8,6 +8,7 @@ SIGUSR1/SIGTERM, at train.stop_after_steps) go through dplaunch/train/checkpoint
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from dplaunch.run_directory.files import (
     read_resume,
     read_run_file,
 )
-from dplaunch.run_directory.layout import DEEPSPEED_FILE, EXPORT_DIR
+from dplaunch.run_directory.layout import ADAPTER_DIR, DEEPSPEED_FILE, EXPORT_DIR
 from dplaunch.stop_signals import EXIT_CHECKPOINTED, StopSignals
 from dplaunch.train.checkpoint import Checkpointer
 from dplaunch.train.control import ControlChannel
@@ -207,6 +208,10 @@ def train(run_dir: Path) -> int:
     partition = _partition_line(model)
     if partition is not None:
         say(f"[dplaunch] {partition}")
+    if config.model.lora is not None:
+        from dplaunch.train.lora import trained_line
+
+        say(f"[dplaunch] {trained_line(model)}")
     # flash-attention keeps packed examples apart only in one flattened row (data.py)
     batcher.flatten_packed = "flash" in str(getattr(model.config, "_attn_implementation", ""))
     # counted before the engine shards anything (ZeRO-3 partitions keep the full size in ds_numel)
@@ -306,8 +311,14 @@ def train(run_dir: Path) -> int:
         return _stop_early(run, step, stop_reason)
 
     export_dir = run_dir / EXPORT_DIR
-    engine.export(str(export_dir), tokenizer)
-    say(f"[dplaunch] exported the trained model to {export_dir}")
+    if config.model.lora is not None:
+        from dplaunch.train.lora import export_run
+
+        export_run(engine, config, tokenizer, run_dir)
+        say(f"[dplaunch] exported the adapter to {run_dir / ADAPTER_DIR}, merged into {export_dir}")
+    else:
+        engine.export(str(export_dir), tokenizer)
+        say(f"[dplaunch] exported the trained model to {export_dir}")
     metrics.close()
     accelerator.end_training()
     return 0
@@ -685,5 +696,8 @@ def _quiet_libraries(is_main: bool) -> None:
     import transformers
 
     datasets.disable_progress_bars()
+    # bitsandbytes' CPU backend (imported by transformers and peft when installed) logs on every
+    # rank that it could not fetch an optional kernel from the Hub; it falls back to its own
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_warning() if is_main else transformers.utils.logging.set_verbosity_error()

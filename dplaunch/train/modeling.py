@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dplaunch.config.schema import BYTE_LEVEL, CAUSAL_TASKS, ModelConfig
+from dplaunch.train.lora import add_adapters, quantization_options
 from dplaunch.train.tokenizer import byte_level_tokenizer
 
 
@@ -66,11 +67,15 @@ def load_model(
             dtype=torch.float32,
             **extra,
             **kernel,
+            **quantization_options(model.lora),
         )
         if built.config.pad_token_id is None:
             built.config.pad_token_id = tokenizer.pad_token_id
     if model.gradient_checkpointing:
         built.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if model.lora is not None:
+        # model.lora: peft adapters train, the base stays frozen (train/lora.py)
+        built = add_adapters(built, model, seed)
     return built
 
 

@@ -1,0 +1,130 @@
+"""model.lora checked before launch: the layout (planning/rules.py), the adapters' rank, the module
+names the adapters and modules_to_save name, and QLoRA's needs. Pure Python: no torch, no peft;
+the module names of the families dplaunch knows are listed here (tests/test_lora_bad_inputs.py
+checks them against the HF classes)."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+from dplaunch.config.schema import ModelConfig
+from dplaunch.errors import UserError
+from dplaunch.planning.model_facts import ModelFacts
+from dplaunch.planning.rules import check_lora_layout
+
+_LLAMA_LIKE = (
+    ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    ("embed_tokens",),
+    ("model", "layers", "self_attn", "mlp", "act_fn", "norm", "input_layernorm",
+     "post_attention_layernorm", "rotary_emb"),
+)  # fmt: skip
+# family → (its linear layers, its embeddings, its other modules): the leaf names of named_modules()
+# without the task's head (lm_head for causal LMs, score for classification)
+MODULE_NAMES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
+    "llama": _LLAMA_LIKE,
+    "mistral": _LLAMA_LIKE,
+    "qwen2": _LLAMA_LIKE,
+    "qwen3": (_LLAMA_LIKE[0], _LLAMA_LIKE[1], (*_LLAMA_LIKE[2], "q_norm", "k_norm")),
+    "gpt2": (
+        ("c_attn", "c_proj", "c_fc"),
+        ("wte", "wpe"),
+        (
+            "transformer",
+            "h",
+            "ln_1",
+            "attn",
+            "ln_2",
+            "mlp",
+            "ln_f",
+            "act",
+            "drop",
+            "attn_dropout",
+            "resid_dropout",
+            "dropout",
+        ),
+    ),  # fmt: skip
+}
+
+
+def head_name(task: str) -> str:
+    """The name of the task's output head in HF's classes of these families."""
+    return "score" if task == "sequence-classification" else "lm_head"
+
+
+def bitsandbytes_installed() -> bool:
+    """Whether bitsandbytes can be imported (found, not imported: the CLI stays fast)."""
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def check_lora(
+    model: ModelConfig,
+    facts: ModelFacts,
+    tp: int,
+    pp: int,
+    installed: Callable[[], bool] = bitsandbytes_installed,
+    *,
+    sp: int = 1,
+    fsdp: str | None = None,
+) -> None:
+    """Raise the first thing about model.lora the ranks could not train (one UserError)."""
+    lora = model.lora
+    if lora is None:
+        return
+    check_lora_layout(tp, pp, sp, fsdp)
+    if facts.hidden_size and lora.r >= facts.hidden_size:
+        raise UserError(
+            "model.lora.r",
+            f"rank {lora.r} is not below the model's hidden size {facts.hidden_size}: each "
+            "adapter would hold as many values as the weight it adapts",
+            f"use an r well below {facts.hidden_size} (8 to 64 is usual)",
+        )
+    _check_names(model, facts)
+    if lora.quantize is not None:
+        if model.config is not None:
+            raise UserError(
+                "model.lora.quantize",
+                "bitsandbytes quantizes a pretrained model's weights as they load, and "
+                "model.config builds a randomly initialised model",
+                "set model.name_or_path to a pretrained model, or drop model.lora.quantize",
+            )
+        if not installed():
+            raise UserError(
+                "model.lora.quantize",
+                f"{lora.quantize} (QLoRA) needs bitsandbytes, which is not installed",
+                "pip install 'dplaunch[qlora]'",
+            )
+
+
+def _check_names(model: ModelConfig, facts: ModelFacts) -> None:
+    lora = model.lora
+    assert lora is not None
+    if lora.target_modules == []:
+        raise UserError(
+            "model.lora.target_modules",
+            "the list is empty: no layer would get an adapter",
+            "name layers, e.g. [q_proj, v_proj], or use all-linear",
+        )
+    family = MODULE_NAMES.get(facts.model_type)
+    if family is None:  # a family not listed: peft checks the names in the ranks
+        return
+    linear, embeddings, others = family
+    head = head_name(model.task)
+    adaptable = (*linear, *embeddings, head)
+    if isinstance(lora.target_modules, list):
+        unknown = [n for n in lora.target_modules if n.rsplit(".", 1)[-1] not in adaptable]
+        if unknown:
+            raise UserError(
+                "model.lora.target_modules",
+                f"{', '.join(unknown)} names no linear or embedding layer of a "
+                f"{facts.model_type} model",
+                f"choose among {', '.join(adaptable)}, or use all-linear",
+            )
+    every = (*adaptable, *others)
+    unknown = [n for n in lora.modules_to_save or [] if n.rsplit(".", 1)[-1] not in every]
+    if unknown:
+        raise UserError(
+            "model.lora.modules_to_save",
+            f"{', '.join(unknown)} names no module of a {facts.model_type} model",
+            f"choose among {', '.join((head, *embeddings, 'norm' if 'norm' in others else 'ln_f'))}",
+        )

@@ -1,0 +1,229 @@
+"""LoRA and QLoRA training on real CPU ranks: the adapters alone train, the same on every layout;
+checkpoints hold only them and resume exactly; the exports (a PEFT folder, the merged model) are
+the trained model, under ZeRO-3 too (no empty adapter)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+from tests.helpers import (  # noqa: E402
+    TINY_LLAMA,
+    max_relative_gap,
+    read_metrics,
+    run_dplaunch,
+    train,
+    train_losses,
+    write_config,
+)
+
+STEPS = ("--max-steps", "4", "--set", "train.eval_every=4")
+
+
+@pytest.fixture(scope="module")
+def run_file(tmp_path_factory) -> Path:
+    """The tiny Llama with rank-4 adapters on every linear layer and a trained head of its own."""
+    folder = tmp_path_factory.mktemp("lora")
+    return write_config(folder / "lora.yaml", TINY_LLAMA, model={"lora": {"r": 4, "dropout": 0.0}})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, run_file) -> dict[str, Path]:
+    """One run per layout, each launched once: DDP on 1 and 2 ranks, ZeRO-2 and ZeRO-3 on 2
+    (ZeRO-3 checkpoints its last step), and DDP on 2 stopped at step 2 then resumed."""
+    folder = tmp_path_factory.mktemp("lora-runs")
+    layouts = {
+        "ddp1": ("--gpus", "1"),
+        "ddp2": ("--gpus", "2"),
+        "zero2": ("--gpus", "2", "--zero", "2"),
+        "zero3": ("--gpus", "2", "--zero", "3", "--set", "train.checkpoint_every=4"),
+    }
+    runs = {}
+    for name, flags in layouts.items():
+        runs[name] = folder / name
+        train(runs[name], "--cpu", *flags, *STEPS, config=run_file)
+    resumed = runs["resumed"] = folder / "resumed"
+    stop = ("--set", "train.stop_after_steps=2")
+    train(resumed, "--cpu", "--gpus", "2", *STEPS, *stop, config=run_file)
+    train(resumed, "--cpu", "--gpus", "2", *STEPS, "--resume", "auto", config=run_file)
+    return runs
+
+
+def _config(run: Path):
+    from dplaunch.config.schema import RunConfig
+
+    return RunConfig.model_validate(yaml.safe_load((run / "run.yaml").read_text()))
+
+
+def _eval_loss(model, run: Path) -> float:
+    """The evaluation loss of MODEL on RUN's evaluation set, summed as the ranks sum it."""
+    from dplaunch.train.data import Batcher, Sharding, for_evaluation, load_splits, tokenize
+    from dplaunch.train.engines import loss_sums
+    from dplaunch.train.modeling import load_tokenizer
+
+    config = _config(run)
+    task = config.model.task
+    tokenizer = load_tokenizer(config.model)
+    _, raw = load_splits(config.data, config.train.seed)
+    dataset = tokenize(raw, tokenizer, for_evaluation(config.data, task), task)
+    batcher = Batcher(
+        dataset, Sharding(0, 1, 4, 1), pad_id=tokenizer.pad_token_id, task=task, seed=0
+    )
+    total, count = 0.0, 0.0
+    with torch.no_grad():
+        for batch, real in batcher.eval_micro_batches(4):
+            losses, counts, _ = loss_sums(model(**batch).logits, batch["labels"], task)
+            total += float(losses[:real].sum())
+            count += float(counts[:real].sum())
+    return total / count
+
+
+def test_lora_trains_the_same_on_one_and_two_ranks_and_under_zero_2_and_3(runs):
+    losses = {name: train_losses(run) for name, run in runs.items()}
+    assert len(losses["ddp1"]) == 4 and losses["ddp1"][-1] < losses["ddp1"][0]
+    assert max_relative_gap(losses["ddp2"], losses["ddp1"]) < 1e-5, losses
+    for zero in ("zero2", "zero3"):
+        assert max_relative_gap(losses[zero], losses["ddp2"]) < 1e-5, (zero, losses)
+    # only the adapters trained: the header counts the whole model, the log the trained part
+    header = read_metrics(runs["ddp2"])[0]
+    assert header["parameters"] > 0
+
+
+def test_lora_stopped_at_step_2_resumes_with_bit_identical_losses(runs):
+    assert train_losses(runs["resumed"]) == train_losses(runs["ddp2"])
+
+
+def test_a_lora_checkpoint_holds_the_adapters_and_their_optimizer_state_only(runs):
+    from safetensors.torch import load_file
+
+    from dplaunch.train.modeling import load_model, load_tokenizer
+
+    config = _config(runs["resumed"])
+    base = load_model(
+        config.model.model_copy(update={"lora": None}), load_tokenizer(config.model), 7
+    )
+    base_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    step = runs["resumed"] / "checkpoints" / "step-2"
+    weights = load_file(str(step / "model.safetensors"))
+    assert weights and all(".lora_A." in name or ".lora_B." in name for name in weights)
+    tensors = [path for path in step.iterdir() if path.suffix in (".safetensors", ".bin", ".pt")]
+    held = sum(path.stat().st_size for path in tensors)
+    # weights + Adam's two moments of rank-4 adapters; a full checkpoint would be 3 × base_bytes
+    assert held < base_bytes / 2, (held, base_bytes, [p.name for p in tensors])
+    # ZeRO-3: DeepSpeed's files hold no frozen base weight either
+    zero3 = runs["zero3"] / "checkpoints" / "step-4" / "pytorch_model"
+    assert sum(path.stat().st_size for path in zero3.iterdir()) < base_bytes
+
+
+def test_the_zero3_adapter_holds_the_trained_values_and_the_exports_are_the_trained_model(
+    runs, tmp_path
+):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run = runs["zero3"]
+    adapter = run / "adapter"
+    settings = json.loads((adapter / "adapter_config.json").read_text())
+    assert settings["r"] == 4 and settings["lora_alpha"] == 8
+    saved = load_file(str(adapter / "adapter_model.safetensors"))
+    # the checkpoint of the last step: every rank's fp32 partitions joined
+    gathered = get_fp32_state_dict_from_zero_checkpoint(
+        str(run / "checkpoints" / "step-4"), tag="pytorch_model"
+    )
+    assert len(saved) == len(gathered) == 4 * 7 * 2
+    for name, value in gathered.items():
+        key = name.replace(".default.", ".")
+        torch.testing.assert_close(saved[key], value, rtol=0, atol=0, msg=name)
+    # lora_B starts at zero: trained, it is not (the empty-adapter bug saved zeros or nothing)
+    assert all(saved[k].abs().max() > 0 for k in saved if ".lora_B." in k)
+
+    # the base of a random-init run is exported with the adapter, which names it
+    assert settings["base_model_name_or_path"] == str((adapter / "base").resolve())
+    base = AutoModelForCausalLM.from_pretrained(settings["base_model_name_or_path"])
+    with_adapter = PeftModel.from_pretrained(base, str(adapter)).eval()
+    merged = AutoModelForCausalLM.from_pretrained(str(run / "model")).eval()
+    inputs = torch.randint(3, 259, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            merged(inputs).logits, with_adapter(inputs).logits, rtol=0, atol=1e-5
+        )
+    # the in-training model's last evaluation, recomputed from each export
+    (last_eval,) = [r["eval_loss"] for r in read_metrics(run) if r["type"] == "eval"][-1:]
+    for model in (merged, with_adapter):
+        assert math.isclose(_eval_loss(model, run), last_eval, rel_tol=1e-5)
+
+    # `dplaunch export --adapter` of the same checkpoint: the same adapter (the merged model is
+    # written by the same code as at the end of training)
+    exported = tmp_path / "exported"
+    result = run_dplaunch("export", run, "--out", exported / "adapter", "--adapter")
+    assert result.returncode == 0, result.stderr[-3000:]
+    again = load_file(str(exported / "adapter" / "adapter_model.safetensors"))
+    assert again.keys() == saved.keys()
+    for key in saved:
+        torch.testing.assert_close(again[key], saved[key], rtol=0, atol=0, msg=key)
+
+
+def test_qlora_trains_a_4bit_base_on_cpu_ranks_and_its_adapter_loads_on_the_base(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from dplaunch.config.schema import RunConfig
+    from dplaunch.train.modeling import load_model, load_tokenizer
+
+    spec = RunConfig.model_validate(yaml.safe_load(TINY_LLAMA.read_text())).model
+    base = tmp_path / "base-model"
+    tokenizer = load_tokenizer(spec)
+    load_model(spec, tokenizer, seed=3).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    lora = {"r": 4, "quantize": "4bit"}
+    run_file = write_config(
+        tmp_path / "qlora.yaml",
+        model={"config": None, "name_or_path": str(base), "tokenizer": str(base), "lora": lora},
+        train={"lr": 1.0e-2, "warmup_steps": 0},
+    )
+    run = tmp_path / "run"
+    result = train(run, "--cpu", "--gpus", "1", "--max-steps", "4", config=run_file)
+    losses = train_losses(run)
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    assert "4bit" in (run / "run.yaml").read_text() and "Traceback" not in result.stderr
+    # 4 layers × (q, o: 4·(64+64); k, v: 4·(64+32); gate, up, down: 4·(64+128)) adapters train
+    assert "LoRA: 16,384 of " in result.stdout + result.stderr
+    settings = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    assert settings["base_model_name_or_path"] == str(base)
+    assert not (run / "adapter" / "base").exists()  # a pretrained base: named, not copied
+    # the adapter on the full-precision base, and the merged model (the adapter merged into it)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), run / "adapter")
+    merged = AutoModelForCausalLM.from_pretrained(run / "model")
+    inputs = torch.randint(3, 259, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(inputs).logits, model(inputs).logits, rtol=0, atol=1e-5)
+
+
+def test_a_classifier_with_lora_trains_its_head_in_full_and_the_adapters_only():
+    from dplaunch.config.schema import ModelConfig
+    from dplaunch.train.modeling import load_model, load_tokenizer
+
+    spec = yaml.safe_load(TINY_LLAMA.read_text())["model"]
+    spec.update(task="sequence-classification", num_labels=3, lora={"r": 4})
+    config = ModelConfig.model_validate(spec)
+    model = load_model(config, load_tokenizer(config), seed=7)
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    head = [name for name in trained if ".score." in name]
+    assert head and all("modules_to_save" in name for name in head), head
+    others = [name for name in trained if name not in head]
+    assert others and all(".lora_A." in name or ".lora_B." in name for name in others)
+    assert not any("score" in name and "lora" in name for name in trained)  # no adapter on the head
+    # the same adapters on every rank: their initialisation is seeded
+    again = load_model(config, load_tokenizer(config), seed=7)
+    for (name, left), right in zip(model.named_parameters(), again.parameters(), strict=True):
+        torch.testing.assert_close(left, right, rtol=0, atol=0, msg=name)
