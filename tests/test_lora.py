@@ -36,14 +36,16 @@ def run_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, run_file) -> dict[str, Path]:
-    """One run per layout, each launched once: DDP on 1 and 2 ranks, ZeRO-2 and ZeRO-3 on 2
-    (ZeRO-3 checkpoints its last step), and DDP on 2 stopped at step 2 then resumed."""
+    """One run per layout, each launched once: DDP on 1 and 2 ranks, ZeRO-2, ZeRO-3 (checkpoints
+    its last step) and FSDP (checkpoints every 2 steps) on 2, DDP on 2 stopped at step 2 then
+    resumed, and FSDP on 2 resumed from the FSDP run's step 2."""
     folder = tmp_path_factory.mktemp("lora-runs")
     layouts = {
         "ddp1": ("--gpus", "1"),
         "ddp2": ("--gpus", "2"),
         "zero2": ("--gpus", "2", "--zero", "2"),
         "zero3": ("--gpus", "2", "--zero", "3", "--set", "train.checkpoint_every=4"),
+        "fsdp": ("--gpus", "2", "--fsdp", "full", "--set", "train.checkpoint_every=2"),
     }
     runs = {}
     for name, flags in layouts.items():
@@ -53,6 +55,10 @@ def runs(tmp_path_factory, run_file) -> dict[str, Path]:
     stop = ("--set", "train.stop_after_steps=2")
     train(resumed, "--cpu", "--gpus", "2", *STEPS, *stop, config=run_file)
     train(resumed, "--cpu", "--gpus", "2", *STEPS, "--resume", "auto", config=run_file)
+    step_2 = runs["fsdp"] / "checkpoints" / "step-2"
+    runs["fsdp_resumed"] = folder / "fsdp_resumed"
+    train(runs["fsdp_resumed"], "--cpu", *layouts["fsdp"], *STEPS, "--resume", step_2,
+          config=run_file)  # fmt: skip
     return runs
 
 
@@ -83,6 +89,27 @@ def _eval_loss(model, run: Path) -> float:
             total += float(losses[:real].sum())
             count += float(counts[:real].sum())
     return total / count
+
+
+def _check_the_exports(run: Path) -> None:
+    """RUN/adapter on its base (PeftModel) and RUN/model (merged) give the same logits, and both
+    the in-training model's last evaluation loss."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter = run / "adapter"
+    settings = json.loads((adapter / "adapter_config.json").read_text())
+    base = AutoModelForCausalLM.from_pretrained(settings["base_model_name_or_path"])
+    with_adapter = PeftModel.from_pretrained(base, str(adapter)).eval()
+    merged = AutoModelForCausalLM.from_pretrained(str(run / "model")).eval()
+    inputs = torch.randint(3, 259, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            merged(inputs).logits, with_adapter(inputs).logits, rtol=0, atol=1e-5
+        )
+    (last_eval,) = [r["eval_loss"] for r in read_metrics(run) if r["type"] == "eval"][-1:]
+    for model in (merged, with_adapter):
+        assert math.isclose(_eval_loss(model, run), last_eval, rel_tol=1e-5)
 
 
 def test_lora_trains_the_same_on_one_and_two_ranks_and_under_zero_2_and_3(runs):
@@ -126,9 +153,7 @@ def test_the_zero3_adapter_holds_the_trained_values_and_the_exports_are_the_trai
     runs, tmp_path
 ):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from peft import PeftModel
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     run = runs["zero3"]
     adapter = run / "adapter"
@@ -148,18 +173,7 @@ def test_the_zero3_adapter_holds_the_trained_values_and_the_exports_are_the_trai
 
     # the base of a random-init run is exported with the adapter, which names it
     assert settings["base_model_name_or_path"] == str((adapter / "base").resolve())
-    base = AutoModelForCausalLM.from_pretrained(settings["base_model_name_or_path"])
-    with_adapter = PeftModel.from_pretrained(base, str(adapter)).eval()
-    merged = AutoModelForCausalLM.from_pretrained(str(run / "model")).eval()
-    inputs = torch.randint(3, 259, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(
-            merged(inputs).logits, with_adapter(inputs).logits, rtol=0, atol=1e-5
-        )
-    # the in-training model's last evaluation, recomputed from each export
-    (last_eval,) = [r["eval_loss"] for r in read_metrics(run) if r["type"] == "eval"][-1:]
-    for model in (merged, with_adapter):
-        assert math.isclose(_eval_loss(model, run), last_eval, rel_tol=1e-5)
+    _check_the_exports(run)
 
     # `dplaunch export --adapter` of the same checkpoint: the same adapter (the merged model is
     # written by the same code as at the end of training)
@@ -167,6 +181,41 @@ def test_the_zero3_adapter_holds_the_trained_values_and_the_exports_are_the_trai
     result = run_dplaunch("export", run, "--out", exported / "adapter", "--adapter")
     assert result.returncode == 0, result.stderr[-3000:]
     again = load_file(str(exported / "adapter" / "adapter_model.safetensors"))
+    assert again.keys() == saved.keys()
+    for key in saved:
+        torch.testing.assert_close(again[key], saved[key], rtol=0, atol=0, msg=key)
+
+
+def test_lora_under_fsdp_trains_like_ddp_resumes_exactly_and_exports_ddps_adapter(runs, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    run = runs["fsdp"]
+    losses = train_losses(run)
+    assert len(losses) == 4 and max_relative_gap(losses, train_losses(runs["ddp2"])) < 1e-5
+    # resumed from step 2's shards: steps 3 and 4 exactly as the uninterrupted run's
+    assert train_losses(runs["fsdp_resumed"]) == losses[2:]
+    # the DCP checkpoint holds the adapters and their optimizer state only
+    metadata = dcp.FileSystemReader(str(run / "checkpoints" / "step-2" / "fsdp")).read_metadata()
+    weights = [key for key in metadata.state_dict_metadata if key.startswith("model.")]
+    assert len(weights) == 4 * 7 * 2 and all(".lora_" in key for key in weights), weights[:4]
+
+    # the exported adapter: DDP's (gathered from the shards), on its base with PeftModel
+    adapter = run / "adapter"
+    saved = load_file(str(adapter / "adapter_model.safetensors"))
+    reference = load_file(str(runs["ddp2"] / "adapter" / "adapter_model.safetensors"))
+    assert saved.keys() == reference.keys() and len(saved) == 4 * 7 * 2
+    for key in saved:
+        torch.testing.assert_close(saved[key], reference[key], rtol=0, atol=1e-5, msg=key)
+    assert all(saved[k].abs().max() > 0 for k in saved if ".lora_B." in k)
+    _check_the_exports(run)
+
+    # `dplaunch export --adapter` of the FSDP checkpoint (DCP read in one process): the same
+    result = run_dplaunch(
+        "export", run / "checkpoints" / "step-4", "--out", tmp_path / "adapter", "--adapter"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    again = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     assert again.keys() == saved.keys()
     for key in saved:
         torch.testing.assert_close(again[key], saved[key], rtol=0, atol=0, msg=key)

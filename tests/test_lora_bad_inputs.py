@@ -8,6 +8,7 @@ import pytest
 from tests.helpers import TINY_LLAMA, child_environment, files_under, refusal_line, run_dplaunch
 
 TRAIN = ["train", TINY_LLAMA, "--cpu"]
+QUANTIZE_4BIT = "model.lora.quantize=4bit"
 
 CASES = [
     (
@@ -19,6 +20,11 @@ CASES = [
         "lora-with-pipeline-parallelism",
         [*TRAIN, "--gpus", "2", "--lora", "4", "--pp", "2"],
         "model.lora: LoRA with pipeline parallelism (pp 2)",
+    ),
+    (
+        "qlora-with-fsdp",
+        [*TRAIN, "--gpus", "2", "--lora", "4", "--fsdp", "full", "--set", QUANTIZE_4BIT],
+        "model.lora.quantize: 4bit (QLoRA) with FSDP",
     ),
     (
         "rank-as-large-as-the-model",

@@ -241,6 +241,14 @@ def test_plan_shows_lora_and_qlora_and_refuses_quantize_without_lora(tmp_path):
     rows = json.loads(run_dplaunch("plan", *shape, "--lora", "16", "--json").stdout)
     ddp = next(row for row in rows if row["name"] == "DDP")
     assert not ddp["fits"] and ddp["gradients_gb"] == round(4 * 39_976_960 / GIB, 3)
+    # FSDP rows count LoRA as ZeRO-3's do, but hold the frozen base's shards in fp32 (2 bytes more)
+    by_name = {row["name"]: row for row in rows}
+    assert {"FSDP", "FSDP + offload all"} <= by_name.keys()
+    frozen = 6_738_415_616 - 39_976_960
+    fsdp, zero3 = by_name["FSDP"], by_name["ZeRO-3"]
+    assert fsdp["gradients_gb"] == zero3["gradients_gb"]
+    assert abs(fsdp["weights_gb"] - zero3["weights_gb"] - 2 * frozen / 2 / GIB) < 2e-3
+    assert "FSDP" not in qlora.stdout  # QLoRA is refused with FSDP (lora_check.check_lora)
     refused = run_dplaunch("plan", *shape, "--quantize", "8bit")
     refusal_line(refused, "--quantize: QLoRA quantizes the frozen base of a LoRA run", "--lora R")
     import typing

@@ -351,8 +351,10 @@ def candidate_plans(
                 sp=sp,
             )
             candidates.append(candidate)
-    if lora is None:  # LoRA does not train under FSDP (rules.check_lora_layout)
-        candidates += _fsdp_rows(facts, workload, gpus, gpus_per_node, gpu_memory_gb, usable, count)
+    if lora is None or lora.quantize is None:  # no QLoRA under FSDP (lora_check.check_lora)
+        candidates += _fsdp_rows(
+            facts, workload, gpus, gpus_per_node, gpu_memory_gb, usable, count, lora_count
+        )
     _recommend(candidates, _only_for_activations(candidates, feasible), fsdp)
     return candidates
 
@@ -365,9 +367,10 @@ def _fsdp_rows(
     gpu_memory_gb: float,
     usable: float,
     count: ParameterCount,
+    lora: LoraCount | None = None,
 ) -> list[Candidate]:
     """FSDP full (and HSDP on several nodes) rows, with and without CPU offload (see the module
-    docstring for their memory and traffic)."""
+    docstring for their memory and traffic); a LoRA run's (``lora``) counted as ZeRO-3's are."""
     kinds = [("full", gpus)]
     if gpus_per_node < gpus and gpus_per_node > 1:
         kinds.append(("hybrid", gpus_per_node))
@@ -391,7 +394,11 @@ def _fsdp_rows(
                 gradient_accumulation_steps=steps,
                 attn_implementation=workload.attn_implementation,
                 count=count,
+                lora=lora,
             )
+            if lora is not None:
+                frozen = count.total - lora.trainable
+                memory = _fp32_frozen_shards(memory, frozen, shard, offload, workload)
             traffic = estimate_communication(
                 facts,
                 dp=shard,
@@ -404,13 +411,15 @@ def _fsdp_rows(
                 task=workload.task,
                 num_labels=workload.num_labels,
                 count=count,
+                lora=lora,
             )
             network = traffic.network_bytes
             replicas = gpus // shard
             if replicas > 1:
                 # the node's gradient shard, all-reduced across the nodes (ring: 2n(r−1)/r)
                 b = 2 if workload.mixed_precision in ("bf16", "fp16") else 4
-                network += 2 * (count.total / shard) * b * (replicas - 1) / replicas
+                trained = count.total if lora is None else lora.trainable
+                network += 2 * (trained / shard) * b * (replicas - 1) / replicas
             rows.append(
                 Candidate(
                     zero_stage=0,
@@ -436,6 +445,25 @@ def _fsdp_rows(
                 )
             )
     return rows
+
+
+def _fp32_frozen_shards(
+    memory: MemoryEstimate, frozen: int, shard: int, offload: str, workload: Workload
+) -> MemoryEstimate:
+    """A LoRA FSDP row's memory: ZeRO-3's, but FSDP keeps the frozen base's shards in the model's
+    fp32 (DeepSpeed's bf16/fp16 run holds them in 16 bits): 2 more bytes per frozen parameter
+    and shard, on the GPU or (offload all) on the host."""
+    if workload.mixed_precision not in ("bf16", "fp16"):
+        return memory  # an fp32 run's estimate already holds them in 4 bytes
+    extra = 2 * frozen / shard / GIB
+    if offload == "all":  # the shards live on the host
+        return replace(memory, cpu_gb=memory.cpu_gb + extra)
+    return replace(
+        memory,
+        weights_gb=memory.weights_gb + extra,
+        model_states_gb=memory.model_states_gb + extra,
+        total_gb=memory.total_gb + extra,
+    )
 
 
 def _only_for_activations(

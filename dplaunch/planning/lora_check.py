@@ -72,6 +72,13 @@ def check_lora(
     if lora is None:
         return
     check_lora_layout(tp, pp, sp, fsdp)
+    if lora.quantize is not None and fsdp is not None:
+        raise UserError(
+            "model.lora.quantize",
+            f"{lora.quantize} (QLoRA) with FSDP: fully_shard does not shard bitsandbytes' "
+            "quantized weights (not built)",
+            "drop --fsdp (DDP or ZeRO train QLoRA), or drop model.lora.quantize",
+        )
     if facts.hidden_size and lora.r >= facts.hidden_size:
         raise UserError(
             "model.lora.r",

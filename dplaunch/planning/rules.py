@@ -26,7 +26,8 @@ The rules, and why:
   schedule without the all-to-all; sp divides the attention heads and the KV heads, the family
   is one whose attention it wraps, the task a causal one (a classifier pools over the whole
   sequence).
-- LoRA (model.lora) trains on DDP and ZeRO-1/2/3 only: tried with deepspeed 0.19.8 and peft
+- LoRA (model.lora) trains on DDP, ZeRO-1/2/3 and FSDP (peft wraps the model, then FSDP
+  shards its blocks) only: tried with deepspeed 0.19.8 and peft
   0.21.2, AutoTP shards peft's adapter layers as model layers (the backward then fails: "loss
   must be a scalar tensor") and the pipeline engine cuts the HF model, which peft has wrapped.
 """
@@ -289,15 +290,8 @@ def check_pipeline_model(pp: int, model: ModelFacts, task: str) -> None:
 
 
 def check_lora_layout(tp: int, pp: int, sp: int = 1, fsdp: str | None = None) -> None:
-    """LoRA adapters train with data parallelism (DDP, ZeRO-1/2/3), not with AutoTP, the pipeline,
-    sequence parallelism or FSDP (the last two: not built for adapters yet)."""
-    if fsdp is not None:
-        raise UserError(
-            "model.lora",
-            "LoRA with FSDP: the FSDP engine does not yet shard, checkpoint and export peft's "
-            "adapters (not built)",
-            "drop --fsdp: ZeRO-3 (--zero 3) shards the frozen base and trains the adapters",
-        )
+    """LoRA adapters train with data parallelism (DDP, ZeRO-1/2/3, FSDP full or hybrid), not with
+    AutoTP, the pipeline or sequence parallelism (the last: not built for adapters yet)."""
     if sp > 1:
         raise UserError(
             "model.lora",

@@ -25,6 +25,7 @@ from dplaunch.config.schema import CAUSAL_TASKS
 from dplaunch.planning.plan import Plan
 from dplaunch.run_directory.layout import FSDP_TAG, FSDP_TRAINER_FILE
 from dplaunch.train.engines import RunFileHyperparameters, build_optimizer, loss_sums
+from dplaunch.train.lora import is_lora_model, trained_state
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -170,6 +171,10 @@ class FsdpEngine:
         self.task = config.model.task
         self.forward_options = {"use_cache": False} if self.task in CAUSAL_TASKS else {}
         self.max_grad_norm = config.train.max_grad_norm
+        # model.lora: peft wrapped the model first (modeling.py); its blocks are sharded like any
+        # (frozen base weights and trained adapters in one unit: only the adapters get gradients,
+        # only they are reduce-scattered and in the optimizer); checkpoints hold only what trains
+        self.lora = is_lora_model(model)
         self.lines = shard_model(model, plan, config.train.compile)
         self.model = model
         self.optimizer = build_optimizer(model, config.train, plan)
@@ -239,7 +244,7 @@ class FsdpEngine:
 
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         dcp.save(
-            {"model": model_state, "optimizer": optimizer_state},
+            {"model": self._checkpointed(model_state), "optimizer": optimizer_state},
             checkpoint_id=str(Path(directory) / FSDP_TAG),
         )
         if self.rank == 0:
@@ -251,17 +256,23 @@ class FsdpEngine:
     def load(self, directory: str) -> None:
         """Read a DCP checkpoint written on any number of ranks into this rank's shards."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_state_dict,
+            set_state_dict,
+        )
 
         run_file = RunFileHyperparameters(self.optimizer.param_groups, self.scheduler)
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
+        state = {"model": self._checkpointed(model_state), "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=str(Path(directory) / FSDP_TAG))
         set_state_dict(
             self.model,
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
+            # a LoRA checkpoint holds no frozen base weights: they stay as built
+            options=StateDictOptions(strict=not self.lora),
         )
         trainer = torch.load(Path(directory) / FSDP_TRAINER_FILE, weights_only=False)
         self.scheduler.load_state_dict(trainer["scheduler"])
@@ -269,12 +280,30 @@ class FsdpEngine:
             self.scaler.load_state_dict(trainer["scaler"])
         run_file.restore(self.optimizer.param_groups)
 
-    def export(self, directory: str, tokenizer: Any) -> None:
-        """The full weights gathered to rank 0 (on the CPU), written as one HF model + tokenizer."""
+    def _checkpointed(self, model_state: dict[str, Any]) -> dict[str, Any]:
+        """What of the model a checkpoint holds: all of it, or (LoRA) only what trains."""
+        return trained_state(model_state, self.model) if self.lora else model_state
+
+    def _full_state(self) -> dict[str, Any]:
+        """The full weights gathered to rank 0, on the CPU (empty on the others); collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.model, options=options)
+        return get_model_state_dict(self.model, options=options)
+
+    def trained_state(self) -> dict[str, torch.Tensor] | None:
+        """The gathered values of what trains (a LoRA model's adapters) on rank 0, None on the
+        others (train/lora.py's export_run); every rank calls it."""
+        state = self._full_state()
+        if self.rank != 0:
+            return None
+        return {
+            key: value.detach().float() for key, value in trained_state(state, self.model).items()
+        }
+
+    def export(self, directory: str, tokenizer: Any) -> None:
+        """The full weights gathered to rank 0 (on the CPU), written as one HF model + tokenizer."""
+        state = self._full_state()
         if self.rank == 0:
             self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
             tokenizer.save_pretrained(directory)
