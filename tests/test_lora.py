@@ -37,7 +37,7 @@ def run_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, run_file) -> dict[str, Path]:
     """One run per layout, each launched once: DDP on 1 and 2 ranks, ZeRO-2 and ZeRO-3 on 2
-    (ZeRO-3 checkpoints its last step), and DDP on 2 stopped at step 2 then resumed."""
+    (ZeRO-3 checkpoints its last step), and DDP on 1 stopped at step 2 then resumed."""
     folder = tmp_path_factory.mktemp("lora-runs")
     layouts = {
         "ddp1": ("--gpus", "1"),
@@ -51,8 +51,8 @@ def runs(tmp_path_factory, run_file) -> dict[str, Path]:
         train(runs[name], "--cpu", *flags, *STEPS, config=run_file)
     resumed = runs["resumed"] = folder / "resumed"
     stop = ("--set", "train.stop_after_steps=2")
-    train(resumed, "--cpu", "--gpus", "2", *STEPS, *stop, config=run_file)
-    train(resumed, "--cpu", "--gpus", "2", *STEPS, "--resume", "auto", config=run_file)
+    train(resumed, "--cpu", "--gpus", "1", *STEPS, *stop, config=run_file)
+    train(resumed, "--cpu", "--gpus", "1", *STEPS, "--resume", "auto", config=run_file)
     return runs
 
 
@@ -97,7 +97,7 @@ def test_lora_trains_the_same_on_one_and_two_ranks_and_under_zero_2_and_3(runs):
 
 
 def test_lora_stopped_at_step_2_resumes_with_bit_identical_losses(runs):
-    assert train_losses(runs["resumed"]) == train_losses(runs["ddp2"])
+    assert train_losses(runs["resumed"]) == train_losses(runs["ddp1"])
 
 
 def test_a_lora_checkpoint_holds_the_adapters_and_their_optimizer_state_only(runs):
