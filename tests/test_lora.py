@@ -227,3 +227,19 @@ def test_a_classifier_with_lora_trains_its_head_in_full_and_the_adapters_only():
     again = load_model(config, load_tokenizer(config), seed=7)
     for (name, left), right in zip(model.named_parameters(), again.parameters(), strict=True):
         torch.testing.assert_close(left, right, rtol=0, atol=0, msg=name)
+
+
+def test_export_adapter_of_a_checkpoint_without_lora_is_refused_in_one_line(runs, tmp_path):
+    import shutil
+
+    from tests.helpers import files_under, refusal_line
+
+    checkpoint = tmp_path / "step-4"
+    shutil.copytree(runs["zero3"] / "checkpoints" / "step-4", checkpoint)
+    run_file = yaml.safe_load((checkpoint / "run.yaml").read_text())
+    del run_file["model"]["lora"]
+    (checkpoint / "run.yaml").write_text(yaml.safe_dump(run_file))
+    before = files_under(tmp_path)
+    result = run_dplaunch("export", checkpoint, "--out", tmp_path / "out", "--adapter")
+    refusal_line(result, "--adapter: ", "has no model.lora", "drop --adapter")
+    assert files_under(tmp_path) == before
