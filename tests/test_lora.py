@@ -243,3 +243,33 @@ def test_export_adapter_of_a_checkpoint_without_lora_is_refused_in_one_line(runs
     result = run_dplaunch("export", checkpoint, "--out", tmp_path / "out", "--adapter")
     refusal_line(result, "--adapter: ", "has no model.lora", "drop --adapter")
     assert files_under(tmp_path) == before
+
+
+def test_a_zero3_adapter_partitioned_across_ranks_is_saved_whole_and_trained(tmp_path):
+    # ZeRO-3 keeps tensors under stage3_param_persistence_threshold whole on every rank; an
+    # adapter above it is split across the ranks, where a rank's own copy is an empty partition
+    # (the empty-adapter bug saved that). down_proj's lora_A here: 100 × 1024 elements
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    model = yaml.safe_load(TINY_LLAMA.read_text())["model"]
+    model["config"].update(hidden_size=128, intermediate_size=1024, num_hidden_layers=2)
+    model["lora"] = {"r": 100, "target_modules": ["down_proj"]}
+    run_file = write_config(tmp_path / "wide.yaml", model=model)
+    run = tmp_path / "run"
+    flags = ("--cpu", "--gpus", "2", "--zero", "3", "--max-steps", "2")
+    train(run, *flags, "--set", "train.checkpoint_every=2", config=run_file)
+    threshold = json.loads((run / "deepspeed.json").read_text())["zero_optimization"][
+        "stage3_param_persistence_threshold"
+    ]
+    saved = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    gathered = get_fp32_state_dict_from_zero_checkpoint(
+        str(run / "checkpoints" / "step-2"), tag="pytorch_model"
+    )
+    assert len(saved) == len(gathered) == 2 * 2
+    for name, value in gathered.items():
+        key = name.replace(".default.", ".")
+        torch.testing.assert_close(saved[key], value, rtol=0, atol=0, msg=name)
+    lora_a = [value for key, value in saved.items() if ".lora_A." in key]
+    assert all(value.numel() > threshold for value in lora_a)  # partitioned in training
+    assert all(value.abs().max() > 0 for key, value in saved.items() if ".lora_B." in key)
