@@ -248,14 +248,15 @@ def test_export_adapter_of_a_checkpoint_without_lora_is_refused_in_one_line(runs
 def test_a_zero3_adapter_partitioned_across_ranks_is_saved_whole_and_trained(tmp_path):
     # ZeRO-3 keeps tensors under stage3_param_persistence_threshold whole on every rank; an
     # adapter above it is split across the ranks, where a rank's own copy is an empty partition
-    # (the empty-adapter bug saved that). down_proj's lora_A here: 100 × 1024 elements
+    # (the empty-adapter bug saves that). down_proj's lora_A here: 100 × 1024 elements
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
 
     model = yaml.safe_load(TINY_LLAMA.read_text())["model"]
     model["config"].update(hidden_size=128, intermediate_size=1024, num_hidden_layers=2)
     model["lora"] = {"r": 100, "target_modules": ["down_proj"]}
-    run_file = write_config(tmp_path / "wide.yaml", model=model)
+    # no evaluation: a forward just before the export would leave the partitions gathered
+    run_file = write_config(tmp_path / "wide.yaml", model=model, data={"eval_fraction": None})
     run = tmp_path / "run"
     flags = ("--cpu", "--gpus", "2", "--zero", "3", "--max-steps", "2")
     train(run, *flags, "--set", "train.checkpoint_every=2", config=run_file)
