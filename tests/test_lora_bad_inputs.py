@@ -21,6 +21,11 @@ CASES = [
         "model.lora: LoRA with pipeline parallelism (pp 2)",
     ),
     (
+        "lora-with-sequence-parallelism",
+        [*TRAIN, "--gpus", "2", "--lora", "4", "--sp", "2"],
+        "model.lora: LoRA with sequence parallelism (sp 2)",
+    ),
+    (
         "rank-as-large-as-the-model",
         [*TRAIN, "--lora", "64"],
         "model.lora.r: rank 64 is not below the model's hidden size 64",
