@@ -22,6 +22,11 @@ CASES = [
         "model.lora: LoRA with pipeline parallelism (pp 2)",
     ),
     (
+        "lora-with-sequence-parallelism",
+        [*TRAIN, "--gpus", "2", "--lora", "4", "--sp", "2"],
+        "model.lora: LoRA with sequence parallelism (sp 2)",
+    ),
+    (
         "qlora-with-fsdp",
         [*TRAIN, "--gpus", "2", "--lora", "4", "--fsdp", "full", "--set", QUANTIZE_4BIT],
         "model.lora.quantize: 4bit (QLoRA) with FSDP",

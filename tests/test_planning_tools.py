@@ -358,6 +358,8 @@ def test_auto_dry_run_runs_the_recommended_plan_and_prints_why(tmp_path):
         "offload": "none",
         "tp": 4,
         "pp": 1,
+        "fsdp": None,
+        "sp": 1,
         "auto": False,
     }
     assert '"autotp_size": 4' in out  # the rendered deepspeed.json
