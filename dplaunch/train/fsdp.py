@@ -11,6 +11,11 @@ does, the same code on CPU and GPU.
 
 Checkpoints are torch.distributed.checkpoint (DCP): every rank writes its own shards into
 CHECKPOINT/fsdp/, and any number of ranks loads them (DCP re-shards on load): no conversion.
+
+With model.lora, peft has wrapped the model before it comes here (train/modeling.py): its blocks
+are sharded like any, frozen base weights and adapters in the same unit (FSDP2 reduces only the
+gradients that exist), the optimizer holds the adapters only, checkpoints hold only what trains,
+and the exports are train/lora.py's, from the gathered trained values (``trained_state``).
 """
 
 from __future__ import annotations
