@@ -117,7 +117,8 @@ def test_the_module_names_checked_before_launch_are_the_hf_classes(model_type):
     torch = pytest.importorskip("torch")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from dplaunch.planning.lora_check import MODULE_NAMES, head_name
+    from dplaunch.planning.lora_check import OTHER_MODULES, adaptable_names, head_name
+    from dplaunch.planning.model_facts import ModelFacts
 
     config = AutoConfig.for_model(
         model_type,
@@ -139,7 +140,8 @@ def test_the_module_names_checked_before_launch_are_the_hf_classes(model_type):
             model = auto.from_config(config)
         leaves = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
         leaves = {leaf for leaf in leaves if not leaf.isdigit()}
-        linear, embeddings, others = MODULE_NAMES[model_type]
+        linear, embeddings = adaptable_names(ModelFacts.from_config_dict(config.to_dict()), task)
+        others = OTHER_MODULES[model_type]
         assert leaves == {*linear, *embeddings, *others, head_name(task)}, (task, leaves)
         adapted = {
             name.rsplit(".", 1)[-1]

@@ -1,7 +1,8 @@
 """model.lora checked before launch: the layout (planning/rules.py), the adapters' rank, the module
 names the adapters and modules_to_save name, and QLoRA's needs. Pure Python: no torch, no peft;
-the module names of the families dplaunch knows are listed here (tests/test_lora_bad_inputs.py
-checks them against the HF classes)."""
+the module names of the families dplaunch knows come from planning/lora.model_modules and the
+table of their other modules here (tests/test_lora_bad_inputs.py checks both against the HF
+classes)."""
 
 from __future__ import annotations
 
@@ -10,41 +11,39 @@ from collections.abc import Callable
 
 from dplaunch.config.schema import ModelConfig
 from dplaunch.errors import UserError
+from dplaunch.planning.lora import model_modules
 from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.planning.rules import check_lora_layout
 
-_LLAMA_LIKE = (
-    ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-    ("embed_tokens",),
-    ("model", "layers", "self_attn", "mlp", "act_fn", "norm", "input_layernorm",
-     "post_attention_layernorm", "rotary_emb"),
+_LLAMA_LIKE_OTHERS = (
+    "model", "layers", "self_attn", "mlp", "act_fn", "norm", "input_layernorm",
+    "post_attention_layernorm", "rotary_emb",
 )  # fmt: skip
-# family → (its linear layers, its embeddings, its other modules): the leaf names of named_modules()
-# without the task's head (lm_head for causal LMs, score for classification)
-MODULE_NAMES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
-    "llama": _LLAMA_LIKE,
-    "mistral": _LLAMA_LIKE,
-    "qwen2": _LLAMA_LIKE,
-    "qwen3": (_LLAMA_LIKE[0], _LLAMA_LIKE[1], (*_LLAMA_LIKE[2], "q_norm", "k_norm")),
+# family → the leaf names of its modules besides the linear layers, embeddings and head (those come
+# from planning/lora.model_modules, which counts them): what modules_to_save may also name
+OTHER_MODULES: dict[str, tuple[str, ...]] = {
+    "llama": _LLAMA_LIKE_OTHERS,
+    "mistral": _LLAMA_LIKE_OTHERS,
+    "qwen2": _LLAMA_LIKE_OTHERS,
+    "qwen3": (*_LLAMA_LIKE_OTHERS, "q_norm", "k_norm"),
     "gpt2": (
-        ("c_attn", "c_proj", "c_fc"),
-        ("wte", "wpe"),
-        (
-            "transformer",
-            "h",
-            "ln_1",
-            "attn",
-            "ln_2",
-            "mlp",
-            "ln_f",
-            "act",
-            "drop",
-            "attn_dropout",
-            "resid_dropout",
-            "dropout",
-        ),
-    ),  # fmt: skip
-}
+        "transformer", "h", "ln_1", "attn", "ln_2", "mlp", "ln_f", "act", "drop", "attn_dropout",
+        "resid_dropout", "dropout",
+    ),
+}  # fmt: skip
+
+
+def adaptable_names(facts: ModelFacts, task: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(linear layers, embeddings) of the model by leaf name, the task's head left out, as
+    planning/lora.model_modules lists them."""
+    _, modules = model_modules(facts, task)
+    linear = [
+        m.path.rsplit(".", 1)[-1]
+        for m in modules
+        if m.shape is not None and not (m.embedding or m.output_head)
+    ]
+    embeddings = [m.path.rsplit(".", 1)[-1] for m in modules if m.embedding]
+    return tuple(dict.fromkeys(linear)), tuple(dict.fromkeys(embeddings))
 
 
 def head_name(task: str) -> str:
@@ -112,10 +111,10 @@ def _check_names(model: ModelConfig, facts: ModelFacts) -> None:
             "the list is empty: no layer would get an adapter",
             "name layers, e.g. [q_proj, v_proj], or use all-linear",
         )
-    family = MODULE_NAMES.get(facts.model_type)
-    if family is None:  # a family not listed: peft checks the names in the ranks
+    others = OTHER_MODULES.get(facts.model_type)
+    if others is None:  # a family not listed: peft checks the names in the ranks
         return
-    linear, embeddings, others = family
+    linear, embeddings = adaptable_names(facts, model.task)
     head = head_name(model.task)
     adaptable = (*linear, *embeddings, head)
     if isinstance(lora.target_modules, list):
