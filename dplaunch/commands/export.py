@@ -163,7 +163,7 @@ def export_lora_checkpoint(
 ) -> None:
     """A LoRA checkpoint's adapter, merged into the run's base (or, ADAPTER, as a PEFT folder)."""
     from dplaunch.train.export_weights import consolidated_state_dict
-    from dplaunch.train.lora import rebuild_with_adapters, write_exports
+    from dplaunch.train.lora_export import rebuild_with_adapters, write_exports
     from dplaunch.train.modeling import load_tokenizer
 
     tokenizer = load_tokenizer(config.model)

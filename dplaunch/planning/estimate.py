@@ -19,14 +19,11 @@ what ``from_config`` builds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from dplaunch.errors import UserError
 from dplaunch.planning.model_facts import ModelFacts, attention_implementation
 from dplaunch.planning.rules import check_offload, check_pipeline_depth
-
-if TYPE_CHECKING:
-    from dplaunch.planning.lora import LoraCount
 
 # DeepSpeed's reduce and all-gather buckets, in elements, as deepspeed.json sets them (rendering)
 # and the estimate counts them: 200M keeps all-reduces efficient and fits a 24 GB card
@@ -343,6 +340,27 @@ class StageShare:
     holds_head: bool
 
 
+class AdapterCount(Protocol):
+    """What the estimate asks of a LoRA run's count (planning/lora.py's LoraCount, which builds
+    on this module): the trained and quantized parameters of a stage, and the bytes it holds."""
+
+    def stage(self, layers: int, first: bool, last: bool, tp: int = 1) -> tuple[int, int, float]:
+        """(trainable, quantized params, quantized bytes) of ``layers`` decoder layers."""
+
+    def state_bytes(
+        self,
+        share: StageShare,
+        *,
+        dp: int,
+        zero_stage: int,
+        offload: str,
+        mixed_precision: str,
+        ddp: bool,
+        tp: int = 1,
+    ) -> tuple[int, tuple[float, float, float, float]]:
+        """(trainable params, (weights, gradients, optimizer, cpu) bytes) of one GPU of SHARE."""
+
+
 def layers_per_stage(num_layers: int, pp: int) -> list[int]:
     """Decoder layers of each pipeline stage: as even as possible, earlier stages take the rest.
 
@@ -610,7 +628,7 @@ def estimate_memory(
     attn_implementation: str | None = None,
     count: ParameterCount | None = None,
     sp: int = 1,
-    lora: LoraCount | None = None,
+    lora: AdapterCount | None = None,
 ) -> MemoryEstimate:
     """Memory on the busiest GPU of a dp × tp × pp (or dp × sp) plan, as the ranks will run it on GPUs.
 
@@ -622,7 +640,7 @@ def estimate_memory(
     ``lora`` (:func:`dplaunch.planning.lora.count_lora`): only the adapters (and modules_to_save
     copies) have gradients and optimizer states, ZeRO partitions those; the frozen base weights
     are held whole (partitioned under ZeRO-3), quantized under QLoRA
-    (:func:`dplaunch.planning.lora.lora_state_bytes`). Activations are counted as for full
+    (``LoraCount.state_bytes``). Activations are counted as for full
     fine-tuning (the adapters' own, s·b·r per adapter, are left out).
 
     Model states: :func:`model_state_bytes` of the parameters this GPU holds (:func:`stage_shares`).
@@ -720,10 +738,8 @@ def estimate_memory(
             trainable = share.params
             weights, gradients, optimizer, cpu = model_state_bytes(share.params, **state_shape)
         else:
-            from dplaunch.planning.lora import lora_state_bytes  # lora.py builds on this module
-
-            trainable, (weights, gradients, optimizer, cpu) = lora_state_bytes(
-                lora, share, ddp=ddp, tp=tp, **state_shape
+            trainable, (weights, gradients, optimizer, cpu) = lora.state_bytes(
+                share, ddp=ddp, tp=tp, **state_shape
             )
         fp32_partition = 4 * trainable / dp if zero_stage >= 1 else 0
         step = fp32_partition if offload == "none" else 0
@@ -800,7 +816,7 @@ def estimate_communication(
     task: str = "causal-lm",
     num_labels: int | None = None,
     count: ParameterCount | None = None,
-    lora: LoraCount | None = None,
+    lora: AdapterCount | None = None,
 ) -> CommunicationEstimate:
     """Bytes sent per GPU per optimizer step; a ring all-reduce of n bytes over p ranks sends 2n(p−1)/p.
 

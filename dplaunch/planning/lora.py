@@ -123,6 +123,45 @@ class LoraCount:
         quantized_bytes += self.quantized_bytes_head if last else 0
         return trainable, quantized // tp, quantized_bytes / tp
 
+    def state_bytes(
+        self,
+        share: StageShare,
+        *,
+        dp: int,
+        zero_stage: int,
+        offload: str,
+        mixed_precision: str,
+        ddp: bool,
+        tp: int = 1,
+    ) -> tuple[int, tuple[float, float, float, float]]:
+        """(trainable params, (weights, gradients, optimizer, cpu) bytes) one GPU of ``share`` holds.
+
+        The trainable parameters get :func:`model_state_bytes` as in full fine-tuning, except under
+        DDP, where they stay fp32 beside fp32 gradients and Adam's two states (4 + 4 + 8 bytes: peft
+        keeps adapters fp32 and Accelerate computes under autocast). The frozen base adds its
+        weights only: fp32 under DDP or in an fp32 run, 16-bit under DeepSpeed's bf16/fp16; under
+        QLoRA its linear layers quantized. ZeRO-3 partitions the frozen weights
+        too; ``offload: all`` moves that partition to the host.
+        """
+        trainable, quantized, quantized_bytes = self.stage(
+            share.layers, share.holds_embedding, share.holds_head, tp
+        )
+        weights, gradients, optimizer, cpu = model_state_bytes(
+            trainable,
+            dp=dp,
+            zero_stage=zero_stage,
+            offload=offload,
+            mixed_precision="no" if ddp else mixed_precision,
+        )
+        frozen = (share.params - quantized) * (4 if ddp or mixed_precision == "no" else 2)
+        frozen += quantized_bytes
+        frozen /= dp if zero_stage == 3 else 1
+        if offload == "all":
+            cpu += frozen
+        else:
+            weights += frozen
+        return trainable, (weights, gradients, optimizer, cpu)
+
 
 def _linear(path: str, n_in: int, n_out: int, bias: bool, layer: int | None, **kw: Any) -> Module:
     return Module(path, n_in * n_out + (n_out if bias else 0), (n_in, n_out), layer, **kw)
@@ -315,46 +354,6 @@ def count_lora(
     )
 
 
-def lora_state_bytes(
-    lora: LoraCount,
-    share: StageShare,
-    *,
-    dp: int,
-    zero_stage: int,
-    offload: str,
-    mixed_precision: str,
-    ddp: bool,
-    tp: int = 1,
-) -> tuple[int, tuple[float, float, float, float]]:
-    """(trainable params, (weights, gradients, optimizer, cpu) bytes) one GPU of ``share`` holds.
-
-    The trainable parameters get :func:`model_state_bytes` as in full fine-tuning, except under
-    DDP, where they stay fp32 beside fp32 gradients and Adam's two states (4 + 4 + 8 bytes: peft
-    keeps adapters fp32 and Accelerate computes under autocast). The frozen base adds its
-    weights only: fp32 under DDP or in an fp32 run, 16-bit under DeepSpeed's bf16/fp16; under
-    QLoRA its linear layers quantized. ZeRO-3 partitions the frozen weights
-    too; ``offload: all`` moves that partition to the host.
-    """
-    trainable, quantized, quantized_bytes = lora.stage(
-        share.layers, share.holds_embedding, share.holds_head, tp
-    )
-    weights, gradients, optimizer, cpu = model_state_bytes(
-        trainable,
-        dp=dp,
-        zero_stage=zero_stage,
-        offload=offload,
-        mixed_precision="no" if ddp else mixed_precision,
-    )
-    frozen = (share.params - quantized) * (4 if ddp or mixed_precision == "no" else 2)
-    frozen += quantized_bytes
-    frozen /= dp if zero_stage == 3 else 1
-    if offload == "all":
-        cpu += frozen
-    else:
-        weights += frozen
-    return trainable, (weights, gradients, optimizer, cpu)
-
-
 def lora_line(lora: LoraCount, total_params: int) -> str:
     """One line for `dplaunch plan`: rank, targets, trainable parameters, and how the base is held."""
     base = f"{lora.spec.quantize} (QLoRA)" if lora.spec.quantize else "frozen"
@@ -374,6 +373,5 @@ __all__ = [
     "Module",
     "count_lora",
     "lora_line",
-    "lora_state_bytes",
     "model_modules",
 ]

@@ -298,7 +298,7 @@ class FsdpEngine:
 
     def trained_state(self) -> dict[str, torch.Tensor] | None:
         """The gathered values of what trains (a LoRA model's adapters) on rank 0, None on the
-        others (train/lora.py's export_run); every rank calls it."""
+        others (train/lora_export.py's export_run); every rank calls it."""
         state = self._full_state()
         if self.rank != 0:
             return None

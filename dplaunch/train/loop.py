@@ -312,7 +312,7 @@ def train(run_dir: Path) -> int:
 
     export_dir = run_dir / EXPORT_DIR
     if config.model.lora is not None:
-        from dplaunch.train.lora import export_run
+        from dplaunch.train.lora_export import export_run
 
         export_run(engine, config, tokenizer, run_dir)
         say(f"[dplaunch] exported the adapter to {run_dir / ADAPTER_DIR}, merged into {export_dir}")
