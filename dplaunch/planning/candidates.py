@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from dplaunch.errors import UserError
 from dplaunch.planning.estimate import (
@@ -328,26 +329,17 @@ def candidate_plans(
                 lora=lora_count,
                 **{**shape, "dp": dp * sp},
             )
-            candidate = Candidate(
+            candidate = _row(
+                memory,
+                traffic.network_bytes,
+                traffic.offload_bytes,
+                gpu_memory_gb,
+                usable,
                 zero_stage=stage,
                 offload=offload,
                 tp=tp,
                 pp=pp,
                 dp=dp,
-                params_per_gpu=memory.params_per_gpu,
-                weights_gb=memory.weights_gb,
-                gradients_gb=memory.gradients_gb,
-                optimizer_gb=memory.optimizer_gb,
-                model_states_gb=memory.model_states_gb,
-                activations_gb=memory.activations_gb,
-                total_gb=memory.total_gb,
-                cpu_gb=memory.cpu_gb,
-                comm_gb_per_step=traffic.network_bytes / GIB,
-                offload_gb_per_step=traffic.offload_bytes / GIB,
-                gpu_memory_gb=gpu_memory_gb,
-                usable_gb=usable,
-                fits=memory.total_gb <= usable,
-                memory=memory,
                 sp=sp,
             )
             candidates.append(candidate)
@@ -421,30 +413,50 @@ def _fsdp_rows(
                 trained = count.total if lora is None else lora.trainable
                 network += 2 * (trained / shard) * b * (replicas - 1) / replicas
             rows.append(
-                Candidate(
+                _row(
+                    memory,
+                    network,
+                    traffic.offload_bytes,
+                    gpu_memory_gb,
+                    usable,
                     zero_stage=0,
                     offload=offload,
                     tp=1,
                     pp=1,
                     dp=gpus,
-                    params_per_gpu=memory.params_per_gpu,
-                    weights_gb=memory.weights_gb,
-                    gradients_gb=memory.gradients_gb,
-                    optimizer_gb=memory.optimizer_gb,
-                    model_states_gb=memory.model_states_gb,
-                    activations_gb=memory.activations_gb,
-                    total_gb=memory.total_gb,
-                    cpu_gb=memory.cpu_gb,
-                    comm_gb_per_step=network / GIB,
-                    offload_gb_per_step=traffic.offload_bytes / GIB,
-                    gpu_memory_gb=gpu_memory_gb,
-                    usable_gb=usable,
-                    fits=memory.total_gb <= usable,
-                    memory=memory,
                     fsdp=kind,
                 )
             )
     return rows
+
+
+def _row(
+    memory: MemoryEstimate,
+    network_bytes: float,
+    offload_bytes: float,
+    gpu_memory_gb: float,
+    usable: float,
+    **layout: Any,
+) -> Candidate:
+    """One row of the table: a layout (``layout``: zero_stage, offload, tp, pp, dp, …), its
+    memory estimate and its traffic per step."""
+    return Candidate(
+        **layout,
+        params_per_gpu=memory.params_per_gpu,
+        weights_gb=memory.weights_gb,
+        gradients_gb=memory.gradients_gb,
+        optimizer_gb=memory.optimizer_gb,
+        model_states_gb=memory.model_states_gb,
+        activations_gb=memory.activations_gb,
+        total_gb=memory.total_gb,
+        cpu_gb=memory.cpu_gb,
+        comm_gb_per_step=network_bytes / GIB,
+        offload_gb_per_step=offload_bytes / GIB,
+        gpu_memory_gb=gpu_memory_gb,
+        usable_gb=usable,
+        fits=memory.total_gb <= usable,
+        memory=memory,
+    )
 
 
 def _fp32_frozen_shards(
