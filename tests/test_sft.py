@@ -300,6 +300,13 @@ def test_sft_on_two_ranks_matches_one_rank_on_the_same_global_batch(tmp_path):
     assert shapes == [(4, 3), (3, 2)]
     one, two = (train_losses(run) for run in runs.values())
     assert len(one) == 3 and max_relative_gap(two, one) < 1e-5, (one, two)
+    # FSDP2 on the same packed examples, with activation checkpointing: the same losses
+    fsdp = tmp_path / "fsdp2"
+    checkpointing = ("--set", "model.gradient_checkpointing=true")
+    train(fsdp, "--cpu", "--gpus", "2", "--micro-batch", "3", "--fsdp", "full", *checkpointing,
+          *flags, config=config)  # fmt: skip
+    assert read_metrics(fsdp)[0]["fsdp"] == "full"
+    assert max_relative_gap(train_losses(fsdp), one) < 1e-5, (train_losses(fsdp), one)
     weights_1, weights_2 = (
         load_file(str(run / "model" / "model.safetensors")) for run in runs.values()
     )
