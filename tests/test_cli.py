@@ -161,6 +161,19 @@ def test_the_embedded_default_fine_tunes_the_pretrained_model_on_two_ranks(tmp_p
     # the run file's data.label_names name the exported model's classes
     assert model.config.id2label == {0: "negative", 1: "positive"}
     assert DEFAULT_CONFIG.resolve().name == "default.yaml"
+    # the same classifier under FSDP2 (each BertLayer sharded): the same losses and evaluations
+    fsdp = tmp_path / "fsdp"
+    sharded = run_dplaunch(
+        "train", "--gpus", "2", "-o", fsdp, "--max-steps", "4", "--fsdp", "full",
+        "--set", "train.eval_every=2", "--set", "train.log_every=2",
+    )  # fmt: skip
+    assert sharded.returncode == 0, sharded.stdout[-2000:] + sharded.stderr[-3000:]
+    assert read_metrics(fsdp)[0]["fsdp"] == "full"
+    for kind, key in (("train", "loss"), ("eval", "eval_loss"), ("eval", "eval_accuracy")):
+        ddp_values = [r[key] for r in records if r["type"] == kind]
+        fsdp_values = [r[key] for r in read_metrics(fsdp) if r["type"] == kind]
+        assert fsdp_values == pytest.approx(ddp_values, rel=1e-5), (kind, key)
+    assert AutoModelForSequenceClassification.from_pretrained(fsdp / "model").config.num_labels == 2
 
 
 @pytest.mark.parametrize("name", ["default", "ddp", "zero2", "zero3-offload", "tp", "pp", "sft"])
