@@ -92,6 +92,32 @@ def loopback_node_argv(
     ]  # fmt: skip
 
 
+def run_loopback_nodes(
+    config: Path, run_dir: Path, *flags: Any, gpus: int = 2, port: int | None = None
+) -> list[str]:
+    """Both loopback "nodes" of loopback_node_argv on PORT (unset: a free one), run to the end;
+    their outputs (each must exit 0)."""
+    import subprocess
+
+    from dplaunch.launching.ports import free_port
+
+    port = port or free_port()
+    nodes = [
+        subprocess.Popen(
+            loopback_node_argv(config, rank, port, run_dir, *flags, gpus=gpus),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=child_environment(),
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    for rank, node in enumerate(nodes):
+        assert node.returncode == 0, f"node {rank}:\n{outputs[rank][-4000:]}"
+    return outputs
+
+
 def one_rank_script(script: str, *args: str) -> Any:
     """Run SCRIPT (python -c, e.g. a one-rank DeepSpeed process) with ARGS in the ranks'
     environment; the JSON of its last output line."""

@@ -31,11 +31,11 @@ from tests.helpers import (
     REPO,
     TINY_LLAMA,
     child_environment,
-    loopback_node_argv,
     max_relative_gap,
     read_metrics,
     refusal_line,
     run_dplaunch,
+    run_loopback_nodes,
     train,
     train_losses,
 )
@@ -151,35 +151,14 @@ def test_hybrid_sharding_on_2_nodes_of_2_ranks_with_cpu_offload_trains_like_ddp(
     tmp_path, dp_reference
 ):
     run_dir = tmp_path / "hsdp"
-    port = free_port()
     flags = ("--fsdp", "hybrid", "--offload", "all", *COMPARISON_FLAGS)
-    nodes = [
-        subprocess.Popen(
-            loopback_node_argv(TINY_LLAMA, rank, port, run_dir, *flags, gpus=4),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=child_environment(),
-        )
-        for rank in (0, 1)
-    ]
-    outputs = [node.communicate(timeout=600)[0] for node in nodes]
-    for rank, node in enumerate(nodes):
-        assert node.returncode == 0, f"node {rank}:\n{outputs[rank][-4000:]}"
+    outputs = run_loopback_nodes(TINY_LLAMA, run_dir, *flags, gpus=4)
     assert "shard groups: [[0, 1], [2, 3]]" in outputs[0]
     assert "replicate groups: [[0, 2], [1, 3]]" in outputs[0]
     assert "sharded over 2 rank(s), replicated 2×" in outputs[0]
     assert "offloaded to CPU" in outputs[0]
     losses = train_losses(run_dir)
     assert max_relative_gap(losses, train_losses(dp_reference)) < 1e-5
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize(

@@ -22,10 +22,10 @@ from tests.conftest import COMPARISON_FLAGS
 from tests.helpers import (
     TINY_LLAMA,
     child_environment,
-    loopback_node_argv,
     max_relative_gap,
     read_metrics,
     run_dplaunch,
+    run_loopback_nodes,
     train,
     train_losses,
 )
@@ -41,19 +41,7 @@ def free_port() -> int:
 def test_two_nodes_on_loopback_train_like_two_ranks_on_one_node(tmp_path, dp_reference):
     run_dir = tmp_path / "shared-run"  # both nodes write here, like a cluster's shared disk
     port = free_port()
-    nodes = [
-        subprocess.Popen(
-            loopback_node_argv(TINY_LLAMA, rank, port, run_dir, *COMPARISON_FLAGS),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=child_environment(),
-        )
-        for rank in (0, 1)
-    ]
-    outputs = [node.communicate(timeout=600)[0] for node in nodes]
-    for rank, node in enumerate(nodes):
-        assert node.returncode == 0, f"node {rank}:\n{outputs[rank][-4000:]}"
+    outputs = run_loopback_nodes(TINY_LLAMA, run_dir, *COMPARISON_FLAGS, port=port)
     assert "world size 2 (2 node(s) × 1 CPU rank(s), backend gloo)" in outputs[1]
     # each node ran its own accelerate config: same rendezvous, its own machine_rank
     for rank, name in ((0, "accelerate.yaml"), (1, "accelerate-node1.yaml")):
