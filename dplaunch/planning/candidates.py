@@ -163,10 +163,12 @@ def workload_memory(
     count: ParameterCount | None = None,
     sp: int = 1,
     lora: LoraCount | None = None,
+    batch_dp: int | None = None,
 ) -> MemoryEstimate:
     """The memory estimate the plan table makes for one layout of this workload (the benchmark
-    compares it with the peaks a run measured: one estimate for both)."""
-    steps = workload.accumulation_steps(dp)
+    compares it with the peaks a run measured: one estimate for both). ``batch_dp``: the ranks
+    the global batch is split over when they are not the ``dp`` states are sharded over (HSDP)."""
+    steps = workload.accumulation_steps(batch_dp or dp)
     if lora is None and workload.lora is not None:
         lora = count_lora(facts, workload.lora, workload.task, workload.num_labels)
     return estimate_memory(
@@ -372,21 +374,15 @@ def _fsdp_rows(
             continue
         steps = workload.accumulation_steps(gpus)
         for offload in ("none", "all"):
-            memory = estimate_memory(
+            memory = workload_memory(
                 facts,
+                workload,
                 dp=shard,
                 zero_stage=3,
                 offload=offload,
-                mixed_precision=workload.mixed_precision,
-                micro_batch=workload.micro_batch,
-                seq_len=workload.seq_len,
-                activation_checkpointing=workload.activation_checkpointing,
-                task=workload.task,
-                num_labels=workload.num_labels,
-                gradient_accumulation_steps=steps,
-                attn_implementation=workload.attn_implementation,
                 count=count,
                 lora=lora,
+                batch_dp=gpus,
             )
             if lora is not None:
                 frozen = count.total - lora.trainable
