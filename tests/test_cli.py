@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import sys
 import pytest
 import yaml
 
+from dplaunch.launching.process import ERRORS_DIR_ENV
 from tests.helpers import (
     DEFAULT_CONFIG,
     REPO,
@@ -267,3 +269,28 @@ def test_a_rank_ends_like_a_normal_exit_with_thread_pools_threads_and_exit_handl
     )
     assert result.returncode == 4, result.stderr
     assert result.stdout.splitlines() == ["main done", "thread done", "atexit ran"]
+
+
+def test_a_stack_dump_request_arriving_as_a_rank_ends_does_not_change_its_status(tmp_path):
+    # the supervisor sends SIGUSR2 when it reads a rank's timeout; that rank may be ending by
+    # then. Sent here at the last moment (just before os._exit): the status stays the rank's own,
+    # not 128 + SIGUSR2 (CI saw 140 from a TensorFlow rank that timed out)
+    script = tmp_path / "ends.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "from dplaunch.train import rank_process\n"
+        "rank_process.arm_stack_dump()\n"
+        "real_exit = os._exit\n"
+        "def signalled_exit(status):\n"
+        "    os.kill(os.getpid(), signal.SIGUSR2)\n"
+        "    time.sleep(0.2)\n"
+        "    real_exit(status)\n"
+        "os._exit = signalled_exit\n"
+        "rank_process.exit_rank(1)\n"
+    )
+    env = {**os.environ, ERRORS_DIR_ENV: str(tmp_path / "errors"), "RANK": "0"}
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=REPO, env=env
+    )
+    assert result.returncode == 1, (result.returncode, result.stderr)
+    assert not (tmp_path / "errors").exists()  # nothing was dumped: no empty file left

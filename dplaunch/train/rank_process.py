@@ -101,8 +101,13 @@ def _drop_empty_stacks_file() -> None:
     path, stream = _stacks.get("path"), _stacks.get("stream")
     if path is None:
         return
+    # the supervisor's SIGUSR2 can still come while this rank ends (it saw the timeout this rank
+    # reports): ignore it from now on. faulthandler.unregister would put back the default action,
+    # which kills the rank with status 140 instead of its own; os._exit follows, so faulthandler
+    # never restores it
+    with contextlib.suppress(ValueError):  # not the main thread: leave faulthandler's handler
+        signal.signal(STACK_DUMP_SIGNAL, signal.SIG_IGN)
     with contextlib.suppress(OSError, ValueError):
-        faulthandler.unregister(STACK_DUMP_SIGNAL)
         stream.close()
         if os.path.getsize(path) == 0:
             os.unlink(path)
