@@ -1,12 +1,15 @@
-"""train.report_to: wandb (offline), MLflow (a file store) and Trackio (its local database) get the run's config and exactly the
-scalars of metrics.jsonl, under the run's name; no secret from the environment lands in the run
-directory. One shared 2-rank run, read back through each tracker's own files."""
+"""train.report_to: TensorBoard, wandb (offline), MLflow (a file store) and Trackio (its local
+database) get the run's config and exactly the scalars of metrics.jsonl, under the run's name; no
+secret from the environment lands in the run directory. One shared 2-rank run, read back through
+each tracker's own files."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -167,3 +170,42 @@ def read_wandb_run(path: Path) -> tuple[list[dict], dict, str]:
         elif kind == "run":
             name = record.run.display_name
     return history, config, name
+
+
+def test_tensorboard_gets_the_scalars_of_metrics_jsonl(tracked_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(tracked_run / "tensorboard"), size_guidance={"scalars": 0})
+    board.Reload()
+    expected = expected_scalars(tracked_run)
+    assert {"train/loss", "train/lr", "eval/eval_loss"} <= expected.keys()
+    for tag, values in expected.items():
+        logged = [(event.step, event.value) for event in board.Scalars(tag)]
+        assert_same_series(logged, values, tag)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("tensorflow") is None, reason="checks a process that could load it"
+)
+def test_the_tensorboard_writer_does_not_load_tensorflow(tmp_path):
+    # TensorBoard's writer loads TensorFlow for its file API whenever it is installed (about 3 s of
+    # a rank's start-up, measured); rank 0's writer uses tensorboard's own stub instead
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from dplaunch.train.metrics import MetricsWriter\n"
+        "writer = MetricsWriter(Path(sys.argv[1]), True)\n"
+        "writer.write('train', step=1, loss=2.5)\n"
+        "writer.close()\n"
+        "print('tensorflow' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["False"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(tmp_path / "tensorboard"))
+    board.Reload()
+    assert [(e.step, e.value) for e in board.Scalars("train/loss")] == [(1, 2.5)]

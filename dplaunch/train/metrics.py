@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 from typing import IO, Any
 
@@ -192,6 +193,7 @@ class MetricsWriter:
     def _open_board(self, log_dir: Path) -> None:
         board, error = None, None
         try:
+            _writer_without_tensorflow()
             from torch.utils.tensorboard import SummaryWriter
 
             board = SummaryWriter(log_dir=str(log_dir))
@@ -287,3 +289,13 @@ def memory_fields(device: Any, cuda: Any = None) -> dict[str, float]:
 
 def _gb(size: float) -> float:
     return round(size / 1e9, 3)
+
+
+def _writer_without_tensorflow() -> None:
+    """TensorBoard's writer uses TensorFlow's file API when TensorFlow is installed and its own
+    stub otherwise; importing TensorFlow for it costs a rank about 3 s of CPU. Unless the process
+    already holds TensorFlow, take tensorboard's own switch to the stub (the module its
+    no-TensorFlow build adds: tensorboard.compat.notf). The stub writes the same event files."""
+    if "tensorflow" in sys.modules:
+        return
+    sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))

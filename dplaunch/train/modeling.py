@@ -29,12 +29,8 @@ def load_model(
     """The HF model for the task; random initialisation is seeded so every rank builds the same
     weights. LABEL_NAMES (data.label_names) become the config's id2label and label2id."""
     import torch
-    from transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-        AutoModelForSequenceClassification,
-        set_seed,
-    )
+    from accelerate.utils import set_seed  # transformers' imports peft (1-2 s a rank) with it
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     auto = (
         AutoModelForCausalLM if model.task in CAUSAL_TASKS else AutoModelForSequenceClassification

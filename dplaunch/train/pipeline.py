@@ -543,7 +543,7 @@ def create_pipeline_engine(
     The optimizer is `optimizer_factory(stage_module)` (this stage's parameters only) when
     given, otherwise the one `ds_config["optimizer"]` describes.
     """
-    from transformers import set_seed
+    from accelerate.utils import set_seed
 
     if task not in PIPELINE_TASKS:
         raise ValueError(f"pipeline parallelism (pp>1) supports task causal-lm only, not {task}")
