@@ -127,7 +127,9 @@ def alternate(
 def failure_note(error: RunFailed) -> str:
     """The failed command and its last line of output (its log is gone with the work dir)."""
     lines = [line for line in str(error).splitlines() if line.strip()]
-    return f"{lines[0]} → {lines[-1].strip() if len(lines) > 1 else 'no output'}"
+    note = f"{lines[0]} → {lines[-1].strip() if len(lines) > 1 else 'no output'}"
+    # the note goes into benchmarks/results/, which is committed: paths relative to the checkout
+    return note.replace(f"{REPO}/", "").replace(str(REPO), ".")
 
 
 def paired_ratios(top: list[float], bottom: list[float]) -> list[float]:
