@@ -443,6 +443,30 @@ def test_a_hostfile_names_every_node_and_this_node_is_found_by_its_name(tmp_path
     assert unknown.value.field == "launch.node_rank"
 
 
+def test_the_plan_of_a_tensorflow_script_shows_its_workers_not_pytorchs_engine(tmp_path):
+    # the strategy in the script owns the collectives, the batch and the precision: no gloo
+    # backend, dp mesh, DDP engine, micro batch or grad-accum line that TensorFlow never sees
+    script = worker_script(tmp_path, "train.py", "import tensorflow\n")
+    run = tmp_path / "run"
+    result = run_dplaunch("launch", script, "--cpu", "--gpus", "2", "-o", run, "--dry-run")
+    assert result.returncode == 0, result.stderr
+    plan_lines = result.stdout.split("\n--- ")[0].splitlines()
+    assert plan_lines[0] == (
+        "world size 2 (1 node(s) × 2 CPU rank(s), collectives by the script's TensorFlow strategy)"
+    )
+    # the rest are notes (the ports depend on what else listens here)
+    assert all(line.startswith("note: ") for line in plan_lines[1:]), plan_lines
+    assert "note: --cpu: 2 CPU rank(s)" in plan_lines
+    assert (
+        "note: tensorflow: 2 worker(s), one per CPU rank: MultiWorkerMirroredStrategy sees 2 "
+        "replica(s); each worker's TF_CONFIG is in workers.json"
+    ) in plan_lines
+    assert "gloo" not in "\n".join(plan_lines)
+    # the dry run shows the files it would write: plan.json says which framework
+    plan_json = result.stdout.split(f"--- {run / 'plan.json'}\n")[1].split("\n--- ")[0]
+    assert json.loads(plan_json)["framework"] == "tensorflow"
+
+
 def test_zero_for_a_tensorflow_script_is_refused_and_nothing_written(tmp_path):
     script = worker_script(tmp_path, "train.py", "import tensorflow\n")
     result = run_dplaunch(

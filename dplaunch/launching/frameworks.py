@@ -139,6 +139,7 @@ def prepare_tensorflow_launch(flags: RunFlags, script: list[str]) -> PreparedRun
     spec_name = workers_spec_name(plan)
     plan = replace(
         plan,
+        framework="tensorflow",
         notes=(*plan.notes, *notes, *port_notes, *_layout_notes(plan, layout, spec_name)),
     )
     argv = [sys.executable, "-m", "dplaunch.launching.workers", str(run_abs / spec_name)]

@@ -46,6 +46,9 @@ class Plan:
     stage_layers: tuple[str, ...] = field(default=())
     # parallel.fsdp: None (DDP/ZeRO), "full" or "hybrid" (FSDP2, dplaunch/train/fsdp.py)
     fsdp: str | None = None
+    # "tensorflow": `dplaunch launch` of a TensorFlow script, whose strategy owns the collectives,
+    # the batch and the precision (launching/frameworks.py)
+    framework: Literal["pytorch", "tensorflow"] = "pytorch"
 
     @property
     def data_parallel_size(self) -> int:
@@ -119,9 +122,15 @@ class Plan:
     def summary_lines(self) -> list[str]:
         """The resolved plan, one fact per line."""
         device = "GPU" if self.target == "gpu" else "CPU rank"
-        lines = [
+        world = (
             f"world size {self.world_size} ({self.num_nodes} node(s) × {self.processes_per_node} "
-            f"{device}(s), backend {self.backend})",
+        )
+        if self.framework == "tensorflow":
+            # the mesh, engine, batch and precision lines are PyTorch's: the script decides them
+            lines = [world + f"{device}(s), collectives by the script's TensorFlow strategy)"]
+            return lines + [f"note: {note}" for note in self.notes]
+        lines = [
+            world + f"{device}(s), backend {self.backend})",
             *self.mesh.describe(list(self.stage_layers)),
             *(self.fsdp_lines() if self.fsdp else []),
             f"engine: {self.engine}"
@@ -305,13 +314,13 @@ def make_plan(
 def _devices(launch: LaunchConfig, machine: Machine, notes: list[str]) -> tuple[Target, int]:
     if launch.cpu:
         total = launch.gpus or 1
-        notes.append(f"--cpu: {total} CPU rank(s) on gloo")
+        notes.append(f"--cpu: {total} CPU rank(s)")
         return "cpu", total
     if machine.render_only:
         return "gpu", launch.gpus or max(machine.visible_gpus, 1)
     if machine.visible_gpus == 0:
         total = launch.gpus or 1
-        notes.append(f"no GPU visible: running {total} CPU rank(s) on gloo instead")
+        notes.append(f"no GPU visible: running {total} CPU rank(s) instead")
         return "cpu", total
     return "gpu", launch.gpus or machine.visible_gpus
 
