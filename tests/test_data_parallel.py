@@ -83,12 +83,23 @@ def test_bf16_zero2_matches_bf16_ddp(tmp_path):
     assert gap < 1e-3, (train_losses(zero2), train_losses(ddp))
 
 
-@pytest.mark.parametrize("layout", [(), ("--zero", "2")], ids=["ddp", "zero2"])
-def test_train_compile_really_compiles_and_keeps_the_losses(tmp_path, dp_reference, layout):
+@pytest.mark.parametrize(
+    ("layout", "compiled"),
+    [
+        ((), "model compiled with torch.compile (inductor)"),
+        (("--zero", "2"), "model compiled with torch.compile (inductor)"),
+        # FSDP2 compiles each decoder block's forward, its hooks stay outside the graphs
+        (("--fsdp", "full"), "decoder blocks compiled with torch.compile (inductor)"),
+    ],
+    ids=["ddp", "zero2", "fsdp"],
+)
+def test_train_compile_really_compiles_and_keeps_the_losses(
+    tmp_path, dp_reference, layout, compiled
+):
     run = tmp_path / "compiled"
     flags = ("--cpu", "--gpus", "2", *layout, *COMPARISON_FLAGS)
     result = train(run, *flags, "--set", "train.compile=true")
-    assert "model compiled with torch.compile (inductor)" in result.stdout
+    assert compiled in result.stdout, result.stdout[-3000:]
     gap = max_relative_gap(train_losses(run), train_losses(dp_reference))
     assert gap < 1e-4, gap
     # the exported model's weights carry the model's own names, not the compiled wrapper's
