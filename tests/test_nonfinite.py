@@ -20,6 +20,11 @@ from tests.helpers import child_environment, read_metrics, run_dplaunch
 
 DDP = ("--cpu", "--gpus", "2", "--max-steps", "5")
 ZERO2 = ("--cpu", "--gpus", "2", "--zero", "2", "--max-steps", "5")
+LAYOUTS = {
+    "ddp": DDP,
+    "zero2": ZERO2,
+    "fsdp": ("--cpu", "--gpus", "2", "--fsdp", "full", "--max-steps", "5"),
+}
 
 
 def train_with(run_dir: Path, *flags: str, fault: str) -> tuple[int, str]:
@@ -45,9 +50,9 @@ def test_a_nan_loss_stops_the_run_at_that_step_and_keeps_the_last_good_checkpoin
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", ["ddp", "zero2"])
+@pytest.mark.parametrize("layout", ["ddp", "zero2", "fsdp"])
 def test_a_skipped_nan_step_gives_the_weights_of_a_run_without_that_batch(tmp_path, layout):
-    flags = (*(DDP if layout == "ddp" else ZERO2), "--set", "train.on_nonfinite=skip")
+    flags = (*LAYOUTS[layout], "--set", "train.on_nonfinite=skip")
     code, log = train_with(tmp_path / "skip", *flags, fault="3:1")
     assert code == 0, log[-3000:]
     assert "step 3: non-finite loss on rank 1: update skipped on every rank" in log, log
