@@ -77,7 +77,7 @@ def main() -> None:
     ids = torch.randint(0, SHAPE["vocab_size"], (MICRO_BATCH, SEQ_LEN))
     whole = per_layer(models, {"input_ids": ids})
     group = sequence_parallel_groups([list(range(world))], rank)
-    install_ulysses(models[3], group, MICRO_BATCH)  # one table for every model of the process
+    install_ulysses(models[3], group)  # one table for every model of the process
     local, _ = SequenceShards(world, rank, pad_id=0).slice({"input_ids": ids, "labels": ids})
     local.pop("shift_labels")
     sliced = per_layer(models, local)

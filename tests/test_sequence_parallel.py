@@ -43,13 +43,33 @@ def runs(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def long_config(runs) -> Path:
-    """The tiny Llama as a causal LM on packed blocks of 256 tokens, 3 steps of 4 samples."""
+    """The tiny Llama as a causal LM on packed blocks of 256 tokens, 3 steps of 4 samples,
+    evaluated before the first step and after the last."""
     return write_config(
         runs / "long.yaml",
         model={"config": _tiny_model()},
         data={"max_length": SEQUENCE},
-        train={"max_steps": 3, "global_batch_size": 4, "micro_batch_size": 2},
+        train={"max_steps": 3, "global_batch_size": 4, "micro_batch_size": 2, "eval_every": 3},
     )
+
+
+def evaluations(run: Path) -> list[tuple[int, float, float]]:
+    return [
+        (r["step"], r["eval_loss"], r["eval_token_accuracy"])
+        for r in read_metrics(run)
+        if r["type"] == "eval"
+    ]
+
+
+def assert_same_evaluations(run: Path, reference: Path, steps: list[int]) -> None:
+    """The evaluations of RUN at STEPS are REFERENCE's: loss to fp32 rounding, accuracy to one
+    token in ten thousand (an argmax tie may break the other way)."""
+    ours = evaluations(run)
+    theirs = [e for e in evaluations(reference) if e[0] in steps]
+    assert [e[0] for e in ours] == [e[0] for e in theirs] == steps, (ours, theirs)
+    for (_, loss, accuracy), (_, loss_ref, accuracy_ref) in zip(ours, theirs, strict=True):
+        assert loss == pytest.approx(loss_ref, rel=TOLERANCE), (ours, theirs)
+        assert accuracy == pytest.approx(accuracy_ref, abs=1e-4), (ours, theirs)
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +105,9 @@ def test_sp2_gives_ddp_losses_and_verify_says_so(ddp_run, sp_verify):
         reference,
     )
     assert "DDP (dp 1 × sp 2) vs DDP (2 ranks" in output
+    # each rank evaluated its slice of every sequence (Ulysses in evaluation too): DDP's numbers
+    assert "slice 0 of each sequence, in training and evaluation" in output
+    assert_same_evaluations(run, ddp_run, [0, 3])
     assert "verify: PASS" in output
     exported = load_file(str(run / "model" / "model.safetensors"))
     reference_weights = load_file(str(ddp_run / "model" / "model.safetensors"))
@@ -107,6 +130,7 @@ def test_a_dp2_checkpoint_resumes_on_sp2(runs, long_config, ddp_run):
     assert "Ulysses over 2 ranks" in result.stdout
     assert [r["step"] for r in read_metrics(run) if r["type"] == "train"] == [3]
     assert train_losses(run)[0] == pytest.approx(train_losses(ddp_run)[2], rel=TOLERANCE)
+    assert_same_evaluations(run, ddp_run, [3])
     exported = load_file(str(run / "model" / "model.safetensors"))
     reference = load_file(str(ddp_run / "model" / "model.safetensors"))
     for name in reference:

@@ -222,6 +222,26 @@ def test_packed_examples_have_the_losses_they_have_alone(attention, flatten):
         assert together[tuple(row["input_ids"])] == pytest.approx(own, abs=1e-5, rel=0)
 
 
+def test_packed_blocks_are_evaluated_one_row_a_forward_where_flash_attention_needs_it():
+    """Flash-attention (GPU) reads packed segments from the position ids only in a batch of one
+    row: training flattens a micro-batch into one; evaluation, which sums per row, then runs a row
+    per forward. SDPA/eager (the block-diagonal mask) and unpacked rows keep the micro-batch."""
+    from datasets import Dataset
+
+    config = DataConfig(dataset="unused.jsonl", chat_template=TEMPLATE, max_length=96, packing=True)
+    records = Dataset.from_list(CONVERSATIONS)
+    rows = {}
+    for packing in (True, False):
+        data = tokenize(
+            records, byte_level_tokenizer(), config.model_copy(update={"packing": packing}), "sft"
+        )
+        for flash in (True, False):
+            batcher = Batcher(data, Sharding(0, 1, 4, 1), pad_id=0, task="sft", seed=0)
+            batcher.flatten_packed = flash
+            rows[packing, flash] = batcher.eval_rows(4)
+    assert rows == {(True, True): 1, (True, False): 4, (False, True): 4, (False, False): 4}
+
+
 def test_packing_without_isolation_would_differ():
     """The check above has teeth: the same packed row with a plain causal mask gives other losses."""
     from datasets import Dataset

@@ -516,6 +516,14 @@ class Batcher:
         values = column.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
         return values.reshape(len(dataset), width)
 
+    def eval_rows(self, micro_batch_size: int) -> int:
+        """The rows of an evaluation batch. Flash-attention keeps packed examples apart only in a
+        batch of one row (transformers reads segments from the position ids only then); training
+        flattens a micro-batch into that row, but evaluation sums per row (padded rows weigh
+        0), so packed blocks are evaluated one row per forward there."""
+        packed = "position_ids" in (self.dataset.column_names or ())
+        return 1 if self.flatten_packed and packed else micro_batch_size
+
     def eval_micro_batches(self, batch_size: int) -> list[tuple[dict[str, torch.Tensor], int]]:
         """This rank's evaluation batches as (batch, real rows). Every rank gets the same number of
         batches (short shards repeat a sample with weight 0), since ZeRO-3 forwards are collective."""

@@ -79,6 +79,15 @@ class RankPlace:
             self.tensor_parallel_rank == 0 and self.stage == 0 and self.sequence_parallel_rank == 0
         )
 
+    def counts_eval(self, *, sliced: bool) -> bool:
+        """Whether this rank's evaluation sums count: as counts_tokens, but every rank of an sp
+        group counts when each evaluated its own slice of the sequences (``sliced``)."""
+        return (
+            self.tensor_parallel_rank == 0
+            and self.stage == 0
+            and (sliced or self.sequence_parallel_rank == 0)
+        )
+
 
 def read_run(run_dir: Path) -> tuple[RunConfig, Plan]:
     """The resolved run file and the plan the launcher wrote."""
@@ -214,20 +223,15 @@ def train(run_dir: Path) -> int:
         say(f"[dplaunch] {trained_line(model)}")
     # flash-attention keeps packed examples apart only in one flattened row (data.py)
     batcher.flatten_packed = "flash" in str(getattr(model.config, "_attn_implementation", ""))
+    if eval_batcher is not None:
+        eval_batcher.flatten_packed = batcher.flatten_packed
     # counted before the engine shards anything (ZeRO-3 partitions keep the full size in ds_numel)
     parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     guard = NonFiniteGuard(
         config.train.on_nonfinite, config.train.max_skipped_steps, accelerator, plan.mixed_precision
     )
     guard.install_fault(model)
-    long_sequences = prepare_long_sequences(
-        model,
-        plan,
-        config,
-        place.rank,
-        tokenizer.pad_token_id,
-        rows=1 if batcher.flatten_packed else plan.micro_batch_size,
-    )
+    long_sequences = prepare_long_sequences(model, plan, config, place.rank, tokenizer.pad_token_id)
     engine = build_engine(
         plan, config, accelerator, model, total_steps, run_dir, long_sequences=long_sequences
     )
@@ -630,7 +634,7 @@ def _evaluate(run: RankRun, step: int) -> None:
     engine, batcher, accelerator, place = run.engine, run.eval_batcher, run.accelerator, run.place
     plan, metrics, say = run.plan, run.metrics, run.say
     sums = torch.zeros(3, device=accelerator.device)
-    for batch, real in batcher.eval_micro_batches(plan.micro_batch_size):
+    for batch, real in batcher.eval_micro_batches(batcher.eval_rows(plan.micro_batch_size)):
         losses, counts, correct = engine.eval_batch(batch)
         # padded rows (weight 0) keep every rank's forward count equal without counting twice
         weight = torch.zeros_like(losses)
@@ -638,8 +642,9 @@ def _evaluate(run: RankRun, step: int) -> None:
         sums += torch.stack(
             [(losses * weight).sum(), (counts * weight).sum(), (correct * weight).sum()]
         )
-    if not place.counts_tokens:
-        sums.zero_()  # TP/PP copies of a shard: counted once
+    # TP/PP copies of a shard count once; so do SP copies, unless each evaluated its own slice
+    if not place.counts_eval(sliced=getattr(engine, "evaluates_slices", False)):
+        sums.zero_()
     totals = accelerator.reduce(sums, reduction="sum")
     eval_loss = float(totals[0] / totals[1])
     record: dict[str, Any] = {"step": step, "eval_loss": eval_loss}

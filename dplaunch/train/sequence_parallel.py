@@ -11,6 +11,8 @@ token after a slice's end is still predicted) and divides by the labelled tokens
 micro-batch, times ``sp``. DDP and ZeRO average gradients over every rank, sp ranks included, so
 the sp copies of each partial gradient add up to the group's gradient of the micro-batch mean, and
 the logged loss (summed over ranks ÷ world) is the mean over the step's tokens: DP's numbers.
+Evaluation runs on the slices too (each rank's logits are a slice's): the ranks of a group sum
+their slices' losses, tokens and correct predictions into the evaluation's totals.
 
 Tiling (ALST): with ``train.tiled_mlp`` each MLP and the logits + loss run over tiles of the
 sequence, each tile under non-reentrant activation checkpointing, so only one tile's intermediate
@@ -122,41 +124,62 @@ def packed_aware(core: Any) -> Any:
     return attend
 
 
-def install_ulysses(model: Any, group: Any, micro_batch_size: int) -> None:
+class UlyssesAttention:
+    """The attention kernel that replaces the model's in transformers' table: DeepSpeed's Ulysses
+    all-to-all over the sp group in training and in the engine's sliced evaluation; the model's
+    own kernel elsewhere (rank 0 alone answering train.sample_prompts, whole sequences)."""
+
+    def __init__(self, core: Any, kernel_name: str, config: Any, group: Any):
+        self.core = core
+        # flash kernels go varlen from the gathered position ids themselves
+        self.inner = packed_aware(core) if kernel_name == "sdpa" else core
+        self.config = config
+        self.group = group
+        self.sliced = False  # set by LongSequenceEngine.eval_batch around its forward
+        # UlyssesSPAttentionHF reshapes by a fixed row count: one per count met (training's
+        # micro-batch, evaluation's and its shorter last batch)
+        self._by_rows: dict[int, Any] = {}
+
+    def __call__(self, module, query, key, value, attention_mask, *args, **kwargs):
+        if not (module.training or self.sliced):
+            return self.core(module, query, key, value, attention_mask, *args, **kwargs)
+        # the model's mask covers a slice only: the gathered position ids mask the whole sequence
+        return self._ulysses(query.shape[0])(module, query, key, value, None, *args, **kwargs)
+
+    def _ulysses(self, rows: int) -> Any:
+        if rows not in self._by_rows:
+            from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+            config = self.config
+            self._by_rows[rows] = UlyssesSPAttentionHF(
+                attn=self.inner,
+                batch_size=rows,
+                attn_head_count=config.num_attention_heads,
+                attn_head_size=getattr(
+                    config, "head_dim", config.hidden_size // config.num_attention_heads
+                ),
+                kv_head_count=config.num_key_value_heads,
+                num_hidden_layers=config.num_hidden_layers,
+                process_group=self.group,
+                seq_length_is_variable=True,
+            )
+        return self._by_rows[rows]
+
+
+def install_ulysses(model: Any, group: Any) -> UlyssesAttention:
     """Route the model's attention through DeepSpeed's Ulysses all-to-all over ``group``.
 
     As DeepSpeed's register_with_transformers, without its global mpu (which needs ZeRO's
-    engine): the kernel the model uses is replaced in transformers' table by the wrapper. In
-    evaluation (model.eval()) every rank of a group holds the whole sequences and the wrapper
-    passes the call through."""
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    engine): the kernel the model uses is replaced in transformers' table by the wrapper."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     _deepspeed_comm()
-    config = model.config.get_text_config()
     kernel_name = model.config._attn_implementation
-    core = ALL_ATTENTION_FUNCTIONS[kernel_name]
-    ulysses = UlyssesSPAttentionHF(
-        # flash kernels go varlen from the gathered position ids themselves
-        attn=packed_aware(core) if kernel_name == "sdpa" else core,
-        batch_size=micro_batch_size,
-        attn_head_count=config.num_attention_heads,
-        attn_head_size=getattr(
-            config, "head_dim", config.hidden_size // config.num_attention_heads
-        ),
-        kv_head_count=config.num_key_value_heads,
-        num_hidden_layers=config.num_hidden_layers,
-        process_group=group,
-        seq_length_is_variable=True,
+    attention = UlyssesAttention(
+        ALL_ATTENTION_FUNCTIONS[kernel_name], kernel_name, model.config.get_text_config(), group
     )
-
-    def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        if not module.training:
-            return core(module, query, key, value, attention_mask, *args, **kwargs)
-        # the model's mask covers a slice only: the gathered position ids mask the whole sequence
-        return ulysses(module, query, key, value, None, *args, **kwargs)
-
     ALL_ATTENTION_FUNCTIONS[kernel_name] = attention
+    return attention
 
 
 def tiles_for(tokens: int, hidden_size: int) -> int:
@@ -216,9 +239,19 @@ class LongSequenceEngine(AccelerateEngine):
     """DDP and ZeRO 0-3 with each micro-batch's sequence split over an sp group (Ulysses) and/or
     the logits + loss computed in tiles: same step, same optimizer, another loss."""
 
-    def __init__(self, *args: Any, shards: SequenceShards, tiled_loss: bool, tiles: int):
+    def __init__(
+        self,
+        *args: Any,
+        shards: SequenceShards,
+        tiled_loss: bool,
+        tiles: int,
+        attention: UlyssesAttention | None,
+    ):
         super().__init__(*args)
         self.shards = shards
+        self.attention = attention
+        # each rank of an sp group evaluates its slice of the group's sequences: its sums count
+        self.evaluates_slices = attention is not None
         unwrapped = self.accelerator.unwrap_model(self.model)
         self.lm_head = unwrapped.lm_head
         self.final = FinalHidden(unwrapped) if tiled_loss else None
@@ -229,7 +262,7 @@ class LongSequenceEngine(AccelerateEngine):
         if self.shards.size > 1:
             lines.append(
                 f"sequence parallel: Ulysses over {self.shards.size} ranks, this rank holds "
-                f"slice {self.shards.rank} of each sequence"
+                f"slice {self.shards.rank} of each sequence, in training and evaluation"
             )
         if self.final is not None:
             lines.append(f"tiled MLP and loss: {self.tiles} tiles per sequence slice")
@@ -255,6 +288,32 @@ class LongSequenceEngine(AccelerateEngine):
         # the sp copies of every gradient add up over the group (see the module's docstring)
         return loss_sum * (self.shards.size / max(tokens, 1))
 
+    @torch.no_grad()
+    def eval_batch(
+        self, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's slice of each row: its summed loss, labelled tokens and correct
+        predictions (the loop adds the slices of the group up with the other ranks' sums)."""
+        if self.attention is None:
+            return super().eval_batch(batch)
+        self.model.eval()
+        local, _ = self.shards.slice({k: v.to(self.accelerator.device) for k, v in batch.items()})
+        labels = local.pop("shift_labels")
+        self.attention.sliced = True
+        try:
+            logits = self.model(**local, **self.forward_options).logits
+        finally:
+            self.attention.sliced = False
+        losses = torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, logits.size(-1)),
+            labels.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="none",
+        ).view(labels.shape)
+        mask = (labels != IGNORE_INDEX).float()
+        correct = (logits.argmax(-1) == labels).float() * mask
+        return losses.sum(-1), mask.sum(-1), correct.sum(-1)
+
 
 def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(
@@ -266,19 +325,24 @@ def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 
 def prepare_long_sequences(
-    model: Any, plan: Any, config: Any, rank: int, pad_id: int, rows: int
+    model: Any, plan: Any, config: Any, rank: int, pad_id: int
 ) -> dict[str, Any]:
     """Before Accelerate wraps the model: Ulysses attention and tiled MLPs as the run asks; the
-    keyword arguments of LongSequenceEngine (empty when neither is asked). ``rows``: the rows of
-    a training micro-batch."""
+    keyword arguments of LongSequenceEngine (empty when neither is asked)."""
     sp = plan.sequence_parallel_size
     if sp <= 1 and not config.train.tiled_mlp:
         return {}
+    attention = None
     if sp > 1:
         group = sequence_parallel_groups(plan.mesh.sequence_parallel_groups(), rank)
-        install_ulysses(model, group, rows)
+        attention = install_ulysses(model, group)
     shards = SequenceShards(sp, plan.mesh.sequence_parallel_rank(rank), pad_id)
     tiles = tiles_for(config.data.max_length // sp, model.config.get_text_config().hidden_size)
     if config.train.tiled_mlp:
         tile_mlps(model, tiles)
-    return {"shards": shards, "tiled_loss": config.train.tiled_mlp, "tiles": tiles}
+    return {
+        "shards": shards,
+        "tiled_loss": config.train.tiled_mlp,
+        "tiles": tiles,
+        "attention": attention,
+    }
