@@ -18,9 +18,9 @@ from dplaunch.rendering.sbatch import SbatchSpec, render_sbatch
 from tests.helpers import TINY_LLAMA, read_metrics, run_dplaunch, train_losses
 
 try:  # a conftest may re-export it too; one definition per session is enough either way
-    from tests.slurm_cluster import slurm_cluster  # noqa: F401
+    from tests.slurm_cluster import TERMINAL_STATES, slurm_cluster  # noqa: F401
 except ImportError:  # tests/ is on sys.path but the repo root is not
-    from slurm_cluster import slurm_cluster  # noqa: F401
+    from slurm_cluster import TERMINAL_STATES, slurm_cluster  # noqa: F401
 
 pytestmark = pytest.mark.slurm
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -338,13 +338,23 @@ def test_a_time_limit_signal_during_start_up_ends_the_job_instead_of_requeueing_
 ):
     # a time limit shorter than start-up + --signal-seconds: the signal comes before step 1 of
     # every run, so a requeue would never make progress. The signal is sent again and again from
-    # the job's start: a rank ignores it (as its launcher does) until it installs its handler,
-    # the first thing it does, and its first step comes seconds of start-up later
+    # the start of the job's step: a rank ignores it (as its launcher does) until it installs its
+    # handler, the first thing it does, and its first step comes seconds of start-up later. Not
+    # before the step has run a moment: the node launcher's shell ignores SIGUSR1 from its first
+    # statement, and a signal in the milliseconds before that kills it (seen once in CI), which
+    # nothing started by a shell can avoid; SLURM's real warning comes minutes into the job
     run_dir = tmp_path / "run"
     job_id = submit_with_dplaunch(slurm_cluster, tmp_path, run_dir, "--max-steps", "3")
-    while slurm_cluster.job_state(job_id) in ("PENDING", "CONFIGURING", None):
-        time.sleep(0.2)
     deadline = time.monotonic() + 600
+    step = f"{job_id}.0"
+    while not re.search(
+        rf"\bStepId={re.escape(step)}\b",
+        slurm_cluster.run("scontrol", "-o", "show", "step", step, check=False).stdout,
+    ):
+        assert slurm_cluster.job_state(job_id) not in TERMINAL_STATES, job_logs(run_dir)[-6000:]
+        assert time.monotonic() < deadline, job_logs(run_dir)[-6000:]
+        time.sleep(0.1)
+    time.sleep(0.5)
     while slurm_cluster.job_state(job_id) in ("RUNNING", "COMPLETING"):
         assert time.monotonic() < deadline, job_logs(run_dir)[-6000:]
         slurm_cluster.run("scancel", "--signal=USR1", job_id, check=False)
