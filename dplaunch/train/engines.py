@@ -320,14 +320,21 @@ def loss_sums(
         losses = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
         correct = (logits.argmax(-1) == labels).float()
         return losses, torch.ones_like(losses), correct
-    shifted_logits = logits[:, :-1].float()
-    shifted_labels = labels[:, 1:]
+    return token_sums(logits[:, :-1], labels[:, 1:])
+
+
+def token_sums(
+    logits: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: summed cross-entropy, labelled tokens and correct predictions of LOGITS against
+    LABELS already aligned with them (the next token at each position, -100 where none)."""
+    logits = logits.float()
     losses = torch.nn.functional.cross_entropy(
-        shifted_logits.reshape(-1, shifted_logits.size(-1)),
-        shifted_labels.reshape(-1),
+        logits.reshape(-1, logits.size(-1)),
+        labels.reshape(-1),
         reduction="none",
         ignore_index=-100,
-    ).view(shifted_labels.shape)
-    mask = (shifted_labels != -100).float()
-    correct = ((shifted_logits.argmax(-1) == shifted_labels).float() * mask).sum(-1)
+    ).view(labels.shape)
+    mask = (labels != -100).float()
+    correct = ((logits.argmax(-1) == labels).float() * mask).sum(-1)
     return losses.sum(-1), mask.sum(-1), correct

@@ -75,9 +75,7 @@ class RankPlace:
     @property
     def counts_tokens(self) -> bool:
         # one rank per data-parallel shard counts its tokens, so TP/PP/SP copies are not double-counted
-        return (
-            self.tensor_parallel_rank == 0 and self.stage == 0 and self.sequence_parallel_rank == 0
-        )
+        return self.counts_eval(sliced=False)
 
     def counts_eval(self, *, sliced: bool) -> bool:
         """Whether this rank's evaluation sums count: as counts_tokens, but every rank of an sp

@@ -33,7 +33,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from dplaunch.train.data import IGNORE_INDEX
-from dplaunch.train.engines import AccelerateEngine
+from dplaunch.train.engines import AccelerateEngine, token_sums
 
 
 class SequenceShards:
@@ -250,12 +250,15 @@ class LongSequenceEngine(AccelerateEngine):
         super().__init__(*args)
         self.shards = shards
         self.attention = attention
-        # each rank of an sp group evaluates its slice of the group's sequences: its sums count
-        self.evaluates_slices = attention is not None
         unwrapped = self.accelerator.unwrap_model(self.model)
         self.lm_head = unwrapped.lm_head
         self.final = FinalHidden(unwrapped) if tiled_loss else None
         self.tiles = tiles
+
+    @property
+    def evaluates_slices(self) -> bool:
+        """Each rank of an sp group evaluates its slice of the group's sequences: its sums count."""
+        return self.attention is not None
 
     def layout_lines(self) -> list[str]:
         lines = super().layout_lines()
@@ -304,15 +307,7 @@ class LongSequenceEngine(AccelerateEngine):
             logits = self.model(**local, **self.forward_options).logits
         finally:
             self.attention.sliced = False
-        losses = torch.nn.functional.cross_entropy(
-            logits.float().reshape(-1, logits.size(-1)),
-            labels.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="none",
-        ).view(labels.shape)
-        mask = (labels != IGNORE_INDEX).float()
-        correct = (logits.argmax(-1) == labels).float() * mask
-        return losses.sum(-1), mask.sum(-1), correct.sum(-1)
+        return token_sums(logits, labels)
 
 
 def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
