@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from dplaunch.launching.deepspeed_ops import missing_build_tools
+from dplaunch.launching.devices import probe_gpus
 from dplaunch.launching.ports import port_is_free
-from dplaunch.planning.devices import probe_gpus
 
 PACKAGES = ("torch", "accelerate", "deepspeed", "transformers", "datasets", "dplaunch")
 DEFAULT_PORT = 29500

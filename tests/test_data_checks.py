@@ -279,7 +279,7 @@ def test_packed_texts_that_cannot_fill_one_global_batch_are_refused(tmp_path):
 def test_the_eval_cut_is_the_one_datasets_makes():
     from datasets import Dataset
 
-    from dplaunch.planning.data_check import eval_fraction_split
+    from dplaunch.data.formats import eval_fraction_split
 
     for rows in (1, 2, 3, 7, 10, 29, 30, 31, 100, 200, 333):
         table = Dataset.from_dict({"text": ["x"] * rows})
@@ -297,36 +297,36 @@ def test_a_large_corpus_is_checked_on_a_budget_and_every_files_first_record(tmp_
     # a corpus of many GB is not read whole at every launch: past FULL_CHECK_BYTES each file
     # gives its first record only (its columns are still checked) and no batch check is made
     from dplaunch.config.schema import DataConfig
+    from dplaunch.data import checks
     from dplaunch.errors import UserError
-    from dplaunch.planning import data_check
 
-    monkeypatch.setattr(data_check, "FULL_CHECK_BYTES", 2000)
+    monkeypatch.setattr(checks, "FULL_CHECK_BYTES", 2000)
     big = tmp_path / "big.jsonl"
     big.write_text(jsonl(reviews(200)) + "{broken\n")  # ~10 kB; the broken line is not reached
     unlabelled = tmp_path / "unlabelled.jsonl"
     unlabelled.write_text(jsonl(reviews(3, label=False)))
 
     data = DataConfig(dataset=[str(big)], eval_fraction=None)
-    data_check.check_data(data, "sequence-classification", global_batch_size=10**6)
+    checks.check_data(data, "sequence-classification", global_batch_size=10**6)
     data = DataConfig(dataset=[str(big), str(unlabelled)], eval_fraction=None)
     with pytest.raises(UserError, match=r"column 'label' is not in .*unlabelled\.jsonl"):
-        data_check.check_data(data, "sequence-classification", global_batch_size=4)
+        checks.check_data(data, "sequence-classification", global_batch_size=4)
 
     # within the budget the same file is read to its end
-    monkeypatch.setattr(data_check, "FULL_CHECK_BYTES", 10**6)
+    monkeypatch.setattr(checks, "FULL_CHECK_BYTES", 10**6)
     with pytest.raises(UserError, match=r"line 201 of .*big\.jsonl is not valid JSON"):
-        data_check.check_data(
+        checks.check_data(
             DataConfig(dataset=[str(big)], eval_fraction=None), "sequence-classification", 4
         )
 
     # DPLAUNCH_DATA_CHECK_MB sets the budget: 0 checks each file's first record only
     monkeypatch.setenv("DPLAUNCH_DATA_CHECK_MB", "0")
-    data_check.check_data(
+    checks.check_data(
         DataConfig(dataset=[str(big)], eval_fraction=None), "sequence-classification", 4
     )
     monkeypatch.setenv("DPLAUNCH_DATA_CHECK_MB", "0.5")
     with pytest.raises(UserError, match=r"line 201 of .*big\.jsonl is not valid JSON"):
-        data_check.check_data(
+        checks.check_data(
             DataConfig(dataset=[str(big)], eval_fraction=None), "sequence-classification", 4
         )
 
@@ -476,8 +476,8 @@ def test_labels_are_refused_exactly_when_the_ranks_would_train_on_wrong_ones(tmp
     # refusal exactly when the ranks fail, or train on a label outside 0..num_labels-1 or unlike
     # the one written (a class name counts as its position in data.label_names)
     from dplaunch.config.schema import DataConfig
+    from dplaunch.data import checks
     from dplaunch.errors import UserError
-    from dplaunch.planning import data_check
     from dplaunch.train.data import load_splits, tokenize
     from dplaunch.train.tokenizer import byte_level_tokenizer
 
@@ -485,7 +485,7 @@ def test_labels_are_refused_exactly_when_the_ranks_would_train_on_wrong_ones(tmp
     for name, (path, refusal, names) in _label_files(tmp_path).items():
         data = DataConfig(dataset=str(path), eval_fraction=None, max_length=32, label_names=names)
         try:
-            data_check.check_data(data, task, global_batch_size=4, num_labels=num_labels)
+            checks.check_data(data, task, global_batch_size=4, num_labels=num_labels)
             said = None
         except UserError as error:
             said = str(error)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from dplaunch.environment_report import collect_environment, format_environment
-from dplaunch.planning import devices
+from dplaunch.launching import devices
 from tests import helpers
 
 KEYS = {

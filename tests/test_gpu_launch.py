@@ -6,9 +6,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from dplaunch.launching import deepspeed_ops, ports
+from dplaunch.launching import deepspeed_ops, devices, ports
 from dplaunch.launching.prepare import RunFlags, hang_dump_environment, prepare_training_run
-from dplaunch.planning import devices
 from tests.helpers import TINY_LLAMA, child_environment, fake_nvidia_smi, refusal_line, run_dplaunch
 
 CORES = len(os.sched_getaffinity(0))

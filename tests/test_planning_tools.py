@@ -309,7 +309,7 @@ def test_auto_only_picks_a_layout_that_can_split_the_global_batch(tmp_path):
 
 def test_auto_pipelines_an_sft_run_only_when_the_pipeline_can_take_its_examples(tmp_path):
     # one KV head: no tp; 2 GPUs of 252 GB: only pp 2 fits without offload. Packed SFT examples
-    # are refused with pp > 1 (sft_check), so auto falls back to a data-parallel plan with offload
+    # are refused with pp > 1 (data/sft_checks.py), so auto falls back to a data-parallel plan with offload
     from dplaunch.planning.auto import plan_candidates, run_workload
 
     path = llama_7b_run_file(tmp_path / "7b.yaml")
@@ -765,7 +765,7 @@ def test_a_78b_on_two_gpus_is_refused_before_launch_in_one_line(tmp_path):
 
 
 def test_host_memory_is_the_slurm_jobs_share_when_it_was_given_one():
-    from dplaunch.planning.devices import host_memory_gb
+    from dplaunch.launching.devices import host_memory_gb
 
     machine = host_memory_gb({})
     assert machine is not None and machine > 0

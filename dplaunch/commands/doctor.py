@@ -28,6 +28,7 @@ from typing import Any
 import typer
 
 from dplaunch.errors import UserError
+from dplaunch.launching.devices import HEALTH_FIELDS, probe_gpus, visible_gpus
 from dplaunch.launching.prepare import (
     MASTER_ADDR_RESOLVE_SECONDS,
     PreparedRun,
@@ -36,7 +37,6 @@ from dplaunch.launching.prepare import (
 )
 from dplaunch.launching.process import run_supervised
 from dplaunch.launching.rundir import write_run_files
-from dplaunch.planning.devices import HEALTH_FIELDS, probe_gpus, visible_gpus
 
 # the whole check, start to verdict; the nodes' meeting gets HANDSHAKE_S of it
 DEADLINE_S = 60

@@ -58,8 +58,7 @@ def run_export(checkpoint: Path, out: Path, adapter: bool = False) -> int:
     if name is not None:
         # a checkpoint without its own model files (written before they were saved with it)
         # needs the run's model: a local one must still be there
-        from dplaunch.planning.hub import looks_like_path
-        from dplaunch.planning.model_facts import find_model_file
+        from dplaunch.hub import find_model_file, looks_like_path
 
         if looks_like_path(name):
             find_model_file(name, ("config.json",), "model.name_or_path")

@@ -14,10 +14,10 @@ import typer
 
 from dplaunch.config.schema import LaunchConfig
 from dplaunch.errors import UserError
+from dplaunch.hub import hub_offline, looks_like_path
 from dplaunch.planning.auto import Workload, plan_candidates, run_workload
 from dplaunch.planning.candidates import Candidate, format_table, to_json_rows
 from dplaunch.planning.estimate import MemoryEstimate, count_parameters
-from dplaunch.planning.hub import hub_offline, looks_like_path
 from dplaunch.planning.lora import LoraSpec, count_lora, lora_line
 from dplaunch.planning.model_facts import ModelFacts, attention_implementation, load_config_json
 from dplaunch.planning.plan import _nodes
@@ -172,7 +172,7 @@ def resolve_setting(options: PlanOptions) -> PlanSetting:
 
     gpus = options.gpus or (launch.gpus if launch else None)
     if gpus is None:
-        from dplaunch.planning.devices import visible_gpu_count
+        from dplaunch.launching.devices import visible_gpu_count
 
         gpus = visible_gpu_count() or None
     if gpus is None or gpus < 1:
@@ -190,7 +190,7 @@ def resolve_setting(options: PlanOptions) -> PlanSetting:
     if memory is None and launch is not None and launch.gpu_memory_gb is not None:
         memory, source = launch.gpu_memory_gb, "launch.gpu_memory_gb"
     if memory is None:
-        from dplaunch.planning.devices import smallest_gpu_memory_gb
+        from dplaunch.launching.devices import smallest_gpu_memory_gb
 
         memory, source = smallest_gpu_memory_gb(), "nvidia-smi"
     if memory is None:
@@ -280,7 +280,7 @@ def run_plan(options: PlanOptions) -> int:
 
 def host_memory_line(memory: MemoryEstimate, ranks_per_node: int) -> str:
     """Host RAM per node the plan needs (every rank loads the model at once), beside this node's."""
-    from dplaunch.planning.devices import host_memory_gb
+    from dplaunch.launching.devices import host_memory_gb
 
     here = host_memory_gb()
     known = f"; this node has {here:.0f} GiB" if here is not None else ""

@@ -23,6 +23,7 @@ from dplaunch.cluster.slurm import SlurmAllocation
 from dplaunch.config.load import dump_run_config
 from dplaunch.config.schema import LaunchConfig
 from dplaunch.errors import UserError
+from dplaunch.launching.devices import visible_gpu_count
 from dplaunch.launching.ports import claim_free_port, claim_port
 from dplaunch.launching.prepare import (
     PreparedRun,
@@ -37,7 +38,6 @@ from dplaunch.launching.prepare import (
     script_run_dir,
 )
 from dplaunch.launching.workers import Worker, render_workers_spec
-from dplaunch.planning.devices import visible_gpu_count
 from dplaunch.planning.plan import Machine, Plan, make_plan
 from dplaunch.rendering.launch_command import launch_script_name, render_launch_script
 from dplaunch.rendering.tf_config import (

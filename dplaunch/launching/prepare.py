@@ -25,12 +25,10 @@ from dplaunch.config.flags import RUN_FLAGS, RunFlag, flag_keys
 from dplaunch.config.load import dump_run_config, load_run_config
 from dplaunch.config.schema import LaunchConfig, ModelConfig, RunConfig, ScriptRunConfig
 from dplaunch.config.trackers import check_trackers_installed
+from dplaunch.data.checks import check_data
 from dplaunch.errors import UserError
 from dplaunch.launching.deepspeed_ops import check_ops_can_be_built, torch_extensions_dir
-from dplaunch.launching.ports import claim_free_port, claim_gpu, claim_port
-from dplaunch.launching.process import ERRORS_DIR_ENV
-from dplaunch.planning.data_check import check_data
-from dplaunch.planning.devices import (
+from dplaunch.launching.devices import (
     Gpu,
     host_memory_gb,
     local_gpus,
@@ -38,6 +36,8 @@ from dplaunch.planning.devices import (
     smallest_gpu_memory_gb,
     visible_keys,
 )
+from dplaunch.launching.ports import claim_free_port, claim_gpu, claim_port
+from dplaunch.launching.process import ERRORS_DIR_ENV
 from dplaunch.planning.model_facts import (
     ModelFacts,
     check_model_type,
@@ -223,7 +223,7 @@ def prepare_training_run(
     check_tokenizer(config.model)
     data_task = config.model.task
     if data_task == "sft":
-        from dplaunch.planning.sft_check import sft_data_task
+        from dplaunch.data.sft_checks import sft_data_task
 
         data_task = sft_data_task(config)
     check_trackers_installed(config.train.report_to)
@@ -235,7 +235,7 @@ def prepare_training_run(
         classes_named="num_labels" in config.model.model_fields_set,
     )
     if data_task == "sft":
-        from dplaunch.planning.sft_check import check_sft_examples
+        from dplaunch.data.sft_checks import check_sft_examples
 
         plan_notes.extend(check_sft_examples(config))
     if dataset_classes is not None:

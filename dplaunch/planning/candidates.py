@@ -136,7 +136,7 @@ class Workload:
     fixed_micro_batch: int | None = None
     # model.attn_implementation; None = what transformers picks (attention_implementation)
     attn_implementation: str | None = None
-    # False: the run's data rules out the pipeline engine (sft_check refuses packed SFT examples and
+    # False: the run's data rules out the pipeline engine (data/sft_checks.py refuses packed SFT examples and
     # sample prompts with pp > 1), so no pp layout is recommended for it
     pipeline: bool = True
     # list sequence-parallel layouts (sp 2/4/8) too: `plan --seq-len`, `parallel: auto`

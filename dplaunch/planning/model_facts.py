@@ -6,7 +6,6 @@ import difflib
 import functools
 import importlib.util
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 
 from dplaunch.config.schema import BYTE_LEVEL, ModelConfig
 from dplaunch.errors import UserError
-from dplaunch.planning.hub import hf_home, hub_offline, looks_like_path
+from dplaunch.hub import find_model_file, hub_offline, looks_like_path
 
 # families whose HF classes run SDPA (transformers 5 ``_supports_sdpa``, checked by
 # tests/test_estimate.py): transformers picks sdpa for them on CPU and GPU unless told otherwise
@@ -105,55 +104,6 @@ TOKENIZER_FILES = (
     "spiece.model",
     "sentencepiece.bpe.model",
 )
-_RUN_FILE_SUFFIXES = (".yaml", ".yml")
-
-
-def find_model_file(
-    name_or_path: str,
-    wanted: tuple[str, ...],
-    field: str,
-    what: str = "model",
-    file_ok: bool = False,
-) -> Path:
-    """The first of ``wanted`` in a local folder or a cached hub snapshot; UserError when absent.
-
-    A local path that exists is judged as it is (never looked up on the hub), so a broken folder is
-    reported for what it is. ``what`` names the thing in messages ("model", "tokenizer");
-    ``file_ok``: a file given directly is the one wanted (a model's config.json under any name).
-    """
-    path = Path(name_or_path).expanduser()
-    if path.exists():
-        if path.is_file() and path.suffix in _RUN_FILE_SUFFIXES:
-            raise UserError(
-                field,
-                f"{path} is a dplaunch run file, not a Hugging Face {what}",
-                "a run file goes first on the command line (dplaunch plan RUN.yaml); here give a "
-                f"Hugging Face {what} folder or a hub id",
-            )
-        if path.is_file():
-            if file_ok:
-                return path
-            raise UserError(
-                field, f"{path} is a file", f"give the Hugging Face {what} folder that holds it"
-            )
-        for name in wanted:
-            if (path / name).is_file():
-                return path / name
-        raise UserError(
-            field,
-            f"{path} has no {' or '.join(wanted[:2])}",
-            f"point it at a Hugging Face {what} folder",
-        )
-    cached = _hub_cache_file(name_or_path, wanted)
-    if cached is not None:
-        return cached
-    if looks_like_path(name_or_path):
-        raise UserError(field, f"{what} directory {name_or_path} does not exist", "check the path")
-    raise UserError(
-        field,
-        f"{name_or_path!r} is neither a local folder nor in the Hugging Face cache",
-        "download it first (huggingface-cli download) or give a local path",
-    )
 
 
 def load_config_json(name_or_path: str, field: str = "model.name_or_path") -> dict[str, Any]:
@@ -285,21 +235,3 @@ def _known_to_transformers(model_type: str) -> bool:
     except ImportError:
         return True  # nothing to ask: do not refuse
     return model_type in CONFIG_MAPPING_NAMES
-
-
-def hub_cache_dir() -> Path:
-    """Where huggingface_hub keeps downloaded models (HF_HUB_CACHE, the older
-    HUGGINGFACE_HUB_CACHE, else HF_HOME/hub)."""
-    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
-    return Path(os.path.expandvars(os.path.expanduser(cache))) if cache else hf_home() / "hub"
-
-
-def _hub_cache_file(repo_id: str, wanted: tuple[str, ...]) -> Path | None:
-    snapshots = hub_cache_dir() / f"models--{repo_id.replace('/', '--')}" / "snapshots"
-    if not snapshots.is_dir():
-        return None
-    for snapshot in sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True):
-        for name in wanted:
-            if (snapshot / name).is_file():
-                return snapshot / name
-    return None

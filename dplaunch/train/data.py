@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from dplaunch.config.schema import DataConfig
-from dplaunch.planning import conversations
-from dplaunch.planning.arrow_datasets import saved_folder
-from dplaunch.planning.conversations import IGNORE_INDEX, TEXT, Renderer, TemplateError
-from dplaunch.planning.data_check import class_number, is_local, label_ids, local_format
+from dplaunch.data import conversations
+from dplaunch.data.arrow_datasets import saved_folder
+from dplaunch.data.conversations import IGNORE_INDEX, TEXT, Renderer, TemplateError
+from dplaunch.data.formats import class_number, is_local, label_ids, local_format
 
 
 def load_splits(data: DataConfig, seed: int) -> tuple[Any, Any | None]:

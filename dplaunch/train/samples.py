@@ -3,7 +3,7 @@
 The file holds JSON lines {"prompt": TEXT or [messages…]}: a text is given to the model as it
 is, a message list is rendered with the run's chat template and its generation prompt (as
 `apply_chat_template(..., add_generation_prompt=True)`), so the model answers as the next
-assistant turn. The launch check reads it (sft_check.py); read_sample_prompts is shared.
+assistant turn. The launch check reads it (data/sft_checks.py); read_sample_prompts is shared.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dplaunch.planning.conversations import Renderer, read_sample_prompts
+from dplaunch.data.conversations import Renderer, read_sample_prompts
 
 # new tokens per answer: enough for a short reply, little next to an evaluation
 MAX_NEW_TOKENS = 48

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dplaunch.planning.byte_level import byte_level_core
+from dplaunch.data.byte_level import byte_level_core
 
 
 def byte_level_tokenizer():

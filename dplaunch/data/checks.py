@@ -17,69 +17,34 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from dplaunch.config.schema import DataConfig
-from dplaunch.errors import UserError
-from dplaunch.planning.arrow_datasets import (
+from dplaunch.data.arrow_datasets import (
     CONFIG_FIELD,
     PreparedDataset,
     check_hub_dataset,
     saved_dataset,
     saved_folder,
 )
-
-LOCAL_FORMATS = {
-    ".json": "json",
-    ".jsonl": "json",
-    ".csv": "csv",
-    ".txt": "text",
-    ".text": "text",
-    ".parquet": "parquet",
-}
-
-# cells pandas (the CSV reader of `datasets`) reads as missing by default: these texts become None
-CSV_MISSING = frozenset(
-    {"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN"}
-    | {"<NA>", "N/A", "NA", "NULL", "NaN", "None", "n/a", "nan", "null"}
+from dplaunch.data.formats import (
+    CSV_MISSING,
+    class_number,
+    eval_fraction_split,
+    is_local,
+    label_ids,
+    local_format,
 )
+from dplaunch.errors import UserError
+
 # bytes of a dataset's files read line by line before launch (about 3 s of checking here): a
 # corpus of many GB is checked on its first records of each file and its first 256 MB, not read
 # whole at every launch (and on every node); its rows and bytes are then lower bounds.
 # DPLAUNCH_DATA_CHECK_MB sets another budget (0: the first record of each file only)
 FULL_CHECK_BYTES = 256 * 2**20
 BUDGET_ENV = "DPLAUNCH_DATA_CHECK_MB"
-
-
-def is_local(dataset: str | list[str]) -> bool:
-    """True when the dataset names local files rather than a hub id."""
-    items = dataset if isinstance(dataset, list) else [dataset]
-    return any(Path(item).suffix in LOCAL_FORMATS or Path(item).exists() for item in items)
-
-
-def local_format(files: list[str], field: str) -> str:
-    """The `datasets` builder name for local files (json, csv, text, parquet)."""
-    formats = {LOCAL_FORMATS.get(Path(item).suffix) for item in files}
-    if None in formats or len(formats) != 1:
-        raise UserError(
-            field,
-            f"cannot tell the format of {files}",
-            f"use one of {', '.join(sorted(LOCAL_FORMATS))} files (all of one kind)",
-        )
-    return formats.pop()
-
-
-def eval_fraction_split(rows: int, eval_fraction: float) -> tuple[int, int]:
-    """(training, evaluation) rows of `Dataset.train_test_split(test_size=eval_fraction)`.
-
-    The same float arithmetic as `datasets` (ceil of fraction × rows held out), so the count
-    matches the ranks' split to the row: 0.07 × 100 is 7.000000000000001, which holds out 8."""
-    if rows == 0:
-        return 0, 0  # `datasets` hands an empty dataset back as both splits
-    held_out = math.ceil(eval_fraction * rows)
-    return rows - held_out, held_out
 
 
 def check_data(
@@ -176,7 +141,7 @@ def check_data(
             f"local files have a single split, so {data.eval_split!r} does not exist",
             "use data.eval_fraction or data.eval_dataset",
         )
-    # sft: examples may be left out, so sft_check.py counts what is kept
+    # sft: examples may be left out, so sft_checks.py counts what is kept
     if training is not None and training.rows_known and global_batch_size and task != "sft":
         _check_one_global_batch(training, data, packing, global_batch_size)
     return dataset_classes
@@ -391,7 +356,7 @@ class _Needs:
     @classmethod
     def of(cls, data: DataConfig, task: str, num_labels: int | None) -> _Needs:
         if task == "sft":
-            return cls(())  # the examples' columns: sft_check.py reads every record
+            return cls(())  # the examples' columns: sft_checks.py reads every record
         texts = [("data.text_column", data.text_column)]
         if data.text_pair_column:
             texts.append(("data.text_pair_column", data.text_pair_column))
@@ -438,42 +403,6 @@ class _Needs:
             if self.label_names
             else f"set model.num_labels to {number + 1} or more, or fix that record",
         )
-
-
-def label_ids(label_names: Sequence[str] | None) -> dict[str, int]:
-    """data.label_names as {name: class number} (empty without names)."""
-    return {name: number for number, name in enumerate(label_names or ())}
-
-
-def class_number(
-    value: object, ids: Mapping[str, int] | None = None, csv_cell: bool = False
-) -> int | None:
-    """The class number of a label, None when it has none: the ranks train on this number, and
-    the launch check refuses a None (or a number outside model.num_labels).
-
-    A text that names a class in IDS (see label_ids) is that class. Otherwise ints, bools, whole
-    floats and texts int() reads are numbers. A CSV cell (the launch check reads the raw text)
-    is typed by pandas before the ranks see it, so "1.0" there is the float 1.0."""
-    if ids and isinstance(value, str) and value in ids:
-        return ids[value]
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        return int(value) if value.is_integer() else None
-    if isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError:
-            if not csv_cell:
-                return None
-        try:
-            number = float(value)
-        except ValueError:
-            return None
-        return int(number) if number.is_integer() else None
-    return None
 
 
 def _read_file(path: Path, fmt: str, field: str, needs: _Needs, summary: _Summary) -> None:

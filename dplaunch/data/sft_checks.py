@@ -1,6 +1,6 @@
 """Check supervised fine-tuning examples before launch: every record, rendered and counted.
 
-data_check.py has already found the files readable (and the rows enough for a global batch);
+checks.py has already found the files readable (and the rows enough for a global batch);
 here each record of the training and evaluation data is checked as the ranks will use it
 (conversations.py): its messages, roles and contents, an assistant turn, the prompt and the
 completion, the chat template rendering it. Then, with the tokenizer (the `tokenizers` core of
@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from dplaunch.config.schema import BYTE_LEVEL, RunConfig
-from dplaunch.errors import UserError
-from dplaunch.planning import conversations
-from dplaunch.planning.arrow_datasets import check_hub_dataset, saved_dataset, saved_folder
-from dplaunch.planning.conversations import (
+from dplaunch.data import conversations
+from dplaunch.data.arrow_datasets import check_hub_dataset, saved_dataset, saved_folder
+from dplaunch.data.checks import _check_budget
+from dplaunch.data.conversations import (
     CONVERSATIONAL,
     PROMPT_COMPLETION,
     TEXT,
@@ -30,25 +30,21 @@ from dplaunch.planning.conversations import (
     Renderer,
     TemplateError,
 )
-from dplaunch.planning.data_check import (
-    _check_budget,
-    eval_fraction_split,
-    is_local,
-    local_format,
-)
-from dplaunch.planning.model_facts import find_model_file
+from dplaunch.data.formats import eval_fraction_split, is_local, local_format
+from dplaunch.errors import UserError
+from dplaunch.hub import find_model_file
 
 # the built-in tokenizer's special tokens, as train/tokenizer.py names them
 _BYTE_LEVEL_SPECIAL = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
 
 
 def sft_data_task(config: RunConfig) -> str:
-    """The task data_check checks the data for: "causal-lm" for sft on plain texts (today's
+    """The task checks.py checks the data for: "causal-lm" for sft on plain texts (today's
     packing), else "sft". The format is data.format, or the first record's columns."""
     data = config.data
     columns = () if data.format else _first_columns(config)
     if columns is None:
-        return "sft"  # unreadable: data_check names the problem
+        return "sft"  # unreadable: checks.py names the problem
     fmt = conversations.resolve_format(data.format, columns, data.text_column)
     return "causal-lm" if fmt == TEXT else "sft"
 
@@ -205,7 +201,7 @@ class _LaunchTokenizer:
         model = config.model
         name = model.tokenizer or model.name_or_path or ""
         if name == BYTE_LEVEL:
-            from dplaunch.planning.byte_level import byte_level_core
+            from dplaunch.data.byte_level import byte_level_core
 
             return cls(name, None, dict(_BYTE_LEVEL_SPECIAL), _encoder(byte_level_core()))
         settings_file = find_model_file(
@@ -304,7 +300,7 @@ def _json_records(path: Path, budget: list[int]) -> Iterator[tuple[str, dict]]:
             try:
                 document = json.load(handle)
             except ValueError:
-                return  # data_check has named what is wrong with it
+                return  # checks.py has named what is wrong with it
             for number, item in enumerate(document if isinstance(document, list) else [], 1):
                 if isinstance(item, dict):
                     yield f"record {number} of {path}", item

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dplaunch.errors import UserError
-from dplaunch.planning.hub import hf_home, hub_offline, looks_like_path
+from dplaunch.hub import hf_home, hub_offline, looks_like_path
 
 # how long the Hub may take to say whether a dataset that is not cached exists
 HUB_TIMEOUT_S = 10.0
