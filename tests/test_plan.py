@@ -297,3 +297,144 @@ def test_deepspeed_json_passes_deepspeeds_own_config_class_for_the_planned_world
     wrong = deepspeed_config_dict(plan, max_grad_norm=1.0) | {"train_batch_size": 128}
     with pytest.raises(AssertionError):
         DeepSpeedConfig(wrong, mpu=DataParallelWorld())
+
+
+def gpu_plan(*, attn_implementation=None, task="causal-lm", model=LLAMA, **kwargs):
+    """A GPU plan rendered here (no GPU needed) for the run file's keys in ``kwargs``."""
+    launch = LaunchConfig(**{k: v for k, v in kwargs.items() if k in LaunchConfig.model_fields})
+    parallel = ParallelConfig(
+        **{k: v for k, v in kwargs.items() if k in ParallelConfig.model_fields}
+    )
+    train = TrainConfig(**{k: v for k, v in kwargs.items() if k in TrainConfig.model_fields})
+    return make_plan(
+        launch,
+        parallel,
+        train,
+        Machine(render_only=True),
+        model,
+        task=task,
+        attn_implementation=attn_implementation,
+    )
+
+
+@pytest.mark.parametrize("kernel", ["flash_attention_2", "flash_attention_3"])
+def test_flash_attention_in_fp32_is_refused_before_launch_with_bf16_as_the_fix(kernel):
+    # flash kernels take bf16/fp16 queries only: with mixed_precision no every rank failed at
+    # its first forward
+    with pytest.raises(UserError) as refused:
+        gpu_plan(gpus=2, attn_implementation=kernel, mixed_precision="no")
+    assert refused.value.field == "train.mixed_precision"
+    assert f"{kernel} computes in bf16 or fp16 only" in str(refused.value)
+    assert "train.mixed_precision: bf16" in refused.value.fix
+    assert gpu_plan(gpus=2, attn_implementation=kernel, mixed_precision="bf16").world_size == 2
+
+
+def test_flex_attention_on_cpu_ranks_is_refused_as_flash_attention_is():
+    cpu = dict(launch=LaunchConfig(gpus=2, cpu=True), parallel=ParallelConfig())
+    with pytest.raises(UserError, match="flex_attention has no backward on CPU"):
+        make_plan(**cpu, train=TrainConfig(), machine=Machine(), model=LLAMA,
+                  attn_implementation="flex_attention")  # fmt: skip
+    assert gpu_plan(gpus=2, attn_implementation="flex_attention", mixed_precision="bf16")
+
+
+def test_sequence_parallelism_with_flex_attention_is_refused_it_would_train_non_causally():
+    with pytest.raises(UserError) as refused:
+        gpu_plan(gpus=2, sp=2, attn_implementation="flex_attention", mixed_precision="bf16")
+    assert refused.value.field == "model.attn_implementation"
+    assert "attend to later tokens" in str(refused.value)
+    for kernel in (None, "sdpa", "flash_attention_2"):
+        plan = gpu_plan(gpus=2, sp=2, attn_implementation=kernel, mixed_precision="bf16")
+        assert plan.sequence_parallel_size == 2
+
+
+def test_sequence_parallel_rows_are_not_listed_for_flex_attention():
+    from dplaunch.planning.candidates import candidate_plans
+
+    def sp_rows(kernel):
+        rows = candidate_plans(LLAMA, gpus=2, gpus_per_node=2, gpu_memory_gb=80, micro_batch=1,
+                               seq_len=256, mixed_precision="bf16", attn_implementation=kernel,
+                               sequence_parallel=True)  # fmt: skip
+        return [row for row in rows if row.sp > 1]
+
+    assert sp_rows("sdpa") and not sp_rows("flex_attention")
+
+
+GPT2 = ModelFacts.from_config_dict(
+    {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 259}
+)
+
+
+def test_fsdp_with_tp_is_checked_against_the_models_tp_plan_not_autotps_families():
+    # gpt2 is an AutoTP family, but FSDP × TP splits by the HF tp_plan, which GPT-2 lacks: before,
+    # the plan passed and every rank failed ("GPT2LMHeadModel has no tp_plan")
+    with pytest.raises(UserError) as refused:
+        gpu_plan(gpus=4, fsdp="full", tp=2, model=GPT2)
+    assert refused.value.field == "parallel.tp" and "base_model_tp_plan" in str(refused.value)
+    assert gpu_plan(gpus=4, zero_stage=1, tp=2, model=GPT2).tensor_parallel_size == 2  # AutoTP
+    assert gpu_plan(gpus=4, fsdp="full", tp=2).tensor_parallel_size == 2  # llama has one
+
+
+def test_the_fsdp_tp_families_are_those_whose_hf_tp_plan_the_engine_applies():
+    transformers = pytest.importorskip("transformers")
+    from dplaunch.planning.model_facts import SDPA_FAMILIES
+    from dplaunch.planning.rules import (
+        AUTOTP_FAMILIES,
+        FSDP_TP_FAMILIES,
+        PIPELINE_FAMILIES,
+        SEQUENCE_PARALLEL_FAMILIES,
+    )
+    from dplaunch.train.fsdp import TP_STYLES
+
+    known = {*AUTOTP_FAMILIES, *SDPA_FAMILIES, *PIPELINE_FAMILIES, *SEQUENCE_PARALLEL_FAMILIES}
+    applicable = set()
+    for family in known:
+        try:
+            config = transformers.AutoConfig.for_model(family)
+        except ValueError:  # a family this transformers no longer builds
+            continue
+        styles = set((getattr(config, "base_model_tp_plan", None) or {}).values())
+        if styles and styles <= set(TP_STYLES):
+            applicable.add(family)
+    assert set(FSDP_TP_FAMILIES) == applicable
+
+
+def test_fp16_with_fsdp_and_tp_is_refused_the_scalers_overflow_check_is_not_agreed_over_tp():
+    with pytest.raises(UserError) as refused:
+        gpu_plan(gpus=4, fsdp="full", tp=2, mixed_precision="fp16")
+    assert refused.value.field == "train.mixed_precision" and "bf16" in refused.value.fix
+    assert gpu_plan(gpus=4, fsdp="full", mixed_precision="fp16").engine == "fsdp"  # tp 1: fine
+    assert gpu_plan(gpus=4, fsdp="full", tp=2, mixed_precision="bf16").engine == "fsdp"
+
+
+def test_fsdp_offload_on_gpus_gets_a_gloo_group_beside_nccl_for_the_host_gradients():
+    # with CPUOffloadPolicy the gradients are host DTensors: clipping and the fp16 scaler
+    # all-reduce them, which a plain nccl group refuses ("No backend type associated with
+    # device type cpu")
+    offload = gpu_plan(gpus=2, fsdp="full", offload="all")
+    assert offload.process_group_backend == "cuda:nccl,cpu:gloo"
+    assert "backend cuda:nccl,cpu:gloo" in offload.summary_lines()[0]
+    assert gpu_plan(gpus=2, fsdp="full").process_group_backend == "nccl"
+    assert gpu_plan(gpus=2, zero_stage=3, offload="all").process_group_backend == "nccl"
+    cpu = make_plan(LaunchConfig(gpus=2, cpu=True), ParallelConfig(fsdp="full", offload="all"),
+                    TrainConfig(), Machine())  # fmt: skip
+    assert cpu.process_group_backend == "gloo"
+
+
+def test_plan_json_rows_name_their_engine_and_fsdp_kind():
+    from dplaunch.planning.candidates import candidate_plans, to_json_rows
+
+    rows = to_json_rows(
+        candidate_plans(
+            LLAMA,
+            gpus=4,
+            gpus_per_node=2,
+            gpu_memory_gb=80,
+            micro_batch=1,
+            seq_len=256,
+            mixed_precision="bf16",
+            fsdp="full",
+        )  # fmt: skip
+    )
+    kinds = {(row["name"], row["engine"], row["fsdp"]) for row in rows}
+    assert ("DDP", "ddp", None) in kinds and ("ZeRO-3", "deepspeed", None) in kinds
+    assert ("FSDP", "fsdp", "full") in kinds and ("HSDP", "fsdp", "hybrid") in kinds

@@ -41,7 +41,12 @@ from dplaunch.planning.estimate import (
 )
 from dplaunch.planning.lora import LoraCount, LoraSpec, count_lora
 from dplaunch.planning.model_facts import ModelFacts, attention_implementation
-from dplaunch.planning.rules import ParallelDims, check_lora_layout
+from dplaunch.planning.rules import (
+    ParallelDims,
+    check_lora_layout,
+    engine_name,
+    sequence_parallel_kernel,
+)
 
 TP_DEGREES = (1, 2, 4, 8)
 # sequence-parallel degrees the table lists (where they divide the GPUs and the model's heads)
@@ -103,6 +108,11 @@ class Candidate:
         if self.offload != "none":
             label += f" + offload {self.offload}"
         return label
+
+    @property
+    def engine(self) -> str:
+        """The engine that trains this row, as Plan.engine names it: ddp, deepspeed, pipeline, fsdp."""
+        return engine_name(self.zero_stage, self.tp, self.pp, self.fsdp)
 
     @property
     def headroom(self) -> float:
@@ -289,8 +299,8 @@ def candidate_plans(
         lora=lora,
     )
     candidates: list[Candidate] = []
-    sequences = sequence_parallel and (
-        attention_implementation(facts.model_type, attn_implementation) != "eager"
+    sequences = sequence_parallel and sequence_parallel_kernel(
+        attention_implementation(facts.model_type, attn_implementation)
     )
     for tp, pp, sp in _layouts(facts, gpus, gpus_per_node, task, sequences, lora is not None):
         if seq_len % sp:  # each rank holds an equal slice (rules.check_sequence_length_splits)
@@ -575,6 +585,8 @@ def recommendation_line(candidates: list[Candidate]) -> str:
 
 ROW_KEYS = (
     "name",
+    "engine",
+    "fsdp",
     "zero_stage",
     "offload",
     "tp",
@@ -606,6 +618,7 @@ def to_json_rows(candidates: list[Candidate]) -> list[dict]:
     for candidate in candidates:
         row = asdict(candidate)
         row["name"] = candidate.name
+        row["engine"] = candidate.engine
         row["other_gb"] = candidate.other_gb
         flat = {k: round(row[k], 3) if isinstance(row[k], float) else row[k] for k in ROW_KEYS}
         if candidate.memory is not None:

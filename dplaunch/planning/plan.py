@@ -14,7 +14,12 @@ from dplaunch.config.schema import LaunchConfig, ParallelConfig, TrainConfig
 from dplaunch.errors import UserError
 from dplaunch.planning.mesh import Mesh, fsdp_groups
 from dplaunch.planning.model_facts import ModelFacts
-from dplaunch.planning.rules import ParallelDims
+from dplaunch.planning.rules import (
+    ParallelDims,
+    check_fsdp_precision,
+    check_sequence_parallel_kernel,
+    engine_name,
+)
 
 Target = Literal["gpu", "cpu"]
 Engine = Literal["ddp", "deepspeed", "pipeline", "fsdp"]
@@ -71,14 +76,20 @@ class Plan:
         return "nccl" if self.target == "gpu" else "gloo"
 
     @property
+    def process_group_backend(self) -> str:
+        """The ranks' default process group: NCCL on GPUs, with gloo beside it for host tensors
+        under FSDP's CPU offload (its gradients live on the host, and clipping and the fp16
+        scaler's overflow check all-reduce them), as Accelerate and torchtitan do there."""
+        if self.backend == "nccl" and self.engine == "fsdp" and self.offload == "all":
+            return "cuda:nccl,cpu:gloo"
+        return self.backend
+
+    @property
     def engine(self) -> Engine:
-        if self.pipeline_parallel_size > 1:
-            return "pipeline"
-        if self.fsdp is not None:
-            return "fsdp"
-        if self.zero_stage > 0 or self.tensor_parallel_size > 1:
-            return "deepspeed"
-        return "ddp"
+        name = engine_name(
+            self.zero_stage, self.tensor_parallel_size, self.pipeline_parallel_size, self.fsdp
+        )
+        return name  # type: ignore[return-value]
 
     @property
     def uses_deepspeed(self) -> bool:
@@ -130,7 +141,7 @@ class Plan:
             lines = [world + f"{device}(s), collectives by the script's TensorFlow strategy)"]
             return lines + [f"note: {note}" for note in self.notes]
         lines = [
-            world + f"{device}(s), backend {self.backend})",
+            world + f"{device}(s), backend {self.process_group_backend})",
             *self.mesh.describe(list(self.stage_layers)),
             *(self.fsdp_lines() if self.fsdp else []),
             f"engine: {self.engine}"
@@ -258,20 +269,10 @@ def make_plan(
             "rebuild the model's layers after it would compile them",
             "drop train.compile, or use tp 1 and pp 1",
         )
-    if mesh.sequence_parallel_size > 1 and attn_implementation == "eager":
-        raise UserError(
-            "model.attn_implementation",
-            "eager attention builds a full 4D mask, which Ulysses sequence parallelism cannot "
-            "split (DeepSpeed refuses it)",
-            "use sdpa (what transformers picks when the key is unset) or a flash kernel",
-        )
+    check_sequence_parallel_kernel(mesh.sequence_parallel_size, attn_implementation)
     mixed_precision = _mixed_precision(train.mixed_precision, target, machine)
-    if target == "cpu" and (attn_implementation or "").startswith("flash_attention"):
-        raise UserError(
-            "model.attn_implementation",
-            f"{attn_implementation} runs on CUDA GPUs only, and this plan runs CPU ranks",
-            "use sdpa (what transformers picks when the key is unset) or eager",
-        )
+    check_fsdp_precision(parallel.fsdp, mesh.tensor_parallel_size, mixed_precision)
+    check_attention_kernel(attn_implementation, target, mixed_precision)
     micro, accumulation = batch_math(
         train.global_batch_size, train.micro_batch_size, mesh.data_parallel_size
     )
@@ -405,6 +406,31 @@ def check_host_memory(
     if need > HOST_MEMORY_NOTE_FRACTION * host_memory_gb:
         return line
     return None
+
+
+def check_attention_kernel(attn_implementation: str | None, target: Target, precision: str) -> None:
+    """model.attn_implementation runs where the plan runs: flash kernels on CUDA GPUs in 16 bits
+    (fp32 queries fail at the first forward), flex_attention's backward on GPUs only."""
+    kernel = attn_implementation or ""
+    if target == "cpu" and kernel.startswith("flash_attention"):
+        raise UserError(
+            "model.attn_implementation",
+            f"{kernel} runs on CUDA GPUs only, and this plan runs CPU ranks",
+            "use sdpa (what transformers picks when the key is unset) or eager",
+        )
+    if target == "cpu" and kernel == "flex_attention":
+        raise UserError(
+            "model.attn_implementation",
+            "flex_attention has no backward on CPU (torch 2.13), and this plan runs CPU ranks",
+            "use sdpa (what transformers picks when the key is unset) or eager",
+        )
+    if kernel.startswith("flash_attention") and precision == "no":
+        raise UserError(
+            "train.mixed_precision",
+            f"{kernel} computes in bf16 or fp16 only, and mixed precision 'no' gives it fp32 "
+            "queries (every rank would fail at the first forward)",
+            "set train.mixed_precision: bf16 (or fp16 on GPUs older than Ampere), or use sdpa",
+        )
 
 
 # bf16 tensor cores (and bf16 in NCCL) start with Ampere; older GPUs emulate it slowly, or fail

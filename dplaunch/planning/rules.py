@@ -18,14 +18,21 @@ The rules, and why:
   experimental upstream (tp with ZeRO ≤ 2); AutoTP does not compose with the pipeline engine;
 - optimizer offload needs ZeRO, parameter offload ('all') needs ZeRO-3 (or FSDP);
 - FSDP2 (parallel.fsdp) is its own engine: not with ZeRO (both would shard the same states), not
-  with the pipeline engine (DeepSpeed's), not with tp yet (FSDP × DTensor TP is not built); its
-  CPU offload moves parameters, gradients and optimizer states together ('all' only); `hybrid`
-  shards inside a node, so the node's GPUs must hold more than one rank to shard over.
-- sequence parallelism (sp, DeepSpeed's Ulysses) composes with dp and ZeRO 0-3 only (not with FSDP: its engine does not carry the sp groups yet): AutoTP
-  splits the attention heads Ulysses splits, and the pipeline engine runs its own micro-batch
-  schedule without the all-to-all; sp divides the attention heads and the KV heads, the family
-  is one whose attention it wraps, the task a causal one (a classifier pools over the whole
-  sequence).
+  with the pipeline engine (DeepSpeed's); its CPU offload moves parameters, gradients and
+  optimizer states together ('all' only); `hybrid` shards inside a node, so the node's GPUs must
+  hold more than one rank to shard over. FSDP × TP (`full` only: HSDP × TP is a 3-D mesh, not
+  built) splits the layers as the model's Hugging Face ``base_model_tp_plan`` says (DTensor), not
+  with AutoTP's presets: the family must have such a plan (gpt2 has none), and no fp16 (the
+  loss scaler's overflow check would be agreed over the shard mesh only, so tp peers could
+  disagree on skipping a step).
+- sequence parallelism (sp, DeepSpeed's Ulysses) composes with dp and ZeRO 0-3 only (not with
+  FSDP: its engine does not carry the sp groups yet): AutoTP splits the attention heads Ulysses
+  splits, and the pipeline engine runs its own micro-batch schedule without the all-to-all; sp
+  divides the attention heads and the KV heads, the family is one whose attention it wraps, the
+  task a causal one (a classifier pools over the whole sequence), the attention kernel one that
+  masks the gathered sequence itself (sdpa, given the mask by dplaunch, or a flash kernel, which
+  reads the position ids): eager needs a 4-D mask Ulysses cannot split, and flex_attention would
+  get no mask at all (full attention: every position would see the future).
 - LoRA (model.lora) trains on DDP, ZeRO-1/2/3 and FSDP (peft wraps the model, then FSDP
   shards its blocks) only: tried with deepspeed 0.19.8 and peft
   0.21.2, AutoTP shards peft's adapter layers as model layers (the backward then fails: "loss
@@ -67,6 +74,23 @@ PIPELINE_TASKS = CAUSAL_TASKS
 # (dplaunch/train/sequence_parallel.py); Ulysses and the tiled loss train causal LMs
 SEQUENCE_PARALLEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 SEQUENCE_PARALLEL_TASKS = CAUSAL_TASKS
+# the attention kernels Ulysses runs with a mask of the whole gathered sequence (None: the key is
+# unset, transformers picks sdpa for the families above)
+SEQUENCE_PARALLEL_KERNELS = (None, "sdpa", "flash_attention_2", "flash_attention_3")
+# families whose Hugging Face config class has a ``base_model_tp_plan`` of column- and row-wise
+# splits only, what FSDP × TP applies (train/fsdp.py TP_STYLES; transformers 5.24, checked by
+# tests/test_plan.py against the installed transformers): qwen3 adds a replicated norm style,
+# phi3 gathering ones; gpt2, opt, falcon and bloom have no plan
+FSDP_TP_FAMILIES = ("llama", "mistral", "qwen2", "gemma", "phi")
+
+
+def engine_name(zero_stage: int, tp: int, pp: int, fsdp: str | None) -> str:
+    """The engine that trains a layout: pipeline (pp > 1), fsdp, deepspeed (ZeRO or AutoTP), ddp."""
+    if pp > 1:
+        return "pipeline"
+    if fsdp is not None:
+        return "fsdp"
+    return "deepspeed" if zero_stage > 0 or tp > 1 else "ddp"
 
 
 def check_mesh(world_size: int, tp: int, pp: int, sp: int = 1) -> int:
@@ -144,6 +168,31 @@ def check_sequence_parallel_model(sp: int, model: ModelFacts, task: str) -> None
             )
 
 
+def sequence_parallel_kernel(attn_implementation: str | None) -> bool:
+    """Whether Ulysses runs with this attention kernel (model.attn_implementation)."""
+    return attn_implementation in SEQUENCE_PARALLEL_KERNELS
+
+
+def check_sequence_parallel_kernel(sp: int, attn_implementation: str | None) -> None:
+    """Ulysses gathers whole sequences: the kernel must mask them causally (and packed) itself."""
+    if sp <= 1 or sequence_parallel_kernel(attn_implementation):
+        return
+    why = {
+        "eager": "eager attention builds a full 4D mask, which Ulysses sequence parallelism "
+        "cannot split (DeepSpeed refuses it)",
+        "flex_attention": "flex_attention under Ulysses gets no mask for the gathered sequence "
+        "(the model's covers a slice): it would attend to later tokens, training non-causally",
+    }.get(
+        str(attn_implementation),
+        f"{attn_implementation} is not a kernel Ulysses sequence parallelism is built for",
+    )
+    raise UserError(
+        "model.attn_implementation",
+        why,
+        "use sdpa (what transformers picks when the key is unset) or a flash kernel, or sp 1",
+    )
+
+
 def check_sequence_length_splits(sp: int, max_length: int) -> None:
     """Every rank of a sequence-parallel group holds an equal slice of the block."""
     if sp > 1 and max_length % sp:
@@ -199,6 +248,18 @@ def check_fsdp(fsdp: str | None, zero_stage: int, tp: int, pp: int, offload: str
         )
 
 
+def check_fsdp_precision(fsdp: str | None, tp: int, mixed_precision: str) -> None:
+    """No fp16 with FSDP × TP: the loss scaler's overflow flag is reduced over the first
+    gradient's mesh only (DTensor), so tensor-parallel peers could disagree on skipping a step."""
+    if fsdp is not None and tp > 1 and mixed_precision == "fp16":
+        raise UserError(
+            "train.mixed_precision",
+            f"fp16 with FSDP × tp {tp}: the loss scaler's overflow check is not agreed across the "
+            "tensor-parallel ranks, which could then disagree on skipping a step",
+            "use bf16 (no loss scaling) with --fsdp full --tp, or fp16 with tp 1",
+        )
+
+
 def check_zero_with_model_parallel(zero_stage: int, tp: int, pp: int) -> None:
     """pp with ZeRO ≤ 1, tp with ZeRO ≤ 2, and never tp with pp."""
     if pp > 1 and zero_stage >= 2:
@@ -241,11 +302,20 @@ def check_tensor_parallel_in_node(tp: int, gpus_per_node: int) -> None:
         )
 
 
-def check_tensor_parallel_model(tp: int, model: ModelFacts) -> None:
-    """AutoTP knows the family and tp divides the attention heads and the KV heads."""
+def check_tensor_parallel_model(tp: int, model: ModelFacts, fsdp: str | None = None) -> None:
+    """The engine can split the family (AutoTP's presets, or under FSDP the model's own tp_plan)
+    and tp divides the attention heads and the KV heads."""
     if tp <= 1:
         return
-    if model.model_type not in AUTOTP_FAMILIES:
+    if fsdp is not None and model.model_type not in FSDP_TP_FAMILIES:
+        raise UserError(
+            "parallel.tp",
+            f"FSDP × TP splits a model as its Hugging Face base_model_tp_plan says, and model type "
+            f"{model.model_type!r} has none of column- and row-wise splits only",
+            f"use --tp 1 with --fsdp, tp with ZeRO ≤ 2 (AutoTP), or a family with such a plan: "
+            f"{', '.join(FSDP_TP_FAMILIES)}",
+        )
+    if fsdp is None and model.model_type not in AUTOTP_FAMILIES:
         raise UserError(
             "parallel.tp",
             f"DeepSpeed AutoTP cannot split model type {model.model_type!r}",
@@ -343,7 +413,7 @@ class ParallelDims:
         check_zero_with_model_parallel(self.zero_stage, self.tp, self.pp)
         check_tensor_parallel_in_node(self.tp, self.gpus_per_node)
         if model is not None:
-            check_tensor_parallel_model(self.tp, model)
+            check_tensor_parallel_model(self.tp, model, self.fsdp)
             check_pipeline_model(self.pp, model, task)
             check_sequence_parallel_model(self.sp, model, task)
 

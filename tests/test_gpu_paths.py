@@ -1,0 +1,126 @@
+"""The ranks' GPU-only branches, run on this GPU-less machine with the device faked: CUDA's random
+generators, the process group a GPU plan asks for, where a quantized base loads. Each test fails
+on the code before its fix (GPU readiness, round 2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import TINY_LLAMA
+
+torch = pytest.importorskip("torch")
+
+
+class FakeCuda:
+    """torch.cuda on a machine of ``count`` GPUs, this process on GPU ``current``: one real
+    generator per GPU (torch's default_generators), CUDA already initialised."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, count: int, current: int = 0):
+        import torch.cuda.random as cuda_random
+
+        self.generators = tuple(torch.Generator().manual_seed(100 + i) for i in range(count))
+        self.current = current
+        for module in (torch.cuda, cuda_random):
+            monkeypatch.setattr(module, "device_count", lambda: count, raising=False)
+            monkeypatch.setattr(module, "current_device", lambda: self.current, raising=False)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "default_generators", self.generators, raising=False)
+        monkeypatch.setattr(cuda_random, "_lazy_init", lambda: None)
+        monkeypatch.setattr(cuda_random, "is_initialized", lambda: True)
+        # CUDA is up: a state set now goes into its generator at once (and a missing one raises)
+        monkeypatch.setattr(cuda_random, "_lazy_call", lambda callback, **_: callback())
+
+
+def test_an_fsdp_checkpoint_of_four_gpus_resumes_on_one_with_each_ranks_own_gpu_generator(
+    tmp_path, monkeypatch
+):
+    from dplaunch.train.checkpoint import load_rng_state, save_rng_state
+
+    # rank 0 of a 4-GPU FSDP run saved on cuda:0; the run resumes on 1 GPU, whose rank 0
+    # reads that file
+    saving = FakeCuda(monkeypatch, count=4, current=0)
+    saving.generators[0].manual_seed(1234)
+    expected = torch.randint(0, 2**30, (4,), generator=saving.generators[0])
+    saving.generators[0].manual_seed(1234)
+    save_rng_state(tmp_path, rank=0)
+    resuming = FakeCuda(monkeypatch, count=1, current=0)
+    load_rng_state(tmp_path, rank=0)  # before the fix: IndexError on cuda:1's generator
+    assert torch.equal(torch.randint(0, 2**30, (4,), generator=resuming.generators[0]), expected)
+
+
+def test_a_rank_saves_and_restores_only_its_own_gpus_generator(tmp_path, monkeypatch):
+    from dplaunch.train.checkpoint import load_rng_state, save_rng_state
+
+    saving = FakeCuda(monkeypatch, count=4, current=2)
+    saving.generators[2].manual_seed(99)
+    expected = torch.randint(0, 2**30, (4,), generator=saving.generators[2])
+    saving.generators[2].manual_seed(99)
+    save_rng_state(tmp_path, rank=2)
+    # rank 2 resumed on a node where it runs on GPU 1 (another layout): its state goes there
+    resuming = FakeCuda(monkeypatch, count=2, current=1)
+    untouched = resuming.generators[0].get_state()
+    load_rng_state(tmp_path, rank=2)
+    assert torch.equal(torch.randint(0, 2**30, (4,), generator=resuming.generators[1]), expected)
+    assert torch.equal(resuming.generators[0].get_state(), untouched)
+
+
+def _gpu_plan(**parallel):
+    from dplaunch.config.schema import LaunchConfig, ParallelConfig, TrainConfig
+    from dplaunch.planning.plan import Machine, make_plan
+
+    return make_plan(LaunchConfig(gpus=2), ParallelConfig(**parallel), TrainConfig(),
+                     Machine(render_only=True))  # fmt: skip
+
+
+def test_the_ranks_of_an_fsdp_offload_plan_make_their_group_with_gloo_beside_nccl(monkeypatch):
+    import accelerate
+    import torch.distributed as dist
+
+    from dplaunch.config.schema import RunConfig
+    from dplaunch.train import fsdp
+    from dplaunch.train.loop import make_accelerator
+
+    made: list[str] = []
+
+    class Recorder:  # what the ranks hand Accelerate
+        def __init__(self, kwargs_handlers, **_):
+            made.extend(h.backend for h in kwargs_handlers if hasattr(h, "backend"))
+
+    monkeypatch.setattr(accelerate, "Accelerator", Recorder)
+    plan = _gpu_plan(fsdp="full", offload="all")
+    config = RunConfig.model_validate(yaml.safe_load(TINY_LLAMA.read_text()))
+    make_accelerator(plan, config, Path("unused"))
+    # one rank alone: the FSDP engine makes the group of one itself
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **_: made.append(backend))
+    fsdp._ensure_process_group(plan)
+    assert made == ["cuda:nccl,cpu:gloo", "cuda:nccl,cpu:gloo"]
+
+
+def test_a_quantized_base_loads_on_the_plans_device_and_under_zero3_without_a_device_map(
+    monkeypatch,
+):
+    pytest.importorskip("bitsandbytes")
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from dplaunch.config.schema import LoraConfig
+    from dplaunch.train.lora import quantization_options
+
+    qlora = LoraConfig(r=4, quantize="4bit")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert quantization_options(qlora, on_gpu=True)["device_map"] == {"": torch.device("cuda", 1)}
+    # `--cpu` ranks on a GPU machine keep the base on the CPU they compute on
+    assert quantization_options(qlora, on_gpu=False)["device_map"] == {"": "cpu"}
+    # ZeRO-3 registered (as Accelerate does before the model is built): transformers refuses
+    # any device_map ("DeepSpeed Zero-3 is not compatible with passing a device_map"), and
+    # ZeRO-3 partitions the 4-bit weights stored in the compute dtype
+    zero3 = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_batch_size": 2})
+    options = quantization_options(qlora, on_gpu=True)
+    assert "device_map" not in options
+    config = options["quantization_config"]
+    assert config.bnb_4bit_quant_storage == config.bnb_4bit_compute_dtype == torch.bfloat16
+    del zero3
