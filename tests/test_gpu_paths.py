@@ -34,37 +34,31 @@ class FakeCuda:
         monkeypatch.setattr(cuda_random, "_lazy_call", lambda callback, **_: callback())
 
 
-def test_an_fsdp_checkpoint_of_four_gpus_resumes_on_one_with_each_ranks_own_gpu_generator(
-    tmp_path, monkeypatch
+@pytest.mark.parametrize(
+    "saved_on,resumed_on",
+    [
+        ((4, 0), (1, 0)),  # rank 0 of a 4-GPU FSDP run, resumed on 1 GPU
+        ((4, 2), (2, 1)),  # rank 2 on cuda:2 of 4, resumed where it runs on cuda:1 of 2
+    ],
+)
+def test_a_rank_restores_its_own_gpus_generator_on_fewer_gpus_than_it_saved_on(
+    tmp_path, monkeypatch, saved_on, resumed_on
 ):
     from dplaunch.train.checkpoint import load_rng_state, save_rng_state
 
-    # rank 0 of a 4-GPU FSDP run saved on cuda:0; the run resumes on 1 GPU, whose rank 0
-    # reads that file
-    saving = FakeCuda(monkeypatch, count=4, current=0)
-    saving.generators[0].manual_seed(1234)
-    expected = torch.randint(0, 2**30, (4,), generator=saving.generators[0])
-    saving.generators[0].manual_seed(1234)
-    save_rng_state(tmp_path, rank=0)
-    resuming = FakeCuda(monkeypatch, count=1, current=0)
-    load_rng_state(tmp_path, rank=0)  # before the fix: IndexError on cuda:1's generator
-    assert torch.equal(torch.randint(0, 2**30, (4,), generator=resuming.generators[0]), expected)
-
-
-def test_a_rank_saves_and_restores_only_its_own_gpus_generator(tmp_path, monkeypatch):
-    from dplaunch.train.checkpoint import load_rng_state, save_rng_state
-
-    saving = FakeCuda(monkeypatch, count=4, current=2)
-    saving.generators[2].manual_seed(99)
-    expected = torch.randint(0, 2**30, (4,), generator=saving.generators[2])
-    saving.generators[2].manual_seed(99)
+    saving = FakeCuda(monkeypatch, *saved_on)
+    own = saving.generators[saving.current]
+    own.manual_seed(1234)
+    expected = torch.randint(0, 2**30, (4,), generator=own)
+    own.manual_seed(1234)
     save_rng_state(tmp_path, rank=2)
-    # rank 2 resumed on a node where it runs on GPU 1 (another layout): its state goes there
-    resuming = FakeCuda(monkeypatch, count=2, current=1)
-    untouched = resuming.generators[0].get_state()
-    load_rng_state(tmp_path, rank=2)
-    assert torch.equal(torch.randint(0, 2**30, (4,), generator=resuming.generators[1]), expected)
-    assert torch.equal(resuming.generators[0].get_state(), untouched)
+    resuming = FakeCuda(monkeypatch, *resumed_on)
+    others = [g.get_state() for i, g in enumerate(resuming.generators) if i != resuming.current]
+    load_rng_state(tmp_path, rank=2)  # before: one state per saved GPU, IndexError past cuda:0
+    restored = resuming.generators[resuming.current]
+    assert torch.equal(torch.randint(0, 2**30, (4,), generator=restored), expected)
+    left = [g.get_state() for i, g in enumerate(resuming.generators) if i != resuming.current]
+    assert all(torch.equal(a, b) for a, b in zip(left, others, strict=True))
 
 
 def _gpu_plan(**parallel):

@@ -250,6 +250,11 @@ def test_qlora_trains_a_4bit_base_on_cpu_ranks_and_its_adapter_loads_on_the_base
     result = train(run, "--cpu", "--gpus", "1", "--max-steps", "4", config=run_file)
     losses = train_losses(run)
     assert len(losses) == 4 and losses[-1] < losses[0], losses
+    # under ZeRO-3 as peft builds it there (no device_map, 4-bit weights stored in bf16, which
+    # ZeRO-3 partitions and gathers): 2 ranks train what 1 rank does
+    zero3 = tmp_path / "zero3"
+    train(zero3, "--cpu", "--gpus", "2", "--zero", "3", "--max-steps", "4", config=run_file)
+    assert max_relative_gap(train_losses(zero3), losses) < 1e-5
     assert "4bit" in (run / "run.yaml").read_text() and "Traceback" not in result.stderr
     # 4 layers × (q, o: 4·(64+64); k, v: 4·(64+32); gate, up, down: 4·(64+128)) adapters train
     assert "LoRA: 16,384 of " in result.stdout + result.stderr

@@ -223,23 +223,30 @@ class Checkpointer:
 
 
 def save_rng_state(directory: Path, rank: int) -> None:
-    """Python, NumPy and torch RNG of this rank (for engines whose own save has none)."""
+    """Python, NumPy and torch RNG of this rank, and its own GPU's (for engines whose own save
+    has none). One GPU's state, not every visible GPU's: a resume on fewer GPUs than the save
+    would otherwise restore states into generators that do not exist."""
     import random
 
     import numpy as np
     import torch
 
+    cuda = None
+    if torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        cuda = {"device": device, "state": torch.cuda.get_rng_state(device)}
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "cuda": cuda,
     }
     torch.save(state, directory / rng_state_file(rank))
 
 
 def load_rng_state(directory: Path, rank: int) -> None:
-    """Restore save_rng_state's file of this rank when there is one (another world size may lack it)."""
+    """Restore save_rng_state's file of this rank when there is one (another world size may lack
+    it); its GPU state goes to this rank's own GPU."""
     import random
 
     import numpy as np
@@ -253,7 +260,7 @@ def load_rng_state(directory: Path, rank: int) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"]["state"], torch.cuda.current_device())
 
 
 def _local_place() -> tuple[int, int]:

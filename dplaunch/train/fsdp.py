@@ -155,8 +155,9 @@ def shard_model(model: torch.nn.Module, plan: Plan, compile_blocks: bool) -> lis
 def _ensure_process_group(plan: Plan) -> None:
     # one rank has no process group from Accelerate; the mesh and DCP need one (of size 1)
     if not dist.is_initialized():
-        backend = "nccl" if plan.target == "gpu" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(
+            plan.process_group_backend, store=dist.HashStore(), rank=0, world_size=1
+        )
 
 
 class FsdpEngine:

@@ -110,7 +110,8 @@ def make_accelerator(
         # a single non-DeepSpeed process has no process group: naming a backend would make Accelerate expect one
         handlers.append(
             InitProcessGroupKwargs(
-                backend=plan.backend, timeout=timedelta(minutes=plan.timeout_minutes)
+                backend=plan.process_group_backend,
+                timeout=timedelta(minutes=plan.timeout_minutes),
             )
         )
     kwargs: dict[str, Any] = {"step_scheduler_with_optimizer": False}
@@ -211,7 +212,13 @@ def train(run_dir: Path) -> int:
     )
 
     # under ZeRO-3 built partitioned from construction (transformers' zero.Init), random weights too
-    model = load_model(config.model, tokenizer, config.train.seed, config.data.label_names)
+    model = load_model(
+        config.model,
+        tokenizer,
+        config.train.seed,
+        config.data.label_names,
+        on_gpu=plan.target == "gpu",
+    )
     partition = _partition_line(model)
     if partition is not None:
         say(f"[dplaunch] {partition}")

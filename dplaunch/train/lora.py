@@ -41,28 +41,38 @@ def peft_config(lora: LoraConfig, task: str) -> Any:
     )
 
 
-def quantization_options(lora: LoraConfig | None) -> dict[str, Any]:
+def quantization_options(lora: LoraConfig | None, *, on_gpu: bool) -> dict[str, Any]:
     """from_pretrained's keyword arguments for model.lora.quantize (none without it): nf4 with
-    bf16 compute, or LLM.int8."""
+    bf16 compute, or LLM.int8; placed on this rank's GPU (``on_gpu``: the plan's target) or CPU.
+
+    Under ZeRO-3 (DeepSpeed's HF config registered) as peft documents it: no device_map, which
+    transformers refuses there (its quantizer then loads onto the rank's current device, which
+    Accelerate set), and the 4-bit weights stored in the compute dtype, so that ZeRO-3 can
+    partition and gather them like the model's other 16-bit parameters."""
     if lora is None or lora.quantize is None:
         return {}
     _quiet_imports()
     import torch
     from transformers import BitsAndBytesConfig
+    from transformers.integrations import is_deepspeed_zero3_enabled
 
+    zero3 = is_deepspeed_zero3_enabled()
     if lora.quantize == "4bit":
         config = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",
             bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_quant_storage=torch.bfloat16 if zero3 else torch.uint8,
         )
     else:
         config = BitsAndBytesConfig(load_in_8bit=True)
     options: dict[str, Any] = {"quantization_config": config}
-    if torch.cuda.is_available():
-        # quantized weights are placed as they load (a quantized model cannot be moved later):
-        # on this rank's GPU, as torchrun numbers them
-        options["device_map"] = {"": torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))}
+    if zero3:
+        return options
+    # quantized weights are placed as they load (a quantized model cannot be moved later): on
+    # this rank's GPU as torchrun numbers them, or (CPU ranks, on a GPU machine too) the CPU
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    options["device_map"] = {"": torch.device("cuda", local_rank) if on_gpu else "cpu"}
     return options
 
 

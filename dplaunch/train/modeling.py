@@ -24,10 +24,16 @@ def load_tokenizer(model: ModelConfig) -> Any:
 
 
 def load_model(
-    model: ModelConfig, tokenizer: Any, seed: int, label_names: list[str] | None = None
+    model: ModelConfig,
+    tokenizer: Any,
+    seed: int,
+    label_names: list[str] | None = None,
+    *,
+    on_gpu: bool = False,
 ) -> Any:
     """The HF model for the task; random initialisation is seeded so every rank builds the same
-    weights. LABEL_NAMES (data.label_names) become the config's id2label and label2id."""
+    weights. LABEL_NAMES (data.label_names) become the config's id2label and label2id. ``on_gpu``
+    (the plan's target): a quantized base loads onto this rank's GPU, else the CPU."""
     import torch
     from accelerate.utils import set_seed  # transformers' imports peft (1-2 s a rank) with it
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -63,7 +69,7 @@ def load_model(
             dtype=torch.float32,
             **extra,
             **kernel,
-            **quantization_options(model.lora),
+            **quantization_options(model.lora, on_gpu=on_gpu),
         )
         if built.config.pad_token_id is None:
             built.config.pad_token_id = tokenizer.pad_token_id
