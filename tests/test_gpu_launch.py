@@ -108,6 +108,9 @@ def test_two_runs_of_four_gpus_on_an_eight_gpu_machine_take_different_gpus(tmp_p
         assert first.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
         assert "GPUs 0,1,2,3 claimed for this run (CUDA_VISIBLE_DEVICES)" in first.plan.notes
         assert "export CUDA_VISIBLE_DEVICES=0,1,2,3\n" in first.files["launch.sh"]
+        # nvidia-smi's indices, which CUDA reads in the same (PCI bus) order only when told
+        assert first.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+        assert "export CUDA_DEVICE_ORDER=PCI_BUS_ID\n" in first.files["launch.sh"]
 
         second = run_dplaunch("train", TINY_LLAMA, "--gpus", "4", "--dry-run", env=env)
         assert second.returncode == 0, second.stderr
@@ -231,3 +234,14 @@ def test_a_gpu_plan_runs_the_nccl_flight_recorder_into_the_run_directory(tmp_pat
     plan = prepare_training_run(RunFlags(config=TINY_LLAMA, gpus=2), render_only=True).plan
     mine = hang_dump_environment(plan, errors, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "20000"})
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in mine and mine["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+
+
+def test_cpu_ranks_on_a_gpu_machine_see_no_gpu(tmp_path, monkeypatch):
+    # --cpu plans gloo ranks: a quantized base under ZeRO-3 (no device_map) would otherwise
+    # load onto the GPU transformers finds
+    env = environment_with_gpus(tmp_path, EIGHT_H100S)
+    monkeypatch.setenv("PATH", env["PATH"])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    prepared = prepare_training_run(RunFlags(config=TINY_LLAMA, gpus=2, cpu=True))
+    assert prepared.plan.target == "cpu" and prepared.env["CUDA_VISIBLE_DEVICES"] == ""
+    assert "export CUDA_VISIBLE_DEVICES=''\n" in prepared.files["launch.sh"]

@@ -428,6 +428,9 @@ def rank_environment(plan: Plan, threads: tuple[str, str] | None = None) -> dict
         env["DS_ACCELERATOR"] = (
             "cpu"  # DeepSpeed would otherwise probe for CUDA and warn in every rank
         )
+        # CPU ranks on a GPU machine (--cpu) see no GPU: nothing of theirs lands on one (a
+        # quantized base under ZeRO-3 loads where transformers finds a device)
+        env["CUDA_VISIBLE_DEVICES"] = ""
         if not plan.uses_deepspeed or plan.engine == "pipeline":
             # an unmodified Accelerate script sees a real gloo world only with this (without it,
             # every rank runs as world size 1); with DeepSpeed it would make Accelerate drop the
@@ -542,7 +545,9 @@ def _settle_gpus(plan: Plan, gpus: list[Gpu], *, shared: bool) -> tuple[Plan, di
     if held:
         note += f"; {','.join(held)} are held by another dplaunch run"
     plan = replace(plan, notes=(*plan.notes, note))
-    return plan, {"CUDA_VISIBLE_DEVICES": ",".join(chosen)}
+    # the indices are nvidia-smi's, which counts in PCI bus order; CUDA counts fastest first
+    # unless told otherwise, so on a machine of mixed GPUs the ranks would use others
+    return plan, {"CUDA_VISIBLE_DEVICES": ",".join(chosen), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
 def gloo_interface(
