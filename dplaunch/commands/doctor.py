@@ -166,6 +166,7 @@ def check_node(node: int, master_addr: str, run_dir: Path, env: dict[str, str]) 
     else:
         report.facts.append(f"run directory writes {report.write_mb_s:.0f} MB/s")
     gpu_health(report)
+    report.warnings += build_lock_warnings(extension_folders(env))
     return report
 
 
@@ -391,3 +392,28 @@ def _size(count: int) -> str:
         if count >= 1 << shift:
             return f"{count >> shift} {unit}"
     return f"{count} B"
+
+
+# --- DeepSpeed's build locks ---------------------------------------------------------------------
+
+
+def build_lock_warnings(roots: list[Path]) -> list[str]:
+    """A line for each stale DeepSpeed build lock under ROOTS: every DeepSpeed run outside
+    dplaunch (and torch's other JIT builds) waits on it forever; `dplaunch train` removes it."""
+    from dplaunch.launching.op_build import stale_lock_line, stale_locks
+
+    return [
+        f"{stale_lock_line(lock)}: `dplaunch train` removes it before its ranks start, any "
+        f"other DeepSpeed launch waits on it forever: rm {lock.path}"
+        for lock in stale_locks([root for root in roots if root.is_dir()])
+    ]
+
+
+def extension_folders(env: dict[str, str]) -> list[Path]:
+    """Where JIT-built ops live: the run's folder, dplaunch's keyed ones, torch's default."""
+    from dplaunch.launching.deepspeed_ops import torch_extensions_dir
+
+    roots = [torch_extensions_dir().parent, Path.home() / ".cache" / "torch_extensions"]
+    if env.get("TORCH_EXTENSIONS_DIR"):
+        roots.insert(0, Path(env["TORCH_EXTENSIONS_DIR"]))
+    return roots

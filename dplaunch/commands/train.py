@@ -411,8 +411,12 @@ def start(
 
 def supervise(prepared: PreparedRun) -> tuple[int, RankWatch]:
     """Write the run directory, run this node's ranks; their status and what the watch saw."""
+    from dplaunch.launching.op_build import prepare_ops
+
     write_run_files(prepared.run_dir, prepared.files)
     env = {**os.environ, **prepared.env}
+    # DeepSpeed's ops built (and a killed build's lock cleared) here, once, not in every rank
+    prepare_ops(prepared.plan, env, prepared.run_dir / ERRORS_DIR, say=typer.echo)
     if sys.stdout.isatty():  # rank 0 draws a live progress bar instead of a line per logged step
         env.setdefault(PROGRESS_ENV, str(shutil.get_terminal_size().columns))
     plan = prepared.plan

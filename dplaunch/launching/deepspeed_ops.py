@@ -25,13 +25,20 @@ from dplaunch.planning.plan import Plan
 BUILD_VARIABLES = {"cpu_adam": "DS_BUILD_CPU_ADAM", "deepspeed_shm_comm": "DS_BUILD_SHM_COMM"}
 
 
+def loads_deepspeed(plan: Plan) -> bool:
+    """Whether the ranks of ``plan`` run DeepSpeed's code: its engine, or Ulysses' collectives."""
+    return plan.uses_deepspeed or plan.sequence_parallel_size > 1
+
+
 def needed_ops(plan: Plan) -> dict[str, str]:
     """The ops the ranks of ``plan`` build, each with the plan setting that needs it."""
     ops = {}
     if plan.offload != "none":
         ops["cpu_adam"] = "parallel.offload"  # ZeRO-Offload's optimizer: DeepSpeedCPUAdam
-    if plan.target == "cpu" and plan.uses_deepspeed:
-        ops["deepspeed_shm_comm"] = "parallel"  # DeepSpeed's collectives between CPU ranks
+    if plan.target == "cpu" and loads_deepspeed(plan):
+        # DeepSpeed's collectives between CPU ranks (deepspeed.comm, also under Ulysses' sp)
+        field = "parallel" if plan.uses_deepspeed else "parallel.sp"
+        ops["deepspeed_shm_comm"] = field
     return ops
 
 

@@ -27,7 +27,11 @@ from dplaunch.config.schema import LaunchConfig, ModelConfig, RunConfig, ScriptR
 from dplaunch.config.trackers import check_trackers_installed
 from dplaunch.data.checks import check_data
 from dplaunch.errors import UserError
-from dplaunch.launching.deepspeed_ops import check_ops_can_be_built, torch_extensions_dir
+from dplaunch.launching.deepspeed_ops import (
+    check_ops_can_be_built,
+    loads_deepspeed,
+    torch_extensions_dir,
+)
 from dplaunch.launching.devices import (
     Gpu,
     host_memory_gb,
@@ -422,7 +426,8 @@ def rank_environment(plan: Plan, threads: tuple[str, str] | None = None) -> dict
     env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     # launch.timeout_minutes, for scripts that build their own process group (dplaunch launch)
     env["DPLAUNCH_TIMEOUT_MINUTES"] = f"{plan.timeout_minutes:g}"
-    if plan.uses_deepspeed and not os.environ.get("TORCH_EXTENSIONS_DIR"):
+    # where DeepSpeed's ops are built: ZeRO's engine and Ulysses' sp collectives build the same
+    if loads_deepspeed(plan) and not os.environ.get("TORCH_EXTENSIONS_DIR"):
         env["TORCH_EXTENSIONS_DIR"] = str(torch_extensions_dir())
     if plan.target == "cpu":
         env["DS_ACCELERATOR"] = (

@@ -9,6 +9,7 @@
       stopped.json          why rank 0 stopped before the last step (read by `dplaunch train`)
       metrics.jsonl         one record per line, rank 0 only; tensorboard/ mirrors its scalars
       errors/rank-N.txt     the traceback of a failing rank
+      errors/build-OP.txt   the output of the launcher's build of DeepSpeed's op OP
       checkpoints/          complete step-N/ folders, `latest`, saves in progress (see below)
       model/                the trained model a finished run exports (save_pretrained); merged under LoRA
       adapter/              a LoRA run's adapter, a PEFT folder (PeftModel.from_pretrained(base, adapter/))
@@ -104,6 +105,11 @@ def step_dir(step: int) -> str:
 def rank_error_file(rank: int | str) -> str:
     """The traceback file of a failing rank, in RUN/errors/."""
     return f"rank-{rank}.txt"
+
+
+def op_build_log_file(op: str) -> str:
+    """RUN/errors/build-OP.txt: the output of the launcher's build of a DeepSpeed op."""
+    return f"build-{op}.txt"
 
 
 def rank_stacks_file(rank: int | str) -> str:
