@@ -261,3 +261,21 @@ def cache_hub_dataset(
         features=features, splits=split_dict, config_name=config, dataset_name=snake
     ).write_to_directory(str(folder))
     return folder
+
+
+def option_choices(command: str, option: str) -> list[str]:
+    """The values a command's option accepts: the Literal its typer parameter is typed with."""
+    import inspect
+    import typing
+
+    from dplaunch.cli import COMMANDS
+
+    for parameter in inspect.signature(COMMANDS[command]).parameters.values():
+        annotation = parameter.annotation
+        info = annotation.__metadata__[0]  # in Annotated, typer.Option's first name is its default
+        if option in (info.default, *(info.param_decls or ())):
+            choices = typing.get_args(annotation)[0]  # Literal[...] or Literal[...] | None
+            if typing.get_origin(choices) is not typing.Literal:
+                choices = next(a for a in typing.get_args(choices) if a is not type(None))
+            return list(typing.get_args(choices))
+    raise KeyError(option)

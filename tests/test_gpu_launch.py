@@ -6,8 +6,9 @@ import os
 import subprocess
 from pathlib import Path
 
+from dplaunch.config.flags import RunFlags
 from dplaunch.launching import deepspeed_ops, devices, ports
-from dplaunch.launching.prepare import RunFlags, hang_dump_environment, prepare_training_run
+from dplaunch.launching.prepare import hang_dump_environment, prepare_training_run
 from tests.helpers import TINY_LLAMA, child_environment, fake_nvidia_smi, refusal_line, run_dplaunch
 
 CORES = len(os.sched_getaffinity(0))

@@ -25,6 +25,7 @@ from tests.helpers import (
     TINY_LLAMA,
     child_environment,
     fake_nvidia_smi,
+    option_choices,
     refusal_line,
     run_dplaunch,
     train_losses,
@@ -253,10 +254,10 @@ def test_plan_shows_lora_and_qlora_and_refuses_quantize_without_lora(tmp_path):
     refusal_line(refused, "--quantize: QLoRA quantizes the frozen base of a LoRA run", "--lora R")
     import typing
 
-    from dplaunch.cli import LoraQuantizeChoice
-    from dplaunch.config.schema import LoraQuantize
+    from dplaunch.config.schema import LoraConfig
 
-    assert {choice.value for choice in LoraQuantizeChoice} == set(typing.get_args(LoraQuantize))
+    quantize = LoraConfig.model_fields["quantize"].annotation
+    assert option_choices("plan", "--quantize") == [*typing.get_args(typing.get_args(quantize)[0])]
 
 
 def test_auto_picks_ddp_when_ddp_fits():
@@ -682,10 +683,10 @@ def test_the_gpu_benchmark_checks_the_estimate_the_planner_makes(tmp_path):
 def test_plan_flag_and_run_file_key_name_the_same_attention_kernels():
     from typing import get_args
 
-    from dplaunch.cli import AttentionKernel
-    from dplaunch.config.schema import AttentionImplementation
+    from dplaunch.config.schema import ModelConfig
 
-    assert [k.value for k in AttentionKernel] == list(get_args(AttentionImplementation))
+    kernels = ModelConfig.model_fields["attn_implementation"].annotation
+    assert option_choices("plan", "--attn-implementation") == list(get_args(get_args(kernels)[0]))
     eager = run_dplaunch(
         "plan",
         TINY_LLAMA,

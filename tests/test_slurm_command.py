@@ -14,9 +14,9 @@ import yaml
 
 from dplaunch.cli import app
 from dplaunch.commands.slurm import SlurmOptions, job_shape, train_command
+from dplaunch.config.flags import RUN_FLAGS, RunFlags
 from dplaunch.config.schema import LaunchConfig
 from dplaunch.errors import UserError
-from dplaunch.launching.prepare import FLAG_KEYS, RunFlags
 from tests.helpers import REPO, TINY_LLAMA, child_environment, run_dplaunch, sbatch_options
 
 LLAMA_1B = REPO / "examples" / "llama-1b.yaml"
@@ -295,7 +295,7 @@ def test_every_run_flag_the_job_repeats_is_an_option_of_dplaunch_train():
     # the flags the job repeats, and those SLURM decides in it
     assert {"--gpus", "--cpu", "--zero", "--offload", "--tp", "--set", "--resume"} <= used
     assert not used & {"--nodes", "--node-rank", "--master-addr", "--master-port"}
-    assert len(FLAG_KEYS) == len(RunFlags.__dataclass_fields__) - 2  # config, assignments
+    assert len(RUN_FLAGS) == len(RunFlags.__dataclass_fields__) - 2  # config, assignments
 
 
 # ---------------------------------------------------------------- the committed examples

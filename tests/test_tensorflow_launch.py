@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dplaunch.config.flags import RunFlags
 from dplaunch.config.schema import LaunchConfig
 from dplaunch.errors import UserError
 from dplaunch.launching.frameworks import detect_framework, worker_hosts
-from dplaunch.launching.prepare import RunFlags
 from tests.helpers import REPO, child_environment, files_under, refusal_line, run_dplaunch
 from tests.test_reliability import (
     last_line,

@@ -23,20 +23,16 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
+from dplaunch.commands.options import command
+from dplaunch.config.flags import RunFlags
 from dplaunch.errors import UserError
-from dplaunch.launching.devices import HEALTH_FIELDS, probe_gpus, visible_gpus
-from dplaunch.launching.prepare import (
-    MASTER_ADDR_RESOLVE_SECONDS,
-    PreparedRun,
-    RunFlags,
-    prepare_script_launch,
-)
-from dplaunch.launching.process import run_supervised
-from dplaunch.launching.rundir import write_run_files
+
+if TYPE_CHECKING:
+    from dplaunch.launching.prepare import PreparedRun
 
 # the whole check, start to verdict; the nodes' meeting gets HANDSHAKE_S of it
 DEADLINE_S = 60
@@ -79,8 +75,16 @@ class DoctorTimeout(Exception):
     """The deadline passed while the ranks ran."""
 
 
+@command(config_option=True)
+def doctor_command(flags: RunFlags) -> int:
+    """Check every node of the plan (name resolution, rendezvous port, interface, all-reduce bandwidth, GPUs, disk): PASS/FAIL within 60 s."""
+    return run_doctor(flags)
+
+
 def run_doctor(flags: RunFlags) -> int:
     """Check this node (and, on node 0, every node's report and the ranks); 0 PASS, 1 FAIL."""
+    from dplaunch.launching.prepare import prepare_script_launch
+
     started = time.monotonic()
     run_dir = Path(flags.output_dir or "runs/doctor")
     # the doctor's ranks are launched as a script's are; the run's parallel layout does not matter
@@ -172,6 +176,8 @@ def check_node(node: int, master_addr: str, run_dir: Path, env: dict[str, str]) 
 
 def resolve(host: str) -> str | None:
     """The first address of HOST, or None when it does not resolve in time."""
+    from dplaunch.launching.prepare import MASTER_ADDR_RESOLVE_SECONDS
+
     found: list[str] = []
 
     def lookup() -> None:
@@ -238,6 +244,8 @@ def write_speed(run_dir: Path) -> tuple[float | None, str | None]:
 
 def gpu_health(report: NodeReport) -> None:
     """nvidia-smi's word on this node's GPUs: uncorrected ECC errors fail, busy memory warns."""
+    from dplaunch.launching.devices import HEALTH_FIELDS, probe_gpus, visible_gpus
+
     probe = probe_gpus(extra=HEALTH_FIELDS)
     gpus = visible_gpus(probe=probe)
     if not gpus:
@@ -352,6 +360,9 @@ def _gather_reports(nodes: int, port: int, own: NodeReport, deadline: float) -> 
 
 def _run_ranks(prepared: PreparedRun, result_file: Path, seconds_left: float) -> list[str]:
     """Start the ranks as training would; failures (none when they finished in time)."""
+    from dplaunch.launching.process import run_supervised
+    from dplaunch.launching.rundir import write_run_files
+
     write_run_files(prepared.run_dir, prepared.files)
     result_file.unlink(missing_ok=True)
     plan = prepared.plan

@@ -21,14 +21,12 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from dplaunch.commands.options import command
 from dplaunch.errors import UserError
-from dplaunch.launching.rundir import check_output_dir
-from dplaunch.run_directory.checkpoints import find_checkpoint
-from dplaunch.run_directory.files import read_plan_file, read_run_file
 from dplaunch.run_directory.layout import MODEL_FILES_DIR
 
 if TYPE_CHECKING:
@@ -36,11 +34,39 @@ if TYPE_CHECKING:
     from dplaunch.planning.plan import Plan
 
 
+@command()
+def export_command(
+    checkpoint: Annotated[
+        Path,
+        typer.Argument(
+            help="A checkpoints/step-N directory, or a run directory (its newest checkpoint)."
+        ),
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Directory for the HF model + tokenizer.")],
+    adapter: Annotated[
+        bool,
+        typer.Option(
+            "--adapter",
+            help="A LoRA run's adapter as a PEFT folder instead of the model merged with it.",
+        ),
+    ] = False,
+) -> int:
+    """One consolidated HF model + tokenizer (safetensors) from a checkpoint, for from_pretrained.
+
+    Tensor-parallel checkpoints are joined by a short job of CPU ranks (one per tp rank). A LoRA
+    run's checkpoint gives its adapter merged into the base, or with --adapter the PEFT folder.
+    """
+    return run_export(checkpoint, out, adapter)
+
+
 def run_export(checkpoint: Path, out: Path, adapter: bool = False) -> int:
     """Write the consolidated model of a checkpoint (or of a run's newest checkpoint) to ``out``;
     of a LoRA run's, the adapter merged into its base, or (ADAPTER) the PEFT adapter folder."""
     from dplaunch.config.schema import RunConfig
+    from dplaunch.launching.rundir import check_output_dir
     from dplaunch.planning.plan import Plan
+    from dplaunch.run_directory.checkpoints import find_checkpoint
+    from dplaunch.run_directory.files import read_plan_file, read_run_file
 
     info = find_checkpoint(checkpoint.expanduser(), field="CHECKPOINT")
     config = RunConfig.model_validate(read_run_file(info.path))

@@ -8,48 +8,140 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from dplaunch.config.schema import LaunchConfig
+from dplaunch.commands.options import command, run_flag_option
+from dplaunch.config.flags import (
+    PLAN_PANEL,
+    AttentionImplementation,
+    LoraQuantize,
+    MixedPrecision,
+    Task,
+)
 from dplaunch.errors import UserError
-from dplaunch.hub import hub_offline, looks_like_path
-from dplaunch.planning.auto import Workload, plan_candidates, run_workload
-from dplaunch.planning.candidates import Candidate, format_table, to_json_rows
-from dplaunch.planning.estimate import MemoryEstimate, count_parameters
-from dplaunch.planning.lora import LoraSpec, count_lora, lora_line
-from dplaunch.planning.model_facts import ModelFacts, attention_implementation, load_config_json
-from dplaunch.planning.plan import _nodes
+
+if TYPE_CHECKING:
+    from dplaunch.planning.auto import Workload
+    from dplaunch.planning.candidates import Candidate
+    from dplaunch.planning.estimate import MemoryEstimate
+    from dplaunch.planning.model_facts import ModelFacts
 
 # what a bare `--model` plans for, when no run file says otherwise
 DEFAULT_SEQ_LEN = 2048
 DEFAULT_MIXED_PRECISION = "bf16"
 
 
+_WORKLOAD = "Workload"
+
+
 @dataclass
 class PlanOptions:
-    """The flags of `dplaunch plan` (None = not given)."""
+    """The options of `dplaunch plan` (None: not given), each one typer option."""
 
-    config: Path | None = None
-    model: str | None = None
-    gpus: int | None = None
-    nodes: int | None = None
-    gpus_per_node: int | None = None
-    gpu_memory: float | None = None
-    micro_batch: int | None = None
-    global_batch: int | None = None
-    seq_len: int | None = None
-    mixed_precision: str | None = None
-    activation_checkpointing: bool = False
-    attn_implementation: str | None = None
-    task: str | None = None
+    config: Annotated[
+        Path | None,
+        typer.Argument(
+            help="Run file (YAML): its model, train, data.max_length and launch sections. "
+            "Default: the embedded default run file.",
+            show_default=False,
+        ),
+    ] = None
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model", help="Instead of a run file: hub id, model folder or config.json path."
+        ),
+    ] = None
+    gpus: Annotated[int | None, run_flag_option("gpus", help="Total GPUs to plan for.")] = None
+    nodes: Annotated[int | None, run_flag_option("nodes")] = None
+    gpus_per_node: Annotated[int | None, run_flag_option("gpus_per_node")] = None
+    gpu_memory: Annotated[
+        float | None,
+        typer.Option(
+            "--gpu-memory",
+            help="GiB of one GPU (default: launch.gpu_memory_gb, else nvidia-smi).",
+            rich_help_panel=PLAN_PANEL,
+        ),
+    ] = None
+    micro_batch: Annotated[
+        int | None,
+        run_flag_option("micro_batch", help="Samples per forward pass per GPU.", panel=_WORKLOAD),
+    ] = None
+    global_batch: Annotated[
+        int | None,
+        run_flag_option("global_batch", help="Samples per optimizer step.", panel=_WORKLOAD),
+    ] = None
+    seq_len: Annotated[
+        int | None,
+        typer.Option(
+            "--seq-len",
+            help="Tokens per sample (default data.max_length, or 2048).",
+            rich_help_panel=_WORKLOAD,
+        ),
+    ] = None
+    mixed_precision: Annotated[
+        MixedPrecision | None,
+        run_flag_option(
+            "mixed_precision", help="no, fp16 or bf16 (--model default: bf16).", panel=_WORKLOAD
+        ),
+    ] = None
+    activation_checkpointing: Annotated[
+        bool,
+        typer.Option(
+            "--activation-checkpointing",
+            help="Plan with activation checkpointing.",
+            rich_help_panel=_WORKLOAD,
+        ),
+    ] = False
+    attn_implementation: Annotated[
+        AttentionImplementation | None,
+        typer.Option(
+            "--attn-implementation",
+            help="Attention kernel (default: model.attn_implementation, else what transformers "
+            "picks: sdpa where supported). Only eager keeps the s×s scores.",
+            rich_help_panel=_WORKLOAD,
+        ),
+    ] = None
+    task: Annotated[
+        Task | None, typer.Option("--task", help="The model's head.", rich_help_panel=_WORKLOAD)
+    ] = None
     # LoRA rank (None: the run file's model.lora, else full fine-tuning) and QLoRA's base
-    lora: int | None = None
-    quantize: str | None = None
-    safety_margin: float = 0.1
-    as_json: bool = False
-    assignments: list[str] = field(default_factory=list)
+    lora: Annotated[
+        int | None,
+        typer.Option(
+            "--lora",
+            min=1,
+            metavar="R",
+            help="Plan LoRA training of rank R (adapters on every linear layer; the base frozen).",
+            rich_help_panel=_WORKLOAD,
+        ),
+    ] = None
+    quantize: Annotated[
+        LoraQuantize | None,
+        typer.Option(
+            "--quantize",
+            help="QLoRA: the frozen base in 4-bit (nf4) or 8-bit (with --lora).",
+            rich_help_panel=_WORKLOAD,
+        ),
+    ] = None
+    safety_margin: Annotated[
+        float, typer.Option("--safety-margin", help="Fraction of GPU memory kept free.")
+    ] = 0.1
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the rows as a JSON list instead of a table.")
+    ] = False
+    assignments: Annotated[
+        list[str],
+        typer.Option("--set", help="Override a run-file key: --set data.max_length=4096."),
+    ] = field(default_factory=list)
+
+
+@command()
+def plan_command(options: PlanOptions) -> int:
+    """Memory per GPU and traffic of every DDP / ZeRO / offload / tp / pp plan; marks the one to use."""
+    return run_plan(options)
 
 
 @dataclass
@@ -69,6 +161,7 @@ class PlanSetting:
 def _from_run_file(options: PlanOptions) -> tuple[ModelFacts, str, Workload, Any]:
     from dplaunch.config.load import load_run_config
     from dplaunch.launching.prepare import model_facts
+    from dplaunch.planning.auto import run_workload
 
     overrides = {
         "launch.gpus": options.gpus,
@@ -102,6 +195,8 @@ def _from_run_file(options: PlanOptions) -> tuple[ModelFacts, str, Workload, Any
 
 def _model_config(model: str) -> dict[str, Any]:
     """config.json of a folder, a cached hub model, or (online) fetched alone from the hub."""
+    from dplaunch.hub import hub_offline, looks_like_path
+    from dplaunch.planning.model_facts import load_config_json
 
     if model.startswith("pkg:"):  # how run files name a model shipped in a Python package
         from dplaunch.config.load import resolve_package_path
@@ -131,6 +226,10 @@ def _model_config(model: str) -> dict[str, Any]:
 
 
 def _from_model(options: PlanOptions) -> tuple[ModelFacts, str, Workload]:
+    from dplaunch.planning.auto import Workload
+    from dplaunch.planning.lora import LoraSpec
+    from dplaunch.planning.model_facts import ModelFacts
+
     if options.assignments:
         raise UserError("--set", "overrides a run file's keys", "give a run file, or drop --set")
     if options.quantize is not None and options.lora is None:
@@ -160,6 +259,9 @@ def _from_model(options: PlanOptions) -> tuple[ModelFacts, str, Workload]:
 
 def resolve_setting(options: PlanOptions) -> PlanSetting:
     """Model facts, workload and GPUs from the flags, a run file, and the machine (in that order)."""
+    from dplaunch.config.schema import LaunchConfig
+    from dplaunch.planning.plan import _nodes
+
     if options.model is not None and options.config is not None:
         raise UserError(
             "--model", "a run file already names the model", "give either CONFIG or --model"
@@ -210,6 +312,10 @@ def _short(count: int) -> str:
 
 def describe(setting: PlanSetting, safety_margin: float) -> list[str]:
     """The lines above the table: model, workload, GPUs, and what the numbers assume."""
+    from dplaunch.planning.estimate import count_parameters
+    from dplaunch.planning.lora import count_lora, lora_line
+    from dplaunch.planning.model_facts import attention_implementation
+
     work = setting.workload
     count = count_parameters(setting.facts, work.task, work.num_labels)
     exact = "exact count from the config" if count.exact else "APPROXIMATE: " + count.note
@@ -244,6 +350,8 @@ def describe(setting: PlanSetting, safety_margin: float) -> list[str]:
 
 def plan_table(options: PlanOptions) -> tuple[PlanSetting, list[Candidate]]:
     """The setting and its candidate plans (one recommended unless nothing fits)."""
+    from dplaunch.planning.auto import plan_candidates
+
     setting = resolve_setting(options)
     candidates = plan_candidates(
         setting.facts,
@@ -258,6 +366,8 @@ def plan_table(options: PlanOptions) -> tuple[PlanSetting, list[Candidate]]:
 
 def run_plan(options: PlanOptions) -> int:
     """Print the table (or its JSON rows); exit 0 even when nothing fits (the table says so)."""
+    from dplaunch.planning.candidates import format_table, to_json_rows
+
     setting, candidates = plan_table(options)
     if options.as_json:
         typer.echo(json.dumps(to_json_rows(candidates), indent=2))

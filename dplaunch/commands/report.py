@@ -3,16 +3,33 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from dplaunch.launching.rundir import check_output_dir
+from dplaunch.commands.options import command
 
 REPORT_DIR = "report"
 
 
+@command()
+def report_command(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (with metrics.jsonl).")],
+    compare: Annotated[
+        list[Path] | None,
+        typer.Option("--compare", help="Another run to overlay (repeatable)."),
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Output folder (default RUN_DIR/report).")
+    ] = None,
+) -> int:
+    """PNG plots (loss, eval, lr, tokens/s, memory) and summary.txt from runs' metrics.jsonl."""
+    return run_report(run_dir, compare or [], out)
+
+
 def run_report(run_dir: Path, compare: list[Path], out: Path | None) -> int:
     """Plot RUN_DIR (overlaid with the --compare runs) into OUT (default RUN_DIR/report)."""
+    from dplaunch.launching.rundir import check_output_dir
     from dplaunch.report import make_report
 
     runs = [run_dir, *compare]

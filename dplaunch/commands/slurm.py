@@ -16,36 +16,19 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from dplaunch.cluster.slurm import SINFO_FORMAT, node_shape, parse_sinfo_nodes, srun_argv
-from dplaunch.config.flags import flag_option
-from dplaunch.config.load import load_run_config
-from dplaunch.config.schema import LaunchConfig
+from dplaunch.commands.options import command
+from dplaunch.config.flags import RUN_FLAGS, RunFlags, flag_option
 from dplaunch.errors import UserError
-from dplaunch.launching.prepare import (
-    FLAG_KEYS,
-    PreparedRun,
-    RunFlags,
-    current_allocation,
-    prepare_training_run,
-)
-from dplaunch.launching.preview import print_prepared
-from dplaunch.launching.process import run_supervised
-from dplaunch.launching.rundir import check_output_dir, check_output_file
-from dplaunch.planning.plan import Plan
-from dplaunch.rendering.sbatch import (
-    MAX_SIGNAL_SECONDS,
-    NODE_LAUNCHER,
-    REQUEUE_EXIT_STATUS,
-    REQUEUE_MARK_ENV,
-    SbatchSpec,
-    render_sbatch,
-    time_limit_seconds,
-)
-from dplaunch.run_directory.files import write_text_atomic
 from dplaunch.run_directory.layout import LOGS_DIR, REQUEUE_MARK_PREFIX, SBATCH_SCRIPT
+
+if TYPE_CHECKING:
+    from dplaunch.config.schema import LaunchConfig
+    from dplaunch.launching.prepare import PreparedRun
+    from dplaunch.planning.plan import Plan
 
 # SLURM sends USR1 this many seconds before the time limit: time for a step and a checkpoint
 SIGNAL_SECONDS = 120
@@ -75,27 +58,103 @@ SPEC_FLAGS = {
 }
 
 
+_JOB = "SLURM job"
+
+
 @dataclass
 class SlurmOptions:
-    """The `dplaunch slurm` options that are not run flags."""
+    """The `dplaunch slurm` options that are not run flags, each one typer option."""
 
-    cpus_per_gpu: int | None = None
-    time: str = "01:00:00"
+    cpus_per_gpu: Annotated[
+        int | None,
+        typer.Option(
+            "--cpus-per-gpu",
+            help="CPU cores per GPU (default: the node's cores / GPUs from sinfo, else 10).",
+            rich_help_panel=_JOB,
+        ),
+    ] = None
+    time: Annotated[
+        str,
+        typer.Option("--time", help="Time limit, HH:MM:SS or D-HH:MM:SS.", rich_help_panel=_JOB),
+    ] = "01:00:00"
     # None: SIGNAL_SECONDS
-    signal_seconds: int | None = None
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    constraint: str | None = None
-    job_name: str | None = None
-    modules: list[str] = field(default_factory=list)
-    setup: list[str] = field(default_factory=list)
-    out: str | None = None
-    submit: bool = False
+    signal_seconds: Annotated[
+        int | None,
+        typer.Option(
+            "--signal-seconds",
+            help="Seconds before the time limit at which the ranks checkpoint and stop "
+            "(SIGUSR1; default 120).",
+            rich_help_panel=_JOB,
+        ),
+    ] = None
+    partition: Annotated[
+        str | None, typer.Option("--partition", help="SLURM partition.", rich_help_panel=_JOB)
+    ] = None
+    account: Annotated[
+        str | None,
+        typer.Option("--account", help="SLURM account, e.g. abc@h100.", rich_help_panel=_JOB),
+    ] = None
+    qos: Annotated[str | None, typer.Option("--qos", help="QoS.", rich_help_panel=_JOB)] = None
+    constraint: Annotated[
+        str | None,
+        typer.Option("--constraint", help="Node feature, e.g. h100.", rich_help_panel=_JOB),
+    ] = None
+    job_name: Annotated[
+        str | None,
+        typer.Option(
+            "--job-name", help="Job name (default: the run's name).", rich_help_panel=_JOB
+        ),
+    ] = None
+    modules: Annotated[
+        list[str],
+        typer.Option(
+            "--module", help="`module load` this first (repeatable).", rich_help_panel=_JOB
+        ),
+    ] = field(default_factory=list)
+    setup: Annotated[
+        list[str],
+        typer.Option(
+            "--setup",
+            help="A shell line run before srun, e.g. 'source venv/bin/activate' (repeatable).",
+            rich_help_panel=_JOB,
+        ),
+    ] = field(default_factory=list)
+    out: Annotated[
+        str | None,
+        typer.Option(
+            "--out", help="Where to write the script (default RUN/job.sbatch; '-' = stdout)."
+        ),
+    ] = None
+    submit: Annotated[
+        bool, typer.Option("--submit", help="Submit it with sbatch and print the job id.")
+    ] = False
     # the python that runs dplaunch in the job (default: the one running this command)
-    python: str | None = None
+    python: Annotated[
+        str | None,
+        typer.Option(
+            "--python",
+            help="Python that runs dplaunch in the job (default: this one; 'python' = the "
+            "one on PATH after --module/--setup).",
+            rich_help_panel=_JOB,
+        ),
+    ] = None
     # paths relative to the submit directory (no --chdir): a script that holds no machine's paths
-    relative_paths: bool = False
+    relative_paths: Annotated[
+        bool,
+        typer.Option(
+            "--relative-paths",
+            help="Name the run file, run directory and logs relative to this directory, and "
+            "python as 'python' unless --python: a script to share or commit, which works when "
+            "sbatch is run from the same directory.",
+            rich_help_panel=_JOB,
+        ),
+    ] = False
+
+
+@command()
+def slurm_command(flags: RunFlags, options: SlurmOptions) -> int:
+    """Write an sbatch script that trains with this plan on SLURM nodes (one launcher per node)."""
+    return run_slurm(flags, options)
 
 
 @dataclass(frozen=True)
@@ -110,6 +169,12 @@ class JobShape:
 
 def run_slurm(flags: RunFlags, options: SlurmOptions) -> int:
     """Plan the run for the job, write its sbatch script, and submit it with --submit."""
+    from dplaunch.config.load import load_run_config
+    from dplaunch.launching.prepare import prepare_training_run
+    from dplaunch.launching.rundir import check_output_dir, check_output_file
+    from dplaunch.rendering.sbatch import SbatchSpec, render_sbatch
+    from dplaunch.run_directory.files import write_text_atomic
+
     _refuse_flags_slurm_decides(flags)
     if options.submit and options.out == "-":
         raise UserError("--submit", "cannot submit a script printed to stdout", "give --out FILE")
@@ -259,6 +324,8 @@ def _is_control(char: str) -> bool:
 
 def _signal_seconds(options: SlurmOptions) -> int:
     """The checkpoint signal's lead on the time limit; it must come after the job starts."""
+    from dplaunch.rendering.sbatch import MAX_SIGNAL_SECONDS, time_limit_seconds
+
     seconds = SIGNAL_SECONDS if options.signal_seconds is None else options.signal_seconds
     if not 1 <= seconds <= MAX_SIGNAL_SECONDS:
         raise UserError(
@@ -362,6 +429,8 @@ def query_sinfo(
     partition: str | None, constraint: str | None
 ) -> tuple[int | None, int | None, str]:
     """(GPUs per node, cores per node, source) of the nodes a job would get, as sinfo says."""
+    from dplaunch.cluster.slurm import SINFO_FORMAT, node_shape, parse_sinfo_nodes
+
     sinfo = shutil.which("sinfo")
     if sinfo is None:
         return None, None, "no sinfo here"
@@ -391,7 +460,7 @@ def train_command(
     command = [python or sys.executable, "-m", "dplaunch", "train"]
     if flags.config is not None:
         command.append(str(job_path(Path(flags.config), relative_to)))
-    for name in FLAG_KEYS:
+    for name in RUN_FLAGS:
         value = getattr(flags, name)
         if name in DECIDED_IN_JOB or value is None or value is False:
             continue
@@ -430,6 +499,10 @@ def srun_relaunch_argv(prepared: PreparedRun) -> list[str] | None:
     node running the script (with salloc: the login node), and SLURM's time-limit signal
     (`--signal` without B:) reaches only steps. So dplaunch starts the step itself.
     """
+    from dplaunch.cluster.slurm import srun_argv
+    from dplaunch.launching.prepare import current_allocation
+    from dplaunch.rendering.sbatch import NODE_LAUNCHER
+
     allocation = current_allocation()
     if allocation is None or allocation.inside_step or os.environ.get(UNDER_SRUN):
         return None
@@ -441,6 +514,11 @@ def srun_relaunch_argv(prepared: PreparedRun) -> list[str] | None:
 
 def run_under_srun(prepared: PreparedRun, argv: list[str], *, dry_run: bool) -> int:
     """Start one launcher per node with srun; 75 when the ranks checkpointed to be requeued."""
+    from dplaunch.launching.prepare import current_allocation
+    from dplaunch.launching.preview import print_prepared
+    from dplaunch.launching.process import run_supervised
+    from dplaunch.rendering.sbatch import REQUEUE_EXIT_STATUS, REQUEUE_MARK_ENV
+
     allocation = current_allocation()
     job = allocation.job_id if allocation else "?"
     print_prepared(prepared, show_files=dry_run)

@@ -11,32 +11,84 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from dplaunch.commands.options import command
+from dplaunch.config.flags import Framework, RunFlags
 from dplaunch.errors import UserError
-from dplaunch.launching import restarts
-from dplaunch.launching.prepare import (
-    PreparedRun,
-    RunFlags,
-    prepare_script_launch,
-    prepare_training_run,
-)
-from dplaunch.launching.preview import print_prepared
-from dplaunch.launching.process import RankWatch, run_supervised
-from dplaunch.launching.rundir import check_output_dir, check_run_dir, write_run_files
-from dplaunch.requirements import check_installed_versions
-from dplaunch.run_directory.checkpoints import newest_checkpoint
 from dplaunch.run_directory.layout import CHECKPOINTS_DIR, ERRORS_DIR, RESUME_FILE
 from dplaunch.stop_signals import EXIT_CHECKPOINTED, EXIT_NONFINITE, StopSignals
-from dplaunch.train.metrics import PROGRESS_ENV
 
 # `dplaunch launch` runs Python scripts; a run file given to it is meant for `dplaunch train`
 RUN_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
 if TYPE_CHECKING:
+    from dplaunch.launching import restarts
+    from dplaunch.launching.prepare import PreparedRun
+    from dplaunch.launching.process import RankWatch
     from dplaunch.launching.resume import ResumePoint
+
+
+@command()
+def train_command(
+    flags: RunFlags,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run", help="Print the plan, rendered files and launch command; start nothing."
+        ),
+    ] = False,
+    resume: Annotated[
+        str | None,
+        typer.Option("--resume", help="'auto' (newest complete checkpoint) or a checkpoint path."),
+    ] = None,
+) -> int:
+    """Train a Hugging Face model with the planned parallel layout."""
+    return run_train(flags, dry_run=dry_run, resume=resume)
+
+
+@command()
+def config_command(
+    flags: RunFlags,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            help="Directory to write accelerate.yaml, deepspeed.json, run.yaml, launch.sh into "
+            "(or -o DIR: the run directory launch.sh then trains in).",
+        ),
+    ] = None,
+) -> int:
+    """Render the run's Accelerate/DeepSpeed files for the target the flags describe (GPUs need not be here)."""
+    return run_config(flags, out)
+
+
+@command(config_option=True)
+def launch_command(
+    flags: RunFlags,
+    script: Annotated[
+        Path,
+        typer.Argument(help="Your Accelerate, torchrun-style or TensorFlow Python script."),
+    ],
+    script_args: Annotated[
+        list[str] | None, typer.Argument(help="Arguments for the script (after --).")
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the plan and launch command; start nothing.")
+    ] = False,
+    framework: Annotated[
+        Framework,
+        typer.Option(
+            "--framework",
+            help="auto: what the script imports (TensorFlow/Keras: workers with TF_CONFIG).",
+        ),
+    ] = "auto",
+) -> int:
+    """Launch any Accelerate, PyTorch DDP or TensorFlow script with the same plan: dplaunch launch SCRIPT [flags] -- ARGS."""
+    argv = [str(script), *(script_args or [])]
+    return run_launch(flags, argv, dry_run=dry_run, framework=framework)
 
 
 def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
@@ -44,7 +96,11 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
 
     75 (EXIT_CHECKPOINTED) means the ranks checkpointed on SIGUSR1/SIGTERM: continue with --resume auto.
     """
+    from dplaunch.launching.prepare import prepare_training_run
+    from dplaunch.launching.preview import print_prepared
     from dplaunch.launching.resume import plan_resume, resume_file_text
+    from dplaunch.launching.rundir import check_run_dir
+    from dplaunch.requirements import check_installed_versions
     from dplaunch.run_directory.files import clear_stop_record, read_stop_record
 
     check_installed_versions()
@@ -106,6 +162,7 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
 def _train_with_restarts(prepared: PreparedRun, point: ResumePoint | None) -> int:
     """Run the ranks; after a failure start them again from the newest complete checkpoint, up
     to launch.max_restarts times (dplaunch.launching.restarts decides; nodes agree there)."""
+    from dplaunch.launching import restarts
     from dplaunch.launching.resume import plan_resume, resume_file_text
 
     run_dir, plan = prepared.run_dir, prepared.plan
@@ -181,6 +238,8 @@ def _train_with_restarts(prepared: PreparedRun, point: ResumePoint | None) -> in
 def _restart_step(run_dir: Path, point: ResumePoint | None) -> int | None:
     """The step of this run's newest complete checkpoint, the one a restart continues from;
     None: none newer than where this launch started (it starts there again)."""
+    from dplaunch.run_directory.checkpoints import newest_checkpoint
+
     newest = newest_checkpoint(run_dir / CHECKPOINTS_DIR)
     if newest is None or (point is not None and newest.step < point.checkpoint.step):
         return None
@@ -190,6 +249,8 @@ def _restart_step(run_dir: Path, point: ResumePoint | None) -> int | None:
 def _failure_of(watch: RankWatch, code: int, run_dir: Path, began: int) -> restarts.Failure:
     """What restarts.restart_verdict needs to know of a failed launch (``began``: the size of
     metrics.jsonl when it started)."""
+    from dplaunch.launching import restarts
+
     first = watch.first_failure()
     return restarts.Failure(
         status=code,
@@ -308,6 +369,10 @@ def _print_resume(point: ResumePoint | None, resume: str | None) -> None:
 
 def run_config(flags: RunFlags, out: Path | None) -> int:
     """Render the run's files into ``out`` (or -o DIR) for the target the flags describe."""
+    from dplaunch.launching.prepare import prepare_training_run
+    from dplaunch.launching.preview import print_prepared
+    from dplaunch.launching.rundir import check_output_dir, write_run_files
+
     named = Path(flags.output_dir) if flags.output_dir else None
     if out is None and named is None:
         raise UserError("--out", "no directory to write the files into", "give --out DIR or -o DIR")
@@ -332,9 +397,13 @@ def run_config(flags: RunFlags, out: Path | None) -> int:
 
 
 def run_launch(
-    flags: RunFlags, script: list[str], *, dry_run: bool, framework: str = "auto"
+    flags: RunFlags, script: list[str], *, dry_run: bool, framework: Framework = "auto"
 ) -> int:
     """Launch a user script with the same plan (TensorFlow scripts: workers with TF_CONFIG)."""
+    from dplaunch.launching.preview import print_prepared
+    from dplaunch.launching.rundir import check_run_dir
+    from dplaunch.requirements import check_installed_versions
+
     _check_script(Path(script[0]))
     check_installed_versions()
     prepared = _prepare_launch(flags, script, framework)
@@ -359,8 +428,9 @@ def run_launch(
     return start(prepared)
 
 
-def _prepare_launch(flags: RunFlags, script: list[str], framework: str) -> PreparedRun:
+def _prepare_launch(flags: RunFlags, script: list[str], framework: Framework) -> PreparedRun:
     from dplaunch.launching import frameworks
+    from dplaunch.launching.prepare import prepare_script_launch
 
     chosen = frameworks.resolve_framework(framework, Path(script[0]))
     if chosen == "tensorflow":
@@ -412,6 +482,9 @@ def start(
 def supervise(prepared: PreparedRun) -> tuple[int, RankWatch]:
     """Write the run directory, run this node's ranks; their status and what the watch saw."""
     from dplaunch.launching.op_build import prepare_ops
+    from dplaunch.launching.process import RankWatch, run_supervised
+    from dplaunch.launching.rundir import write_run_files
+    from dplaunch.train.metrics import PROGRESS_ENV
 
     write_run_files(prepared.run_dir, prepared.files)
     env = {**os.environ, **prepared.env}

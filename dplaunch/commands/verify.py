@@ -31,20 +31,13 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
+from dplaunch.commands.options import command
+from dplaunch.config.flags import RunFlags
 from dplaunch.errors import UserError
-from dplaunch.planning.model_facts import (
-    _HEAD_KEYS,
-    _HIDDEN_KEYS,
-    _INTERMEDIATE_KEYS,
-    _KV_HEAD_KEYS,
-    _LAYER_KEYS,
-    ModelFacts,
-    load_config_json,
-)
 from dplaunch.run_directory.layout import LAUNCH_SCRIPT, METRICS_FILE, RUN_FILE
 
 # relative per-step loss gap allowed between the plan and DDP, by precision
@@ -71,14 +64,39 @@ IGNORED_TRAIN_KEYS = (
 
 @dataclass
 class VerifyOptions:
-    """`dplaunch verify`'s own flags."""
+    """`dplaunch verify`'s own options, each one typer option."""
 
-    steps: int = 4
-    tolerance: float | None = None
-    shrink: bool = False
-    inject_fault: str | None = None
+    steps: Annotated[int, typer.Option("--steps", help="Optimizer steps of each run.")] = 4
+    tolerance: Annotated[
+        float | None,
+        typer.Option(
+            "--tolerance",
+            help="Largest relative loss gap (default 1e-3 fp32, 2e-2 bf16, 1e-2 fp16).",
+        ),
+    ] = None
+    shrink: Annotated[
+        bool,
+        typer.Option(
+            "--shrink",
+            help="Same architecture and mesh with a few narrow layers (rehearse a GPU plan on CPU).",
+        ),
+    ] = False
     # an existing pure-DDP run to compare with instead of running one
-    reference: Path | None = None
+    reference: Annotated[
+        Path | None,
+        typer.Option(
+            "--reference",
+            help="An existing pure-DDP run (same model, data and train keys) to compare with.",
+        ),
+    ] = None
+    # the tests' seam: a fault the plan's run gets (verify's FAIL path)
+    inject_fault: Annotated[str | None, typer.Option("--inject-fault", hidden=True)] = None
+
+
+@command()
+def verify_command(flags: RunFlags, options: VerifyOptions) -> int:
+    """Run K steps of the plan and K steps of pure DDP (same batch, seed, data); PASS or FAIL on the losses."""
+    return run_verify(flags, options)
 
 
 # -- the shrunk model (pure) ------------------------------------------------------------------
@@ -98,6 +116,15 @@ def shrunk_model_config(raw: dict[str, Any], *, tp: int = 1, pp: int = 1) -> dic
     KV head (grouped-query attention stays grouped). Hidden size = heads × 16, MLP 2 × hidden.
     Vocabulary and positions are kept: the tokenizer and sequence length still fit.
     """
+    from dplaunch.planning.model_facts import (
+        _HEAD_KEYS,
+        _HIDDEN_KEYS,
+        _INTERMEDIATE_KEYS,
+        _KV_HEAD_KEYS,
+        _LAYER_KEYS,
+        ModelFacts,
+    )
+
     facts = ModelFacts.from_config_dict(raw)
     family = facts.model_type
     heads, kv_heads = facts.num_heads, facts.num_kv_heads
@@ -123,6 +150,7 @@ def shrunk_model_config(raw: dict[str, Any], *, tp: int = 1, pp: int = 1) -> dic
 def _shrink_assignments(flags: Any) -> tuple[list[str], str]:
     """--set assignments that swap the run's model for its shrunk twin, and a line saying so."""
     from dplaunch.config.load import load_run_config
+    from dplaunch.planning.model_facts import ModelFacts, load_config_json
 
     config = load_run_config(
         flags.config, overrides=flags.overrides(), assignments=flags.assignments
@@ -268,7 +296,7 @@ def _check_reference(reference: Path, plan_run: Any) -> None:
         )
 
 
-def run_verify(flags: Any, options: VerifyOptions) -> int:
+def run_verify(flags: RunFlags, options: VerifyOptions) -> int:
     """Run the plan and DDP for K steps each; print the losses; 0 = PASS, 1 = FAIL."""
     from dplaunch.commands.train import start
     from dplaunch.launching.prepare import prepare_training_run

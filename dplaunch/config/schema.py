@@ -9,16 +9,18 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dplaunch.config.flags import MixedPrecision, Offload
+from dplaunch.config.flags import (
+    AttentionImplementation,
+    FsdpMode,
+    LoraQuantize,
+    MixedPrecision,
+    Offload,
+    Task,
+)
 
-Task = Literal["causal-lm", "sequence-classification", "sft"]
 # tasks that train a causal LM (sft: on formatted examples, the loss on their answers)
 CAUSAL_TASKS = ("causal-lm", "sft")
 SftFormat = Literal["conversational", "prompt-completion", "text"]
-# attention kernels transformers runs (from_pretrained/from_config attn_implementation)
-AttentionImplementation = Literal[
-    "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"
-]
 Scheduler = Literal[
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"
 ]
@@ -42,9 +44,6 @@ class FieldProblem(ValueError):
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-LoraQuantize = Literal["4bit", "8bit"]
 
 
 class LoraConfig(Section):
@@ -328,7 +327,7 @@ class ParallelConfig(Section):
         1, ge=1, description="Tensor-parallel degree (DeepSpeed AutoTP), inside a node."
     )
     pp: int = Field(1, ge=1, description="Pipeline-parallel degree (DeepSpeed pipeline engine).")
-    fsdp: Literal["full", "hybrid"] | None = Field(
+    fsdp: FsdpMode | None = Field(
         None,
         description="PyTorch FSDP2 instead of DDP/ZeRO: `full` shards over every data-parallel rank, `hybrid` shards inside a node and replicates across nodes (HSDP).",
     )

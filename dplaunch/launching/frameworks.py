@@ -20,6 +20,7 @@ from pathlib import Path
 
 from dplaunch.cluster.hostfile import is_local, launch_for_hostfile, read_hostfile
 from dplaunch.cluster.slurm import SlurmAllocation
+from dplaunch.config.flags import Framework, RunFlags
 from dplaunch.config.load import dump_run_config
 from dplaunch.config.schema import LaunchConfig
 from dplaunch.errors import UserError
@@ -27,7 +28,6 @@ from dplaunch.launching.devices import visible_gpu_count
 from dplaunch.launching.ports import claim_free_port, claim_port
 from dplaunch.launching.prepare import (
     PreparedRun,
-    RunFlags,
     check_script_exists,
     current_allocation,
     launch_for_cluster,
@@ -49,7 +49,6 @@ from dplaunch.rendering.tf_config import (
 )
 from dplaunch.run_directory.layout import ERRORS_DIR
 
-FRAMEWORKS = ("auto", "pytorch", "tensorflow", "horovod")
 TENSORFLOW_MODULES = frozenset({"tensorflow", "keras", "tf_keras"})
 TORCH_MODULES = frozenset(
     {"torch", "accelerate", "lightning", "pytorch_lightning", "deepspeed", "transformers"}
@@ -88,7 +87,7 @@ def detect_framework(script: Path) -> str:
     return "pytorch"
 
 
-def resolve_framework(choice: str, script: Path) -> str:
+def resolve_framework(choice: Framework, script: Path) -> str:
     """The framework to launch: the one given, or (auto) the one the script imports."""
     return detect_framework(script) if choice == "auto" else choice
 

@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, make_dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from dplaunch.cluster.slurm import (
     launch_for_allocation,
     rank_threads,
 )
-from dplaunch.config.flags import RUN_FLAGS, RunFlag, flag_keys
+from dplaunch.config.flags import RunFlags
 from dplaunch.config.load import dump_run_config, load_run_config
 from dplaunch.config.schema import LaunchConfig, ModelConfig, RunConfig, ScriptRunConfig
 from dplaunch.config.trackers import check_trackers_installed
@@ -64,52 +64,6 @@ from dplaunch.run_directory.layout import DEEPSPEED_FILE, ERRORS_DIR, PLAN_FILE,
 
 # seconds a host name may take to resolve before the check gives up (and lets the launch try)
 MASTER_ADDR_RESOLVE_SECONDS = 5.0
-
-# flag name → dotted key in the run file (declared in config/flags.py)
-FLAG_KEYS = flag_keys()
-
-
-class _RunFlagsBase:
-    def overrides(self) -> dict[str, Any]:
-        """Flags that were given, as dotted run-file keys."""
-        given = {name: getattr(self, name) for name in FLAG_KEYS}
-        chosen = [
-            f"--{name}" for name in ("zero", "offload", "tp", "pp", "sp") if given[name] is not None
-        ]
-        if given["parallel"] == "auto" and chosen:
-            raise UserError(
-                "--parallel",
-                f"auto picks the ZeRO stage, offload, tp and pp itself, but {' '.join(chosen)} was given",
-                "drop one or the other",
-            )
-        # 0 is a value (--gpus 0 must be refused, not ignored); only None/False mean "not given"
-        return {
-            FLAG_KEYS[name]: value
-            for name, value in given.items()
-            if value is not None and value is not False
-        }
-
-
-def _flag_type(flag: RunFlag) -> Any:
-    # a choice arrives as its string value
-    return (flag.kind if isinstance(flag.kind, type) else str) | None
-
-
-# the flags `train`, `config`, `launch`, `slurm` and `plan` share (None = not given): the run
-# file, the --set assignments, and one attribute per row of RUN_FLAGS
-RunFlags = make_dataclass(
-    "RunFlags",
-    [
-        ("config", Path | None, None),
-        ("assignments", list[str], field(default_factory=list)),
-        *((name, _flag_type(flag), None) for name, flag in RUN_FLAGS.items()),
-    ],
-    bases=(_RunFlagsBase,),
-    namespace={
-        "__module__": __name__,
-        "__doc__": "The flags `train`, `config`, `launch`, `slurm` and `plan` share (None = not given).",
-    },
-)
 
 
 @dataclass
