@@ -93,7 +93,12 @@ def loopback_node_argv(
 
 
 def run_loopback_nodes(
-    config: Path, run_dir: Path, *flags: Any, gpus: int = 2, port: int | None = None
+    config: Path,
+    run_dir: Path,
+    *flags: Any,
+    gpus: int = 2,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> list[str]:
     """Both loopback "nodes" of loopback_node_argv on PORT (unset: a free one), run to the end;
     their outputs (each must exit 0)."""
@@ -108,7 +113,7 @@ def run_loopback_nodes(
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=child_environment(),
+            env=env or child_environment(),
         )
         for rank in (0, 1)
     ]
@@ -166,10 +171,14 @@ def train_losses(run_dir: Path) -> list[float]:
 
 
 def train(
-    run_dir: Path, *args: Any, config: Path = TINY_LLAMA, timeout: float = 600
+    run_dir: Path,
+    *args: Any,
+    config: Path = TINY_LLAMA,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run `dplaunch train CONFIG -o run_dir ARGS…` and insist that it succeeds."""
-    result = run_dplaunch("train", config, "-o", run_dir, *args, timeout=timeout)
+    result = run_dplaunch("train", config, "-o", run_dir, *args, timeout=timeout, env=env)
     assert result.returncode == 0, (
         f"dplaunch train failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     )
@@ -279,3 +288,58 @@ def option_choices(command: str, option: str) -> list[str]:
                 choices = next(a for a in typing.get_args(choices) if a is not type(None))
             return list(typing.get_args(choices))
     raise KeyError(option)
+
+
+def spy_environment(run_dir: Path, **extra: str) -> dict[str, str]:
+    """The ranks' environment with the collective spy on (dplaunch/train/collective_spy.py): rank
+    R writes RUN_DIR.collectives/rank-R.json, the collectives of step 3, beside the run directory."""
+    from dplaunch.train.collective_spy import SPY_ENV
+
+    return child_environment(**{SPY_ENV: str(collectives_folder(run_dir))}, **extra)
+
+
+def collectives_folder(run_dir: Path) -> Path:
+    return run_dir.parent / f"{run_dir.name}.collectives"
+
+
+def assert_forecast_collectives(run_dir: Path) -> None:
+    """Rank 0's collectives of the spied step (groups of more than one rank) are, op by op and
+    byte for byte, those the forecast counts for the run's layout (planning/forecast.py)."""
+    from collections import Counter
+    from dataclasses import replace
+
+    from dplaunch.config.schema import RunConfig
+    from dplaunch.launching.prepare import model_facts
+    from dplaunch.planning.auto import run_workload
+    from dplaunch.planning.forecast import step_collectives
+    from dplaunch.planning.plan import Plan
+    from dplaunch.planning.rules import ParallelDims
+    from dplaunch.run_directory.files import read_plan_file, read_run_file
+
+    config = RunConfig.model_validate(read_run_file(run_dir))
+    plan = Plan.from_dict(read_plan_file(run_dir))
+    dims = ParallelDims(
+        plan.world_size,
+        plan.processes_per_node,
+        plan.tensor_parallel_size,
+        plan.pipeline_parallel_size,
+        plan.zero_stage,
+        plan.offload,
+        fsdp=plan.fsdp,
+        sp=plan.sequence_parallel_size,
+    )
+    workload = replace(run_workload(config), micro_batch=plan.micro_batch_size)
+    forecast = step_collectives(
+        model_facts(config.model),
+        dims,
+        workload,
+        guard=config.train.on_nonfinite != "off",
+        clip=config.train.max_grad_norm > 0,
+    )
+    expected = Counter((c.op, int(c.bytes), c.ranks) for c in forecast)
+    spied = json.loads((collectives_folder(run_dir) / "rank-0.json").read_text())["collectives"]
+    seen = Counter((c["op"], c["bytes"], len(c["ranks"])) for c in spied if len(c["ranks"]) > 1)
+    assert seen == expected, (
+        f"spied but not forecast: {dict(seen - expected)}; forecast but not spied: "
+        f"{dict(expected - seen)}"
+    )

@@ -10,7 +10,14 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import COMPARISON_FLAGS
-from tests.helpers import max_relative_gap, read_metrics, train, train_losses
+from tests.helpers import (
+    assert_forecast_collectives,
+    max_relative_gap,
+    read_metrics,
+    spy_environment,
+    train,
+    train_losses,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,6 +35,8 @@ def test_two_data_parallel_ranks_match_one_rank_on_the_same_global_batch(tmp_pat
     one, two = train_losses(single), train_losses(dp_reference)
     assert len(one) == 6 and one[-1] < one[0], one  # it trained
     assert max_relative_gap(two, one) < 1e-5, (one, two)
+    # DDP's step: the buffers broadcast, one bucket of gradients, the guard (planning/forecast.py)
+    assert_forecast_collectives(dp_reference)
     weights_1 = load_file(str(single / "model" / "model.safetensors"))
     weights_2 = load_file(str(dp_reference / "model" / "model.safetensors"))
     assert weights_1.keys() == weights_2.keys()
@@ -38,7 +47,10 @@ def test_two_data_parallel_ranks_match_one_rank_on_the_same_global_batch(tmp_pat
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stages_give_the_same_losses_as_ddp(tmp_path, dp_reference, stage):
     run = tmp_path / f"zero{stage}"
-    result = train(run, "--cpu", "--gpus", "2", "--zero", str(stage), *COMPARISON_FLAGS)
+    result = train(
+        run, "--cpu", "--gpus", "2", "--zero", str(stage), *COMPARISON_FLAGS,
+        env=spy_environment(run),
+    )  # fmt: skip
     assert "DEEPSPEED" in result.stdout  # the DeepSpeed engine really ran
     assert read_metrics(run)[0]["zero_stage"] == stage
     gap = max_relative_gap(train_losses(run), train_losses(dp_reference))
@@ -49,6 +61,9 @@ def test_zero_stages_give_the_same_losses_as_ddp(tmp_path, dp_reference, stage):
         assert built, result.stdout[-3000:]
         held, total = (int(number.replace(",", "")) for number in built.group(1, 2))
         assert total / 2 <= held < total * 0.6, (held, total)
+    # and the step issues the collectives the forecast counts (ZeRO-3 with weights large enough
+    # to be partitioned: tests/test_forecast.py)
+    assert_forecast_collectives(run)
 
 
 def test_offloading_the_optimizer_keeps_adamw_decoupled_weight_decay(tmp_path):

@@ -30,12 +30,13 @@ from tests.conftest import COMPARISON_FLAGS
 from tests.helpers import (
     REPO,
     TINY_LLAMA,
-    child_environment,
+    assert_forecast_collectives,
     max_relative_gap,
     read_metrics,
     refusal_line,
     run_dplaunch,
     run_loopback_nodes,
+    spy_environment,
     train,
     train_losses,
 )
@@ -57,7 +58,7 @@ def fsdp_runs(tmp_path_factory) -> dict[str, Path]:
          "--gpus", "2", *FSDP],
         stdout=open(f"{killed}.log", "w"),  # noqa: SIM115 — closed when the process ends
         stderr=subprocess.STDOUT,
-        env=child_environment(**{FAULT: "4:sleep=8"}),
+        env=spy_environment(killed, **{FAULT: "4:sleep=8"}),
         cwd=REPO,
     )  # fmt: skip
     shards = killed / "checkpoints" / ".tmp-step-4" / "fsdp"
@@ -85,6 +86,8 @@ def test_fsdp_on_2_ranks_trains_like_ddp_and_a_killed_save_never_becomes_latest(
     assert latest(run) == "step-2" and not (run / "checkpoints" / "step-4").exists()
     losses, reference = train_losses(run), train_losses(dp_reference)
     assert len(losses) == 4 and max_relative_gap(losses, reference[:4]) < 1e-5, (losses, reference)
+    # the root unit once, each block twice, the reduce-scatters, the norm: the forecast's count
+    assert_forecast_collectives(run)
 
 
 @pytest.mark.parametrize("name", ["on4", "on1"])
@@ -152,13 +155,15 @@ def test_hybrid_sharding_on_2_nodes_of_2_ranks_with_cpu_offload_trains_like_ddp(
 ):
     run_dir = tmp_path / "hsdp"
     flags = ("--fsdp", "hybrid", "--offload", "all", *COMPARISON_FLAGS)
-    outputs = run_loopback_nodes(TINY_LLAMA, run_dir, *flags, gpus=4)
+    outputs = run_loopback_nodes(TINY_LLAMA, run_dir, *flags, gpus=4, env=spy_environment(run_dir))
     assert "shard groups: [[0, 1], [2, 3]]" in outputs[0]
     assert "replicate groups: [[0, 2], [1, 3]]" in outputs[0]
     assert "sharded over 2 rank(s), replicated 2×" in outputs[0]
     assert "offloaded to CPU" in outputs[0]
     losses = train_losses(run_dir)
     assert max_relative_gap(losses, train_losses(dp_reference)) < 1e-5
+    # reduce-scatter inside the node, the shard all-reduced across the nodes: the forecast's
+    assert_forecast_collectives(run_dir)
 
 
 @pytest.mark.parametrize(

@@ -17,9 +17,11 @@ from tests.conftest import COMPARISON_FLAGS
 from tests.helpers import (
     TINY_GPT2_CONFIG,
     TINY_LLAMA,
+    assert_forecast_collectives,
     max_relative_gap,
     read_metrics,
     run_dplaunch,
+    spy_environment,
     train,
     train_losses,
     write_config,
@@ -90,7 +92,7 @@ def final_eval_loss(run_dir) -> float:
 )
 def test_layout_matches_data_parallel_at_every_step(tmp_path, dp_reference, layout, flags):
     run = tmp_path / layout
-    result = train(run, "--cpu", *flags, *COMPARISON_FLAGS)
+    result = train(run, "--cpu", *flags, *COMPARISON_FLAGS, env=spy_environment(run))
     header = read_metrics(run)[0]
     tp = int(flags[flags.index("--tp") + 1]) if "--tp" in flags else 1
     pp = int(flags[flags.index("--pp") + 1]) if "--pp" in flags else 1
@@ -105,6 +107,9 @@ def test_layout_matches_data_parallel_at_every_step(tmp_path, dp_reference, layo
     if layout in ("tp2", "pp2"):
         # one consolidated HF model that reproduces the sharded model's numbers on one process
         assert math.isclose(exported_eval_loss(run), final_eval_loss(run), rel_tol=1e-4)
+    # TP's per-layer all-reduces, the pipeline's sends, the data-parallel reductions of the 2-D
+    # meshes: the collectives of a step are those the forecast counts (planning/forecast.py)
+    assert_forecast_collectives(run)
 
 
 def test_tied_embedding_gpt2_through_the_pipeline_matches_dp(tmp_path):

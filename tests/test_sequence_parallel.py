@@ -16,10 +16,12 @@ from safetensors.torch import load_file
 from tests.helpers import (
     SFT_CONFIG,
     TINY_LLAMA,
+    assert_forecast_collectives,
     max_relative_gap,
     read_metrics,
     refusal_line,
     run_dplaunch,
+    spy_environment,
     train,
     train_losses,
     write_config,
@@ -85,7 +87,9 @@ def sp_verify(runs, long_config, ddp_run) -> tuple[Path, str]:
     """`dplaunch verify` of sp 2 on 2 ranks (dp 1) against the DDP run: the plan run and its output."""
     out = runs / "verify"
     flags = ("--cpu", "--gpus", "2", "--sp", "2", "--steps", "3", "--reference", ddp_run)
-    result = run_dplaunch("verify", long_config, *flags, "-o", out, timeout=600)
+    result = run_dplaunch(
+        "verify", long_config, *flags, "-o", out, timeout=600, env=spy_environment(out / "plan")
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out / "plan", result.stdout
 
@@ -98,6 +102,8 @@ def test_sp2_gives_ddp_losses_and_verify_says_so(ddp_run, sp_verify):
     assert header["gradient_accumulation_steps"] == 2  # micro 2 × accum 2 × dp 1 = 4 samples
     assert "mesh: dp 1 × sp 2 × tp 1 × pp 1 = 2 ranks" in output
     assert "sequence-parallel groups: [[0, 1]]" in output
+    # Ulysses' all-to-alls and position gathers, every layer and micro-batch: the forecast's
+    assert_forecast_collectives(run)
     reference = train_losses(ddp_run)
     assert len(reference) == 3 and reference[-1] < reference[0]
     assert max_relative_gap(train_losses(run), reference) < TOLERANCE, (

@@ -290,14 +290,11 @@ def _inside(path: str, name: str) -> bool:
     return any(".".join(parts[i : i + width]) == name for i in range(len(parts)))
 
 
-def count_lora(
-    facts: ModelFacts,
-    spec: LoraSpec,
-    task: str = "causal-lm",
-    num_labels: int | None = None,
-) -> LoraCount:
-    """Adapters, saved copies and quantized weights of ``spec`` on this model."""
-    exact, modules = model_modules(facts, task, num_labels)
+def adapted_modules(
+    modules: list[Module], spec: LoraSpec, task: str = "causal-lm"
+) -> tuple[list[Module], list[Module]]:
+    """(modules that get adapters, modules trained in full as saved copies) of ``spec`` among
+    ``modules`` (:func:`model_modules`), by peft's rules."""
     saved_names = list(spec.modules_to_save)
     if task == "sequence-classification":
         saved_names += ["score", "classifier"]  # peft's SEQ_CLS task type trains the head in full
@@ -313,6 +310,18 @@ def count_lora(
             chosen = any(_named(module.path, name) for name in spec.target_modules)
         if chosen:
             targeted.append(module)
+    return targeted, saved
+
+
+def count_lora(
+    facts: ModelFacts,
+    spec: LoraSpec,
+    task: str = "causal-lm",
+    num_labels: int | None = None,
+) -> LoraCount:
+    """Adapters, saved copies and quantized weights of ``spec`` on this model."""
+    exact, modules = model_modules(facts, task, num_labels)
+    targeted, saved = adapted_modules(modules, spec, task)
     # bitsandbytes quantizes every linear layer but the output head (transformers skips it)
     quantized = [m for m in modules if m.shape and not m.output_head and not m.embedding]
 
@@ -371,6 +380,7 @@ __all__ = [
     "LoraCount",
     "LoraSpec",
     "Module",
+    "adapted_modules",
     "count_lora",
     "lora_line",
     "model_modules",

@@ -31,6 +31,7 @@ from dplaunch.run_directory.files import (
 from dplaunch.run_directory.layout import ADAPTER_DIR, DEEPSPEED_FILE, EXPORT_DIR
 from dplaunch.stop_signals import EXIT_CHECKPOINTED, StopSignals
 from dplaunch.train.checkpoint import Checkpointer
+from dplaunch.train.collective_spy import spy_from_environment, watched
 from dplaunch.train.control import ControlChannel
 from dplaunch.train.data import (
     Batcher,
@@ -558,6 +559,8 @@ def _run_steps(run: RankRun, start_step: int) -> tuple[int, str | None]:
     # a resumed run that is already past stop_after_steps goes on
     stop_after = train.stop_after_steps if (train.stop_after_steps or 0) > start_step else None
     step, stop_reason = start_step, None
+    # DPLAUNCH_COLLECTIVE_SPY: the collectives of one step, for the forecast's tests
+    spy = spy_from_environment(place.rank)
     while step < total_steps:
         # all ranks decide together: a signal may have reached only some of them, or at other moments
         if control.any(signals.received is not None):
@@ -575,7 +578,8 @@ def _run_steps(run: RankRun, start_step: int) -> tuple[int, str | None]:
         micro_batches = batcher.step_micro_batches(order, in_epoch)
         step_lr = engine.current_lr()  # the step's own (the scheduler then moves to the next)
         guard.begin(step + 1)
-        loss = engine.train_step(micro_batches)
+        with watched(spy, step + 1):
+            loss = engine.train_step(micro_batches)
         if guard.enabled and run.plan.engine == "pipeline":
             guard.judge(loss, None, (), engine.engine)  # the pipeline: DeepSpeed has stepped
         if place.counts_tokens:

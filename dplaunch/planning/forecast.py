@@ -1,0 +1,1007 @@
+"""The forecast: how long one optimizer step of a layout takes on a profile's hardware.
+
+Pure Python (no torch), like the rest of planning/: `dplaunch plan` prints it for every row,
+``parallel: auto`` picks the fastest row with it, and every run compares it with the step time it
+measured (train/loop.py). The rates come from a profile (planning/profiles.py): measured by
+``dplaunch calibrate``, or datasheet figures.
+
+One step, per rank (the busiest pipeline stage), is the sum of these terms; each is a function
+below with the formula in its docstring:
+
+- **compute** (:func:`micro_batch_flops`): the FLOPs of the run's real model and micro-batch —
+  every linear layer's product forward and backward (the backward computes a weight gradient only
+  for weights that train, and an input gradient only where something before it trains: LoRA's
+  frozen base), LoRA's adapters, the attention scores at the run's kernel, activation
+  checkpointing's second forward of every decoder layer — divided by the profile's rate for that
+  shape (:func:`compute_seconds`);
+- **communication** (:func:`step_collectives`): every collective the layout issues in a step, each
+  latency + bus bytes / bus bandwidth; what may run while the backward computes (DDP's buckets
+  but the last, FSDP2's prefetched gathers and reduce-scatters, ZeRO's with overlap_comm) hides
+  behind it by the profile's overlap (:func:`communication_seconds`);
+- **bubble** (:func:`pipeline_seconds`): the pipeline's idle time, (pp − 1) / (m + pp − 1) of the
+  step under DeepSpeed's 1F1B schedule, m micro-batches a step;
+- **offload** (:func:`offload_seconds`): gradients to the host, DeepSpeed's CPU Adam over the
+  rank's partition, updated weights back;
+- **optimizer** (:func:`optimizer_seconds`): AdamW over the parameters this rank updates.
+
+MFU is the model's FLOPs of the step (no recomputation) over step time × ranks × peak FLOP/s.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from dplaunch.planning.estimate import (
+    BUCKET_SIZE,
+    LLAMA_LIKE,
+    ParameterCount,
+    config_field,
+    count_parameters,
+    layers_per_stage,
+)
+from dplaunch.planning.lora import LoraSpec, Module, adapted_modules, model_modules
+from dplaunch.planning.mesh import Mesh, fsdp_groups
+from dplaunch.planning.model_facts import ModelFacts, attention_implementation
+from dplaunch.planning.profiles import DTYPES, Profile
+
+if TYPE_CHECKING:
+    from dplaunch.planning.rules import ParallelDims
+
+# DDP's gradient buckets: dplaunch sets bucket_cap_mb=100 (train/loop.py make_accelerator)
+DDP_BUCKET_BYTES = 100 * 2**20
+# DeepSpeed ZeRO-3 as rendered (rendering/deepspeed_config.py) and its defaults
+ZERO3_PREFETCH_ELEMENTS = BUCKET_SIZE // 4
+ZERO3_PERSISTENCE_THRESHOLD = 100_000
+ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
+# DeepSpeed's pipeline engine sends a tensor's metadata (256 int32) before each micro-batch's
+# activations when shapes may change (dynamic_shape), and the attention mask (int64) with them
+PIPELINE_META_BYTES = 256 * 4
+# a term of the forecast, for the end-of-run "most wrong term"
+TERMS = ("compute", "communication", "bubble", "offload", "optimizer")
+
+
+# ---------------------------------------------------------------------------------------------
+# the model's parameters and linear layers
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One parameter tensor: (rows, cols) as torch holds it (cols 1 for a vector)."""
+
+    name: str
+    rows: int
+    cols: int
+    layer: int | None
+    side: str = "layer"  # "embedding" (first pipeline stage), "layer", "head" (last)
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def decays(self) -> bool:
+        """In AdamW's weight-decay group (train/engines.py build_optimizer): matrices not norms."""
+        return self.cols > 1 and "norm" not in self.name.lower()
+
+
+def model_weights(
+    facts: ModelFacts,
+    task: str = "causal-lm",
+    num_labels: int | None = None,
+    lora: LoraSpec | None = None,
+) -> list[Weight]:
+    """Every parameter tensor of the HF model (with ``lora``: only those that train), in the
+    order the model registers them: linear weights and biases from :func:`model_modules`,
+    norms (what a layer holds beyond its linear layers) as vectors of the hidden size. A tied
+    output head is the embedding: counted once."""
+    count = count_parameters(facts, task, num_labels)
+    _, modules = model_modules(facts, task, num_labels)
+    weights: list[Weight] = []
+    trained = None
+    if lora is not None:
+        targeted, saved = adapted_modules(modules, lora, task)
+        trained = _lora_weights(targeted, saved, lora.r)
+    by_layer: dict[int | None, int] = {}
+    for module in modules:
+        if module.output_head and count.tied_head:
+            continue
+        side = "layer" if module.layer is not None else module.side
+        if module.shape is None:
+            weights.append(Weight(f"{module.path}.weight", module.params, 1, module.layer, side))
+        else:
+            n_in, n_out = module.shape
+            if module.embedding:
+                weights.append(Weight(f"{module.path}.weight", n_in, n_out, None, "embedding"))
+            else:
+                weights.append(Weight(f"{module.path}.weight", n_out, n_in, module.layer, side))
+                if module.params > n_in * n_out:
+                    weights.append(
+                        Weight(
+                            f"{module.path}.bias",
+                            module.params - n_in * n_out,
+                            1,
+                            module.layer,
+                            side,
+                        )
+                    )
+        by_layer[module.layer] = by_layer.get(module.layer, 0) + module.params
+    hidden = count.hidden_size or 1
+    # norms inside the blocks (and biases model_modules leaves out), as hidden-size vectors
+    for layer in range(count.num_layers):
+        rest = count.per_layer - by_layer.get(layer, 0)
+        weights += _vectors(f"layers.{layer}.norm", rest, hidden, layer, "layer")
+    outside = sum(w.numel for w in weights if w.layer is None)
+    weights += _vectors(
+        "norm", count.total - count.per_layer * count.num_layers - outside, hidden, None, "head"
+    )
+    if trained is not None:
+        return trained
+    return weights
+
+
+def _vectors(name: str, params: int, size: int, layer: int | None, side: str) -> list[Weight]:
+    vectors = [Weight(f"{name}.{i}", size, 1, layer, side) for i in range(params // size)]
+    if params % size:
+        vectors.append(Weight(f"{name}.rest", params % size, 1, layer, side))
+    return vectors
+
+
+def _lora_weights(targeted: list[Module], saved: list[Module], r: int) -> list[Weight]:
+    """The tensors a LoRA run trains: lora_A (r × in) and lora_B (out × r) of every adapted
+    layer, and the full copies of modules_to_save."""
+    weights = []
+    for module in targeted:
+        n_in, n_out = module.shape or (0, 0)
+        side = "layer" if module.layer is not None else module.side
+        weights.append(Weight(f"{module.path}.lora_A", r, n_in, module.layer, side))
+        weights.append(Weight(f"{module.path}.lora_B", n_out, r, module.layer, side))
+    for module in saved:
+        n_in, n_out = module.shape or (module.params, 1)
+        side = "layer" if module.layer is not None else module.side
+        weights.append(Weight(f"{module.path}.weight", n_out, n_in, module.layer, side))
+        if module.shape and module.params > n_in * n_out:
+            weights.append(
+                Weight(f"{module.path}.bias", module.params - n_in * n_out, 1, module.layer, side)
+            )
+    return weights
+
+
+# which linear layers of a decoder layer read the residual stream (inputs of attention or MLP),
+# and which write it back (outputs), by the end of their module path
+_ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj", "c_attn", "query", "key", "value")
+_ATTENTION_OUTPUTS = ("o_proj", "attn.c_proj", "attention.output.dense")
+_MLP_INPUTS = ("gate_proj", "up_proj", "c_fc", "intermediate.dense")
+_MLP_OUTPUTS = ("down_proj", "mlp.c_proj", "output.dense")
+
+
+def _role(path: str) -> str:
+    for role, names in (
+        ("attention_in", _ATTENTION_INPUTS),
+        ("attention_out", _ATTENTION_OUTPUTS),
+        ("mlp_in", _MLP_INPUTS),
+        ("mlp_out", _MLP_OUTPUTS),
+    ):
+        if any(path.endswith("." + name) for name in names):
+            return role
+    return "other"
+
+
+# ---------------------------------------------------------------------------------------------
+# compute
+
+
+@dataclass(frozen=True)
+class Flops:
+    """FLOPs of one micro-batch on one rank (a multiply-add is 2), as torch's FlopCounterMode
+    counts them: matrix products (``dense``: linear layers, adapters, the head) and the attention
+    scores (``attention``), forward, backward, and recomputed (activation checkpointing)."""
+
+    dense_forward: float = 0.0
+    dense_backward: float = 0.0
+    attention_forward: float = 0.0
+    attention_backward: float = 0.0
+    dense_recompute: float = 0.0
+    attention_recompute: float = 0.0
+
+    @property
+    def total(self) -> float:
+        """Everything computed, recomputation included (what FlopCounterMode counts)."""
+        return self.model + self.dense_recompute + self.attention_recompute
+
+    @property
+    def model(self) -> float:
+        """The model's FLOPs (no recomputation): what MFU counts."""
+        return (
+            self.dense_forward
+            + self.dense_backward
+            + self.attention_forward
+            + self.attention_backward
+        )
+
+    def __add__(self, other: Flops) -> Flops:
+        return Flops(*(a + b for a, b in zip(self._values(), other._values(), strict=True)))
+
+    def _values(self) -> tuple[float, ...]:
+        return (
+            self.dense_forward,
+            self.dense_backward,
+            self.attention_forward,
+            self.attention_backward,
+            self.dense_recompute,
+            self.attention_recompute,
+        )
+
+
+def micro_batch_flops(
+    facts: ModelFacts,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    task: str = "causal-lm",
+    num_labels: int | None = None,
+    lora: LoraSpec | None = None,
+    activation_checkpointing: bool = False,
+    tp: int = 1,
+    sp: int = 1,
+    stage: tuple[int, int] | None = None,
+) -> Flops:
+    """FLOPs of one micro-batch (``micro_batch`` × ``seq_len`` tokens) on one rank.
+
+    A linear layer of (in, out) over T tokens: forward 2·T·in·out; backward 2·T·in·out for its
+    weight's gradient when the weight trains, and 2·T·in·out for its input's gradient when its
+    input requires one — which, walking the layer in order, is when anything before it trains
+    (full training: always, the embedding trains; LoRA: from the first adapter on, or from the
+    start under activation checkpointing, where peft makes the embedding's output require a
+    gradient). A LoRA adapter of rank r adds forward 2·T·r·(in + out), backward the same for its
+    two weights, 2·T·r·out for the gradient between them and 2·T·r·in into its input when that
+    requires one. Attention scores of a layer: forward 4·b·heads·s²·head_dim (QKᵀ and the
+    weighted values, every position counted as FlopCounterMode does), backward 2·b·heads·s²·d
+    for each of the gradients of Q, K, V and the scores that is needed. Activation checkpointing
+    recomputes every decoder layer's forward in the backward, up to the last tensor the backward
+    needs (torch's non-reentrant checkpoint stops there): a pre-norm layer's last product (the
+    MLP's output projection, or with an adapter there its lora_B) is not recomputed.
+
+    Tensor parallelism divides the decoder's linear layers and a split head by ``tp`` (and the
+    attention heads); sequence parallelism gives each rank s/sp of the tokens of the linear
+    layers and heads/sp heads over whole sequences. ``stage`` = (first layer, layers) of a
+    pipeline stage; the embedding's rank computes the rotary, the head's rank the head.
+    """
+    count = count_parameters(facts, task, num_labels)
+    _, modules = model_modules(facts, task, num_labels)
+    targeted: set[str] = set()
+    saved: set[str] = set()
+    if lora is not None:
+        adapted, copies = adapted_modules(modules, lora, task)
+        targeted = {m.path for m in adapted}
+        saved = {m.path for m in copies}
+    rank = lora.r if lora is not None else 0
+    tokens = micro_batch * seq_len / sp
+    heads = max(count.num_heads, 1)
+    head_dim = _head_dim(facts, count)
+    first, layers = stage if stage is not None else (0, count.num_layers)
+    holds_embedding = first == 0
+    holds_head = first + layers == count.num_layers
+    # does the residual stream entering this rank's first layer require a gradient?
+    embedding_trains = lora is None or any(
+        m.embedding and m.path in saved | targeted for m in modules
+    )
+    stream = embedding_trains or (lora is not None and activation_checkpointing)
+    if not holds_embedding:
+        stream = stream or lora is None or bool(targeted | saved)
+    total = Flops()
+    # pre-norm layers end with the MLP's output product, whose result nothing saves: torch's
+    # checkpoint stops recomputing once the last saved tensor is back, before that product
+    # (unless a dropout after it saves its mask: GPT-2's resid_pdrop, 0.1 by default)
+    dropout = config_field(facts, "resid_pdrop")
+    pre_norm = facts.model_type != "bert" and not (
+        facts.model_type == "gpt2" and (0.1 if dropout is None else float(dropout)) > 0
+    )
+    for layer in range(first, first + layers):
+        in_layer = [m for m in modules if m.layer == layer and m.shape is not None]
+        layer_flops, stream, tail = _layer_flops(
+            in_layer,
+            tokens,
+            micro_batch,
+            seq_len,
+            heads / (tp * sp),
+            head_dim,
+            tp,
+            stream,
+            rank,
+            targeted,
+            saved,
+            lora is None,
+        )
+        if activation_checkpointing:
+            layer_flops += Flops(
+                dense_recompute=layer_flops.dense_forward - (tail if pre_norm else 0.0),
+                attention_recompute=layer_flops.attention_forward,
+            )
+        total += layer_flops
+    if holds_head:
+        for module in (
+            m for m in modules if m.layer is None and m.shape is not None and not m.embedding
+        ):
+            rows = micro_batch if _pooled(facts, module) else tokens
+            split = tp if module.output_head and count.head_sharded else 1
+            trains = lora is None or module.path in saved
+            flops, stream = _linear_flops(
+                module, rows, split, stream, trains, rank if module.path in targeted else 0
+            )
+            total += flops
+    return total
+
+
+def _head_dim(facts: ModelFacts, count: ParameterCount) -> int:
+    explicit = facts.raw.get("head_dim")
+    return int(explicit) if explicit else count.hidden_size // max(count.num_heads, 1)
+
+
+def _pooled(facts: ModelFacts, module: Module) -> bool:
+    # BERT's pooler and classifier read the first token of each row; the other heads every token
+    return facts.model_type == "bert" and module.path in ("bert.pooler.dense", "classifier")
+
+
+def _linear_flops(
+    module: Module, tokens: float, split: int, input_grad: bool, trains: bool, rank: int
+) -> tuple[Flops, bool]:
+    """(FLOPs of one linear layer and its adapter, whether its output requires a gradient)."""
+    n_in, n_out = module.shape or (0, 0)
+    product = 2 * tokens * n_in * n_out / split
+    backward = (product if trains else 0.0) + (product if input_grad else 0.0)
+    forward = product
+    if rank:
+        forward += 2 * tokens * rank * (n_in + n_out)
+        # both adapter weights, the gradient between them, and into the input when needed
+        backward += 2 * tokens * rank * (n_in + n_out) + 2 * tokens * rank * n_out
+        backward += 2 * tokens * rank * n_in if input_grad else 0.0
+    return Flops(dense_forward=forward, dense_backward=backward), input_grad or trains or bool(rank)
+
+
+def _layer_flops(
+    modules: list[Module],
+    tokens: float,
+    micro_batch: int,
+    seq_len: int,
+    heads: float,
+    head_dim: int,
+    tp: int,
+    stream: bool,
+    rank: int,
+    targeted: set[str],
+    saved: set[str],
+    full: bool,
+) -> tuple[Flops, bool]:
+    """(FLOPs of one decoder layer, whether the residual stream after it requires a gradient,
+    the forward FLOPs after the last tensor its backward saves: the MLP output's last product)."""
+    total = Flops()
+    tail = 0.0
+    # attention: Q, K, V from the stream; the output projection reads the attention's result
+    query = key = value = False
+    mlp_hidden = False
+    out_stream = stream
+    for module in modules:
+        role = _role(module.path)
+        trains = full or module.path in saved
+        adapter = rank if module.path in targeted else 0
+        if role == "attention_in":
+            flops, grad = _linear_flops(module, tokens, tp, stream, trains, adapter)
+            path = module.path
+            query |= grad and (path.endswith(("q_proj", "query", "c_attn")))
+            key |= grad and (path.endswith(("k_proj", "key", "c_attn")))
+            value |= grad and (path.endswith(("v_proj", "value", "c_attn")))
+        elif role == "attention_out":
+            scores = 2 * micro_batch * heads * seq_len * seq_len * head_dim
+            needed = sum((query or key, value, query, key))
+            total += Flops(attention_forward=2 * scores, attention_backward=needed * scores)
+            attended = query or key or value
+            flops, grad = _linear_flops(module, tokens, tp, attended, trains, adapter)
+            out_stream = out_stream or grad
+        elif role == "mlp_in":
+            flops, grad = _linear_flops(module, tokens, tp, out_stream, trains, adapter)
+            mlp_hidden |= grad
+        elif role == "mlp_out":
+            flops, grad = _linear_flops(module, tokens, tp, mlp_hidden, trains, adapter)
+            out_stream = out_stream or grad
+            _, n_out = module.shape or (0, 0)
+            # with an adapter its lora_B runs last (peft: base, then B(A(x))); else the product
+            tail = 2 * tokens * adapter * n_out if adapter else flops.dense_forward
+        else:
+            flops, grad = _linear_flops(module, tokens, tp, out_stream, trains, adapter)
+        total += flops
+    return total, out_stream, tail
+
+
+# ---------------------------------------------------------------------------------------------
+# communication
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a step: its payload as the collective spy counts it (the whole buffer of
+    an all-reduce, the gathered output of an all-gather, the input of a reduce-scatter or
+    all-to-all, the tensor of a send), its group, and when it runs."""
+
+    op: str
+    bytes: float
+    ranks: int
+    # "intra": the group stays in a node; "inter": it spans nodes
+    scope: str
+    # "forward", "backward" (may overlap that phase's computation when ``overlaps``) or "step"
+    phase: str
+    what: str
+    overlaps: bool = False
+
+    @property
+    def bus_bytes(self) -> float:
+        """Bytes each rank moves on the busiest link (nccl-tests' bus bandwidth convention):
+        all-reduce 2(p−1)/p of the buffer, all-gather / reduce-scatter / all-to-all (p−1)/p,
+        broadcast and send the whole tensor."""
+        p = self.ranks
+        if self.op == "all_reduce":
+            return self.bytes * 2 * (p - 1) / p
+        if self.op in ("all_gather", "reduce_scatter", "all_to_all"):
+            return self.bytes * (p - 1) / p
+        return self.bytes
+
+    def seconds(self, profile: Profile) -> float:
+        """latency + bus bytes / bus bandwidth of its op on its scope."""
+        op = "send" if self.op in ("send", "recv") else self.op
+        link = profile.link(op, self.scope)
+        return link.latency_s + self.bus_bytes / link.bus_bytes_per_s
+
+
+def _element(mixed_precision: str) -> int:
+    return 2 if mixed_precision in ("bf16", "fp16") else 4
+
+
+def _scope(groups: list[list[int]], per_node: int) -> str:
+    """ "inter" when any group holds ranks of two nodes."""
+    spans = any(len({rank // per_node for rank in group}) > 1 for group in groups)
+    return "inter" if spans else "intra"
+
+
+def _buckets(sizes: list[int], cap: int) -> list[int]:
+    """Greedy buckets of at most CAP (a tensor larger than CAP is a bucket of its own), filled in
+    the backward's order (the last registered tensor first)."""
+    buckets, current = [], 0
+    for size in reversed(sizes):
+        if current and current + size > cap:
+            buckets.append(current)
+            current = 0
+        current += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _pieces(total: int, cap: int) -> list[int]:
+    """TOTAL split into ceil(total / cap) pieces (DeepSpeed's flat buffers, cut by bucket size)."""
+    count = max(1, math.ceil(total / cap))
+    return [total // count + (1 if i < total % count else 0) for i in range(count)]
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group as the forecast sees it: its ranks and whether it spans nodes."""
+
+    ranks: int
+    scope: str = "intra"
+
+
+class StepCollectives:
+    """The collectives of one step, added as they are issued (a one-rank group moves nothing)."""
+
+    def __init__(self) -> None:
+        self.collectives: list[Collective] = []
+
+    def add(
+        self,
+        op: str,
+        size: float,
+        group: Group,
+        phase: str,
+        what: str,
+        *,
+        times: int = 1,
+        overlaps: bool = False,
+    ) -> None:
+        if group.ranks > 1:
+            collective = Collective(op, size, group.ranks, group.scope, phase, what, overlaps)
+            self.collectives.extend([collective] * times)
+
+
+def step_collectives(
+    facts: ModelFacts,
+    dims: ParallelDims,
+    workload: Any,
+    *,
+    guard: bool = True,
+    clip: bool = True,
+) -> list[Collective]:
+    """Every collective rank 0 issues in one optimizer step of this layout, in groups of more
+    than one rank (a one-rank group moves nothing). ``workload``: candidates.Workload;
+    ``guard``: train.on_nonfinite is not off (one small all-reduce a step); ``clip``:
+    train.max_grad_norm > 0.
+
+    Per layout (m micro-batches a step, b × s tokens each, h hidden, e bytes an element of the
+    compute dtype, g bytes of a gradient as it is reduced, Ψ the trained parameters):
+
+    - DDP (and LoRA, and sequence parallelism, both on DDP): one broadcast of the model's buffers
+      (the rotary frequencies) in the step's first forward; the gradients all-reduced once a step
+      in buckets of 100 MiB, all but the last overlapping the backward;
+    - ZeRO-1: the gradients all-reduced once a step, ZeRO-2 every micro-batch (in buckets of
+      200 M elements); two 4-byte all-reduces (gradient norm, overflow); the updated weights
+      all-gathered, one flat buffer per parameter group (decay, no decay);
+    - ZeRO-3: every micro-batch, the partitioned weights (those of 100 k elements or more;
+      smaller ones persist whole) all-gathered in prefetch buckets of 50 M elements — again in
+      the backward only when the stage holds more than DeepSpeed's 1 G live parameters — and
+      the gradients reduce-scattered; after the step two 8-byte all-reduces and one all-gather
+      of every persistent trained tensor;
+    - FSDP2: every micro-batch the root unit (embeddings, final norm, head) all-gathered once,
+      each decoder block all-gathered in the forward and again in the backward, every unit's
+      gradients reduce-scattered (each tensor's first dimension padded to a multiple of the
+      shard group); HSDP then all-reduces each reduced shard across the nodes; with clipping,
+      one all-reduce of a float per parameter tensor over the shard group;
+    - tensor parallelism (AutoTP): per micro-batch and layer, an all-reduce of b·s·h·e after
+      each row-parallel layer in the forward and of the input gradient of each column-parallel
+      layer in the backward; a split head all-gathers its logits (vocabulary padded to tp);
+    - pipeline: per micro-batch, the activations (with their metadata and the attention mask)
+      sent forward and their gradient sent back; after the step a 4-byte all-reduce of the
+      gradient norm over the pipeline and the loss broadcast (8 bytes);
+    - sequence parallelism (Ulysses): per micro-batch and layer, the position ids all-gathered
+      and four all-to-alls in the forward (Q, K, V, the output) and four in the backward;
+    - the non-finite guard: one all-reduce of world + 1 floats (not the pipeline's, judged after
+      its step).
+    """
+    count = count_parameters(facts, workload.task, workload.num_labels)
+    mesh = Mesh(dims.dp, dims.tp, dims.pp, dims.sp)
+    m = workload.accumulation_steps(dims.dp) or 1
+    b, s = workload.micro_batch, workload.seq_len
+    e = _element(workload.mixed_precision)
+    trained = model_weights(facts, workload.task, workload.num_labels, workload.lora)
+    every = model_weights(facts, workload.task, workload.num_labels)
+    everyone = Group(dims.world_size, _scope([list(range(dims.world_size))], dims.gpus_per_node))
+    # DeepSpeed and DDP average over dp × sp ranks (sp groups are consecutive ranks)
+    data_groups = mesh.data_parallel_groups() if dims.sp == 1 else [list(range(dims.world_size))]
+    data = Group(dims.dp * dims.sp, _scope(data_groups, dims.gpus_per_node))
+    step = StepCollectives()
+    if dims.fsdp is not None:
+        _fsdp_collectives(step, dims, count, every, trained, e, m, clip)
+    elif dims.pp > 1:
+        pipe = Group(dims.pp, _scope(mesh.pipelines(), dims.gpus_per_node))
+        activation = b * s * count.hidden_size * e
+        for _ in range(m):
+            step.add("send", PIPELINE_META_BYTES, Group(2, pipe.scope), "forward", "metadata")
+            step.add("send", activation, Group(2, pipe.scope), "forward", "activations")
+            step.add("send", b * s * 8, Group(2, pipe.scope), "forward", "attention mask")
+            step.add("recv", activation, Group(2, pipe.scope), "backward", "their gradient")
+        # rank 0 is stage 0: the embedding and the first stage's layers
+        first = layers_per_stage(count.num_layers, dims.pp)[0]
+
+        def stage_0(weights: list[Weight]) -> list[Weight]:
+            return [
+                w
+                for w in weights
+                if w.side == "embedding" or (w.layer is not None and w.layer < first)
+            ]
+
+        _zero_collectives(step, dims, stage_0(every), stage_0(trained), workload, m, data, pipe)
+        step.add("broadcast", 8, pipe, "step", "pipeline: the loss to every stage")
+        return step.collectives
+    elif dims.zero_stage > 0 or dims.tp > 1:
+        if dims.tp > 1:
+            _tensor_parallel_collectives(step, facts, count, dims, workload, m)
+        shard = [_tp_weight(w, count, dims.tp) for w in every]
+        trained_shard = [_tp_weight(w, count, dims.tp) for w in trained]
+        _zero_collectives(step, dims, shard, trained_shard, workload, m, data, Group(dims.tp))
+    else:
+        if facts.model_type in LLAMA_LIKE:
+            # the rotary frequencies and their original copy (fp32 buffers), once a step
+            step.add("broadcast", 4 * _head_dim(facts, count), data, "forward", "DDP buffers")
+        # DDP's gradients are fp32, as its weights
+        buckets = _buckets([w.numel * 4 for w in trained], DDP_BUCKET_BYTES)
+        for i, size in enumerate(buckets):
+            last = i == len(buckets) - 1
+            step.add("all_reduce", size, data, "backward", "DDP buckets", overlaps=not last)
+    if dims.sp > 1:
+        _ulysses_collectives(step, facts, count, dims, workload, m)
+    if guard:
+        step.add("all_reduce", 4 * (dims.world_size + 1), everyone, "step", "non-finite guard")
+    return step.collectives
+
+
+def _ulysses_collectives(step, facts, count, dims, workload, m) -> None:
+    """Per micro-batch and layer: the position ids gathered, Q, K, V and the output exchanged
+    (sequence slices of every head ↔ whole sequences of heads/sp) and back in the backward."""
+    group = Group(dims.sp)
+    b, s, e = workload.micro_batch, workload.seq_len, _element(workload.mixed_precision)
+    heads, kv_heads = count.num_heads, max(count.num_kv_heads, 1)
+    slice_bytes = b * s // dims.sp * _head_dim(facts, count) * e
+    exchange = [heads, kv_heads, kv_heads, heads]
+    for _ in range(m):
+        for _layer in range(count.num_layers):
+            step.add("all_gather", b * s * 8, group, "forward", "Ulysses position ids")
+            for n in exchange:
+                step.add("all_to_all", slice_bytes * n, group, "forward", "Ulysses exchange")
+        for _layer in range(count.num_layers):
+            for n in reversed(exchange):
+                step.add("all_to_all", slice_bytes * n, group, "backward", "Ulysses gradients")
+
+
+def _tp_weight(weight: Weight, count: ParameterCount, tp: int) -> Weight:
+    """A tensor as tensor-parallel rank 0 holds it: AutoTP splits the decoder's linear layers
+    and a split head, column-parallel ones by rows, row-parallel ones (wider than tall) by
+    columns; rank 0 takes the larger part of an uneven split."""
+    split = (
+        weight.layer is not None
+        and weight.cols > 1
+        or (weight.side == "head" and weight.cols > 1 and bool(count.head_sharded))
+    )
+    if tp == 1 or not split:
+        return weight
+    if weight.rows >= weight.cols:
+        return replace(weight, rows=math.ceil(weight.rows / tp))
+    return replace(weight, cols=math.ceil(weight.cols / tp))
+
+
+def _tensor_parallel_collectives(step, facts, count, dims, workload, m) -> None:
+    """AutoTP, per micro-batch: an all-reduce of b·s·h·e after every row-parallel layer (forward)
+    and of every column-parallel layer's input gradient (backward); a split head gathers its
+    logits (vocabulary padded to tp) and all-reduces its input gradient."""
+    b, s, e = workload.micro_batch, workload.seq_len, _element(workload.mixed_precision)
+    activation = b * s * count.hidden_size * e
+    _, modules = model_modules(facts, workload.task, workload.num_labels)
+    layer_0 = [mod for mod in modules if mod.layer == 0 and mod.shape is not None]
+    rows = sum(_role(mod.path) in ("attention_out", "mlp_out") for mod in layer_0)
+    columns = sum(_role(mod.path) in ("attention_in", "mlp_in") for mod in layer_0)
+    split_head = bool(count.head_sharded) and workload.task != "sequence-classification"
+    vocab = math.ceil(count.vocab_size / dims.tp) * dims.tp
+    group = Group(dims.tp)
+    forward, backward = rows * count.num_layers, columns * count.num_layers
+    for _ in range(m):
+        step.add("all_reduce", activation, group, "forward", "TP row outputs", times=forward)
+        if split_head:
+            step.add("all_gather", b * s * vocab * e, group, "forward", "TP logits")
+            step.add("all_reduce", activation, group, "backward", "TP head input gradient")
+        step.add("all_reduce", activation, group, "backward", "TP input gradients", times=backward)
+
+
+def _zero_collectives(step, dims, every, trained, workload, m, data, model_parallel) -> None:
+    """DeepSpeed's data-parallel collectives over the DATA group: stage 0's (with tp or pp) and
+    ZeRO-1/2/3's. EVERY and TRAINED: the tensors this rank holds (its tensor-parallel shard, its
+    pipeline stage); each gradient norm is all-reduced over DATA, then the MODEL_PARALLEL group."""
+    e = _element(workload.mixed_precision)
+    # bf16 runs reduce in fp32 (rendered communication_data_type); fp16 in 16 bits
+    g = 2 if workload.mixed_precision == "fp16" else 4
+    stage = dims.zero_stage
+    local = sum(w.numel for w in trained)
+
+    def norm(times: int, size: int = 4) -> None:
+        for _ in range(times):
+            step.add("all_reduce", size, data, "step", "gradient norm (data parallel)")
+            step.add("all_reduce", size, model_parallel, "step", "gradient norm (tp/pp)")
+
+    if stage == 0:
+        for size in _pieces(local, 500_000_000):
+            step.add("all_reduce", size * g, data, "step", "DeepSpeed gradient all-reduce")
+        norm(1)
+        return
+    if stage in (1, 2):
+        for _ in range(1 if stage == 1 else m):  # ZeRO-2 reduces every micro-batch
+            for size in _pieces(local, BUCKET_SIZE):
+                step.add("all_reduce", size * g, data, "backward", f"ZeRO-{stage} gradients")
+        norm(2)
+        groups = [sum(w.numel for w in trained if w.decays)]
+        groups.append(sum(w.numel for w in trained if not w.decays))
+        align = 2 * data.ranks  # DeepSpeed pads each flat group to this
+        for numel in (n for n in groups if n):
+            for size in _pieces(math.ceil(numel / align) * align, BUCKET_SIZE):
+                step.add("all_gather", size * e, data, "step", f"ZeRO-{stage} updated weights")
+        return
+    persistent = [w for w in every if w.numel < ZERO3_PERSISTENCE_THRESHOLD]
+    partitioned = sum(w.numel for w in every) - sum(w.numel for w in persistent)
+    again = partitioned > ZERO3_MAX_LIVE_PARAMETERS
+    for _ in range(m):
+        for size in _pieces(partitioned, ZERO3_PREFETCH_ELEMENTS) if partitioned else []:
+            step.add("all_gather", size * e, data, "forward", "ZeRO-3 weights")
+            if again:
+                step.add("all_gather", size * e, data, "backward", "ZeRO-3 weights again")
+        for size in _pieces(local, BUCKET_SIZE):
+            step.add("reduce_scatter", size * g, data, "backward", "ZeRO-3 gradients")
+    norm(2, 8)
+    names = {w.name for w in trained}
+    for weight in persistent:
+        if weight.name in names:
+            step.add("all_gather", weight.numel * e, data, "step", "ZeRO-3 persistent weights")
+
+
+def _fsdp_collectives(step, dims, count, every, trained, e, m, clip) -> None:
+    """FSDP2 units: the root (embeddings, final norm, head) and each decoder block."""
+    shard = dims.world_size if dims.fsdp == "full" else min(dims.gpus_per_node, dims.world_size)
+    shard_groups, replicate_groups = fsdp_groups(dims.world_size, shard)
+    sharded = Group(shard, _scope(shard_groups, dims.gpus_per_node))
+    replicas = Group(dims.world_size // shard, _scope(replicate_groups, dims.gpus_per_node))
+
+    def padded(weights: list[Weight]) -> int:
+        return sum(math.ceil(w.rows / shard) * shard * w.cols for w in weights)
+
+    lora = any(".lora_" in w.name for w in trained)
+    units = [[w for w in every if w.layer is None]]
+    units += [[w for w in every if w.layer == layer] for layer in range(count.num_layers)]
+    if lora:
+        # peft puts each adapter beside its layer: a block's unit holds its adapters too
+        units = [u + [w for w in trained if w.layer == u[0].layer] for u in units if u]
+    saved = {w.name for w in trained}
+
+    def gradients(unit: list[Weight]) -> list[Weight]:
+        return [w for w in unit if w.name in saved]
+
+    root, blocks = units[0], units[1:]
+    for _ in range(m):
+        step.add("all_gather", padded(root) * e, sharded, "forward", "FSDP2 root unit")
+        for unit in blocks:
+            step.add(
+                "all_gather", padded(unit) * e, sharded, "forward", "FSDP2 block", overlaps=True
+            )
+        for unit in [*reversed(blocks), root]:
+            if unit is not root:
+                step.add(
+                    "all_gather",
+                    padded(unit) * e,
+                    sharded,
+                    "backward",
+                    "FSDP2 block again",
+                    overlaps=True,
+                )
+            # gradients are reduced in fp32 (MixedPrecisionPolicy reduce_dtype)
+            reduced = padded(gradients(unit)) * 4
+            hides = unit is not root
+            step.add(
+                "reduce_scatter", reduced, sharded, "backward", "FSDP2 gradients", overlaps=hides
+            )
+            step.add(
+                "all_reduce",
+                reduced / shard,
+                replicas,
+                "backward",
+                "HSDP across nodes",
+                overlaps=hides,
+            )
+    if clip:
+        # each tensor's norm is partial over its shards only: the replicas hold the same
+        tensors = sum(len(gradients(unit)) for unit in units)
+        step.add("all_reduce", 4 * tensors, sharded, "step", "FSDP2 gradient norms")
+
+
+# ---------------------------------------------------------------------------------------------
+# time
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """One layout's step on one profile: the terms (seconds), and what follows from them."""
+
+    step_time_s: float
+    terms: dict[str, float]
+    tokens_per_step: float
+    model_flops_per_step: float
+    world_size: int
+    peak_flops_per_rank: float
+    profile: str
+    # the phases the run can time itself: forward, backward, step (optimizer + what follows)
+    phases: dict[str, float] = field(default_factory=dict)
+    collectives: tuple[Collective, ...] = ()
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_time_s
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilization: the model's FLOPs per second over the ranks' peak."""
+        return self.model_flops_per_step / (
+            self.step_time_s * self.world_size * self.peak_flops_per_rank
+        )
+
+    def hours(self, steps: int | None) -> float | None:
+        return None if steps is None else self.step_time_s * steps / 3600
+
+    def gpu_hours(self, steps: int | None) -> float | None:
+        hours = self.hours(steps)
+        return None if hours is None else hours * self.world_size
+
+    def to_dict(self, steps: int | None = None, price_per_gpu_hour: float | None = None) -> dict:
+        """The keys `dplaunch plan --json` and plan.json carry."""
+        gpu_hours = self.gpu_hours(steps)
+        data = {
+            "step_time_s": round(self.step_time_s, 6),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "mfu": round(self.mfu, 5),
+            "hours": None if steps is None else round(self.hours(steps) or 0.0, 4),
+            "gpu_hours": None if gpu_hours is None else round(gpu_hours, 4),
+            "profile": self.profile,
+            "terms_s": {name: round(value, 6) for name, value in self.terms.items()},
+            "phases_s": {name: round(value, 6) for name, value in self.phases.items()},
+            "model_flops_per_step": self.model_flops_per_step,
+            "peak_flops_per_rank": self.peak_flops_per_rank,
+            "world_size": self.world_size,
+        }
+        if price_per_gpu_hour is not None and gpu_hours is not None:
+            data["cost"] = round(gpu_hours * price_per_gpu_hour, 2)
+        return data
+
+
+def compute_seconds(
+    flops: Flops,
+    profile: Profile,
+    dtype: str,
+    hidden: float,
+    tokens: float,
+    seq_len: int,
+    kernel: str,
+) -> tuple[float, float]:
+    """(forward, backward + recompute) seconds of FLOPS: the matrix products at the profile's
+    dense rate for (hidden, tokens), the attention scores at its kernel's rate for seq_len."""
+    dense = profile.dense_rate(dtype, int(hidden), int(max(tokens, 1)))
+    attention = profile.attention_rate(kernel, dtype, seq_len, int(hidden))
+    forward = flops.dense_forward / dense + flops.attention_forward / attention
+    backward = (flops.dense_backward + flops.dense_recompute) / dense + (
+        flops.attention_backward + flops.attention_recompute
+    ) / attention
+    return forward, backward
+
+
+def communication_seconds(
+    collectives: list[Collective], profile: Profile, forward_s: float, backward_s: float
+) -> dict[str, float]:
+    """Exposed seconds of the step's collectives per phase: a collective that ``overlaps`` hides
+    behind its phase's computation, at most the profile's ``overlap`` of it."""
+    total = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+    hideable = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+    for collective in collectives:
+        seconds = collective.seconds(profile)
+        total[collective.phase] += seconds
+        if collective.overlaps:
+            hideable[collective.phase] += seconds
+    compute = {"forward": forward_s, "backward": backward_s, "step": 0.0}
+    return {
+        phase: total[phase] - profile.overlap * min(hideable[phase], compute[phase])
+        for phase in total
+    }
+
+
+def pipeline_seconds(stage_s: float, micro_batches: int, pp: int) -> tuple[float, float]:
+    """(compute, bubble) of a 1F1B pipeline step: m micro-batches of a stage, then (pp − 1) more
+    stage times while the pipeline fills and drains: the bubble is (pp−1)/(m+pp−1) of the step."""
+    return micro_batches * stage_s, (pp - 1) * stage_s
+
+
+def optimizer_seconds(params: float, profile: Profile) -> float:
+    """AdamW (with gradient clipping and zeroing) over the PARAMS this rank updates."""
+    return params * profile.optimizer_s_per_param
+
+
+def offload_seconds(
+    params: float, element: int, profile: Profile, offload: str, held: float
+) -> float:
+    """ZeRO-Offload: the rank's fp32 gradient partition to the host, DeepSpeed's CPU Adam over
+    it, the updated weights back (element bytes each); offload "all" also fetches the HELD
+    weights for the forward and again for the backward."""
+    if offload == "none":
+        return 0.0
+    copies = params * (4 + element)
+    if offload == "all":
+        copies += 2 * held * element
+    return copies / profile.host_device_bytes_per_s + params * profile.cpu_adam_s_per_param
+
+
+def forecast_step(
+    facts: ModelFacts,
+    dims: ParallelDims,
+    workload: Any,
+    profile: Profile,
+    *,
+    guard: bool = True,
+    clip: bool = True,
+) -> Forecast:
+    """The forecast of one optimizer step of DIMS for WORKLOAD (candidates.Workload) on PROFILE."""
+    count = count_parameters(facts, workload.task, workload.num_labels)
+    dtype = DTYPES.get(workload.mixed_precision, "fp32")
+    kernel = attention_implementation(facts.model_type, workload.attn_implementation)
+    m = workload.accumulation_steps(dims.dp) or 1
+    b, s = workload.micro_batch, workload.seq_len
+    stages = layers_per_stage(count.num_layers, dims.pp)
+    flops_options = dict(
+        micro_batch=b,
+        seq_len=s,
+        task=workload.task,
+        num_labels=workload.num_labels,
+        lora=workload.lora,
+        activation_checkpointing=workload.activation_checkpointing,
+        tp=dims.tp,
+        sp=dims.sp,
+    )
+    per_stage = []
+    first = 0
+    for layers in stages:
+        per_stage.append(micro_batch_flops(facts, stage=(first, layers), **flops_options))
+        first += layers
+    hidden = count.hidden_size / dims.tp
+    tokens = b * s / dims.sp
+    timed = [compute_seconds(f, profile, dtype, hidden, tokens, s, kernel) for f in per_stage]
+    forward_s, backward_s = max(timed, key=sum)
+    collectives = step_collectives(facts, dims, workload, guard=guard, clip=clip)
+    exposed = communication_seconds(collectives, profile, forward_s * m, backward_s * m)
+    if dims.pp > 1:
+        compute, bubble = pipeline_seconds(forward_s + backward_s, m, dims.pp)
+    else:
+        compute, bubble = m * (forward_s + backward_s), 0.0
+    trained = sum(
+        _tp_weight(w, count, dims.tp).numel
+        for w in model_weights(facts, workload.task, workload.num_labels, workload.lora)
+    )
+    if dims.pp > 1:
+        trained = trained * max(stages) / count.num_layers
+    shards = dims.dp * dims.sp if (dims.zero_stage > 0) else 1
+    if dims.fsdp is not None:
+        shards = (
+            dims.world_size if dims.fsdp == "full" else min(dims.gpus_per_node, dims.world_size)
+        )
+    partition = trained / shards
+    held = count.total / shards
+    offload = offload_seconds(
+        partition, _element(workload.mixed_precision), profile, dims.offload, held
+    )
+    if dims.fsdp is not None and dims.offload != "none":
+        # FSDP's offload steps torch's AdamW on the host shards: no CPU Adam, no extra copies
+        offload = 2 * held * _element(workload.mixed_precision) / profile.host_device_bytes_per_s
+        optimizer = optimizer_seconds(partition, profile)
+    else:
+        optimizer = 0.0 if dims.offload != "none" else optimizer_seconds(partition, profile)
+    communication = sum(exposed.values())
+    terms = {
+        "compute": compute,
+        "communication": communication,
+        "bubble": bubble,
+        "offload": offload,
+        "optimizer": optimizer,
+    }
+    step = sum(terms.values())
+    model_flops = sum(f.model for f in per_stage) * m * dims.dp * dims.tp * dims.sp
+    phases = {
+        "forward": m * forward_s + exposed["forward"],
+        "backward": m * backward_s + exposed["backward"],
+        "step": exposed["step"] + offload + optimizer,
+    }
+    return Forecast(
+        step_time_s=step,
+        terms=terms,
+        tokens_per_step=b * s * m * dims.dp,
+        model_flops_per_step=model_flops,
+        world_size=dims.world_size,
+        peak_flops_per_rank=profile.peak(dtype),
+        profile=profile.label,
+        phases=phases,
+        collectives=tuple(collectives),
+    )
+
+
+__all__ = [
+    "TERMS",
+    "Collective",
+    "Flops",
+    "Forecast",
+    "Weight",
+    "communication_seconds",
+    "compute_seconds",
+    "forecast_step",
+    "micro_batch_flops",
+    "model_weights",
+    "offload_seconds",
+    "optimizer_seconds",
+    "pipeline_seconds",
+    "step_collectives",
+]

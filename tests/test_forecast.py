@@ -1,0 +1,389 @@
+"""The forecast of a step (planning/forecast.py) and the hardware profiles it divides by.
+
+The FLOP count is checked against torch's FlopCounterMode on the run's real model (built as the
+ranks build it); the collectives of every layout against a spy on torch.distributed in real
+steps: DDP, ZeRO-1/2/3, TP, PP, the 2-D meshes, FSDP2, HSDP and Ulysses are spied in the runs that
+check their losses (test_data_parallel, test_hybrid, test_fsdp, test_sequence_parallel); ZeRO-3
+with weights large enough to be partitioned here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from dplaunch.config.schema import ModelConfig
+from dplaunch.errors import UserError
+from dplaunch.planning.candidates import Workload
+from dplaunch.planning.forecast import (
+    Collective,
+    forecast_step,
+    micro_batch_flops,
+    model_weights,
+    step_collectives,
+)
+from dplaunch.planning.lora import LoraSpec
+from dplaunch.planning.model_facts import ModelFacts
+from dplaunch.planning.profiles import (
+    CALIBRATED,
+    DATASHEET,
+    DensePoint,
+    Link,
+    Profile,
+    cached_profile,
+    choose_profile,
+    datasheet_profile,
+    profile_dir,
+    profile_file_name,
+    profile_text,
+    read_profile,
+)
+from dplaunch.planning.rules import ParallelDims
+from tests.helpers import (
+    assert_forecast_collectives,
+    spy_environment,
+    train,
+    write_config,
+)
+from tests.test_estimate import LLAMA_7B
+
+SMALL_LLAMA = dict(
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=259,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+# GPT-2 without dropout after its MLP (a dropout's mask makes torch recompute the last product)
+SMALL_GPT2 = dict(
+    model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=259,
+    resid_pdrop=0.0,
+)  # fmt: skip
+SMALL_BERT = dict(
+    model_type="bert",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    vocab_size=300,
+    max_position_embeddings=128,
+)
+
+
+def counted_flops(config: dict, *, task="causal-lm", lora=None, checkpointing=False) -> int:
+    """FlopCounterMode's count of one forward + backward of a micro-batch (2 × 32 tokens) on the
+    model the ranks build from this config (dplaunch.train.modeling.load_model), eager attention
+    (the counter does not see CPU flash-attention kernels)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dplaunch.train.modeling import load_model
+    from dplaunch.train.tokenizer import byte_level_tokenizer
+
+    model_config = ModelConfig(
+        config=config,
+        tokenizer="byte-level",
+        task=task,
+        num_labels=2,
+        gradient_checkpointing=checkpointing,
+        attn_implementation="eager",
+        lora=lora,
+    )
+    model = load_model(model_config, byte_level_tokenizer(), 0)
+    model.train()
+    ids = torch.randint(0, 250, (2, 32))
+    labels = torch.tensor([0, 1]) if task == "sequence-classification" else ids
+    options = {"use_cache": False} if task != "sequence-classification" else {}
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=labels, **options).loss.backward()
+    return counter.get_total_flops()
+
+
+ALL_LINEAR = {"r": 8, "target_modules": "all-linear"}
+
+
+@pytest.mark.parametrize(
+    ("config", "task", "lora", "checkpointing"),
+    [
+        (SMALL_LLAMA, "causal-lm", None, False),
+        (SMALL_LLAMA, "causal-lm", None, True),
+        (SMALL_LLAMA, "causal-lm", ALL_LINEAR, False),
+        (SMALL_LLAMA, "causal-lm", ALL_LINEAR, True),
+        (SMALL_LLAMA, "causal-lm", {"r": 4, "target_modules": ["q_proj", "v_proj"]}, False),
+        (SMALL_LLAMA, "causal-lm", {"r": 4, "target_modules": ["down_proj"]}, True),
+        (SMALL_LLAMA, "sequence-classification", None, False),
+        (SMALL_GPT2, "causal-lm", None, True),
+        (SMALL_GPT2, "causal-lm", ALL_LINEAR, False),
+        (SMALL_BERT, "sequence-classification", None, True),
+        (SMALL_BERT, "sequence-classification", ALL_LINEAR, False),
+    ],
+    ids=[
+        "llama-full",
+        "llama-checkpointed",
+        "llama-lora",
+        "llama-lora-checkpointed",
+        "llama-lora-q-v",
+        "llama-lora-down-checkpointed",
+        "llama-classifier",
+        "gpt2-checkpointed",
+        "gpt2-lora",
+        "bert-classifier-checkpointed",
+        "bert-classifier-lora",
+    ],
+)
+def test_the_forecast_counts_the_flops_torch_counts_on_the_runs_real_model(
+    config, task, lora, checkpointing
+):
+    options = dict(task=task, lora=lora, checkpointing=checkpointing)
+    assert forecast_flops(config, **options) == counted_flops(config, **options)
+
+
+def forecast_flops(config: dict, *, task: str, lora: dict | None, checkpointing: bool) -> int:
+    """micro_batch_flops of the same micro-batch, from the config alone."""
+    spec = None
+    if lora is not None:
+        targets = lora["target_modules"]
+        spec = LoraSpec(
+            r=lora["r"], target_modules=targets if isinstance(targets, str) else tuple(targets)
+        )
+    flops = micro_batch_flops(
+        ModelFacts.from_config_dict(config),
+        micro_batch=2,
+        seq_len=32,
+        task=task,
+        num_labels=2,
+        lora=spec,
+        activation_checkpointing=checkpointing,
+    )
+    return int(flops.total)
+
+
+def test_lora_computes_less_than_full_training_and_checkpointing_more():
+    facts = ModelFacts.from_config_dict(LLAMA_7B)
+    shape = dict(micro_batch=1, seq_len=4096)
+    full = micro_batch_flops(facts, **shape)
+    lora = micro_batch_flops(facts, lora=LoraSpec(r=16), **shape)
+    again = micro_batch_flops(facts, activation_checkpointing=True, **shape)
+    params = sum(w.numel for w in model_weights(facts))
+    # full training: about 6 · parameters · tokens, plus the attention scores
+    assert 6 * params * 4096 < full.model < 7.2 * params * 4096
+    # LoRA: no weight gradients of the frozen base, about 2/3 of the work
+    assert 0.6 < lora.total / full.total < 0.72
+    # checkpointing recomputes the decoder's forward: about 4/3 of the work
+    assert 1.25 < again.total / full.total < 1.34 and again.model == full.model
+
+
+def test_model_weights_are_the_models_parameters_tensor_by_tensor():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**SMALL_LLAMA)
+    model = AutoModelForCausalLM.from_config(config)
+    real = sorted(p.numel() for p in model.parameters())
+    assert sorted(w.numel for w in model_weights(ModelFacts.from_config_dict(SMALL_LLAMA))) == real
+    decays = sorted(p.numel() for n, p in model.named_parameters() if p.ndim >= 2)
+    facts = ModelFacts.from_config_dict(SMALL_LLAMA)
+    assert sorted(w.numel for w in model_weights(facts) if w.decays) == decays
+
+
+# ---------------------------------------------------------------------------------------------
+# profiles
+
+
+def small_profile(**changes) -> Profile:
+    """A profile with round numbers: 1e12 FLOP/s everywhere, links of 10 µs and 10 GB/s."""
+    link = Link(10e-6, 10e9)
+    profile = Profile(
+        device="Test GPU",
+        devices_per_node=8,
+        nodes=1,
+        interconnect="nvlink",
+        source=CALIBRATED,
+        peak_flops={"bf16": 2e12, "fp32": 1e12},
+        dense=(DensePoint("bf16", 1024, 4096, 1e12),),
+        attention=(),
+        collectives={
+            "intra": {
+                op: link
+                for op in (
+                    "all_reduce",
+                    "all_gather",
+                    "reduce_scatter",
+                    "all_to_all",
+                    "broadcast",
+                    "send",
+                )
+            },
+        },
+        overlap=0.0,
+        optimizer_s_per_param=1e-11,
+        cpu_adam_s_per_param=1e-9,
+        host_device_bytes_per_s=20e9,
+    )
+    return dataclasses.replace(profile, **changes)
+
+
+def test_known_gpus_get_datasheet_figures_and_say_they_are_not_calibrated():
+    h100 = datasheet_profile("NVIDIA H100 80GB HBM3", 8, 2)
+    assert h100 is not None and h100.source == DATASHEET == "datasheet, not calibrated"
+    assert h100.peak("bf16") == 989e12
+    assert (
+        h100.link("all_reduce", "intra").bus_bytes_per_s
+        > h100.link("all_reduce", "inter").bus_bytes_per_s
+    )
+    for name in ("H200", "A100-SXM4-80GB", "L40S", "Tesla V100-SXM2-32GB"):
+        assert datasheet_profile(name, 8, 1) is not None, name
+    assert datasheet_profile("NVIDIA GeForce RTX 4090", 1, 1) is None
+    ethernet = datasheet_profile("H100", 8, 2, "ethernet")
+    assert (
+        ethernet.link("all_gather", "inter").bus_bytes_per_s
+        < h100.link("all_gather", "inter").bus_bytes_per_s
+    )
+    with pytest.raises(UserError, match="--interconnect"):
+        datasheet_profile("H100", 8, 2, "carrier-pigeon")
+
+
+def test_rates_between_measured_shapes_are_interpolated_and_flat_beyond():
+    profile = small_profile(
+        dense=(
+            DensePoint("fp32", 256, 1024, 10e9),
+            DensePoint("fp32", 1024, 1024, 30e9),
+        )
+    )
+    assert profile.dense_rate("fp32", 512, 1024) == pytest.approx(20e9)  # halfway in log(h)
+    assert profile.dense_rate("fp32", 4096, 1024) == 30e9
+    assert profile.dense_rate("fp32", 64, 1024) == 10e9
+    # bf16 was not measured: the fp32 rates stand in
+    assert profile.dense_rate("bf16", 512, 1024) == pytest.approx(20e9)
+
+
+def test_a_profile_file_round_trips_and_a_broken_one_is_named(tmp_path):
+    profile = small_profile()
+    path = tmp_path / "profile.json"
+    path.write_text(profile_text(profile))
+    assert read_profile(path) == profile
+    path.write_text("{}")
+    with pytest.raises(UserError, match="--profile: .* is not a dplaunch profile"):
+        read_profile(path)
+    with pytest.raises(UserError, match="does not exist"):
+        read_profile(tmp_path / "missing.json")
+
+
+def test_the_cache_finds_the_calibrated_profile_of_this_hardware(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cached_profile("Test GPU", 8, 1) is None
+    profile_dir().mkdir(parents=True)
+    profile = small_profile()
+    (profile_dir() / profile_file_name(profile.key)).write_text(profile_text(profile))
+    assert cached_profile("Test GPU", 8, 1) == profile
+    # another count of the same device: the profile, with a note of where it was measured
+    other = cached_profile("Test GPU", 4, 2)
+    assert other is not None and "calibrated on 8 device(s) × 1 node(s)" in other.notes[-1]
+    # the cache wins over the datasheet; --profile wins over both
+    cached = dataclasses.replace(profile, device="H100")
+    (profile_dir() / profile_file_name(cached.key)).write_text(profile_text(cached))
+    assert choose_profile("H100", 8, 1).source == CALIBRATED
+    assert choose_profile("H200", 8, 1).source == DATASHEET
+    assert (
+        choose_profile("anything", 1, 1, path=profile_dir() / profile_file_name(profile.key))
+        == profile
+    )
+    assert choose_profile(None, 1, 1) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# the step
+
+
+def workload(**changes) -> Workload:
+    return dataclasses.replace(
+        Workload(micro_batch=1, seq_len=4096, mixed_precision="bf16", global_batch_size=64),
+        **changes,
+    )
+
+
+def test_the_pipeline_bubble_is_pp_minus_one_of_m_plus_pp_minus_one_stage_times():
+    facts = ModelFacts.from_config_dict(LLAMA_7B)
+    profile = small_profile()
+    for pp, batch in ((2, 8), (4, 8), (4, 32)):
+        forecast = forecast_step(
+            facts, ParallelDims(pp, 8, pp=pp), workload(global_batch_size=batch), profile
+        )
+        m = batch  # dp 1, micro 1
+        share = forecast.terms["bubble"] / (forecast.terms["bubble"] + forecast.terms["compute"])
+        assert share == pytest.approx((pp - 1) / (m + pp - 1))
+
+
+def test_a_collective_costs_latency_plus_its_bus_bytes_over_the_bus_bandwidth():
+    profile = small_profile()
+    reduce = Collective("all_reduce", 8e9, 8, "intra", "backward", "x")
+    assert reduce.bus_bytes == 8e9 * 2 * 7 / 8
+    assert reduce.seconds(profile) == pytest.approx(10e-6 + 8e9 * 2 * 7 / 8 / 10e9)
+    gather = Collective("all_gather", 8e9, 8, "intra", "forward", "x")
+    assert gather.seconds(profile) == pytest.approx(10e-6 + 7e9 / 10e9)
+    send = Collective("send", 1e9, 2, "intra", "forward", "x")
+    assert send.seconds(profile) == pytest.approx(10e-6 + 0.1)
+
+
+def test_overlap_hides_only_what_may_run_beside_the_backward():
+    facts = ModelFacts.from_config_dict(LLAMA_7B)
+    dims = ParallelDims(8, 8)
+    hidden = forecast_step(facts, dims, workload(), small_profile(overlap=1.0))
+    exposed = forecast_step(facts, dims, workload(), small_profile(overlap=0.0))
+    assert hidden.terms["communication"] < exposed.terms["communication"]
+    # DDP's last bucket is all-reduced after the backward: never hidden
+    last = [
+        c for c in step_collectives(facts, dims, workload()) if c.what.startswith("DDP: gradient")
+    ][-1]
+    assert not last.overlaps and hidden.terms["communication"] >= last.seconds(small_profile())
+
+
+def test_offload_adds_host_copies_and_cpu_adam_and_drops_the_gpu_optimizer():
+    facts = ModelFacts.from_config_dict(LLAMA_7B)
+    on_gpu = forecast_step(facts, ParallelDims(8, 8, zero_stage=2), workload(), small_profile())
+    offloaded = forecast_step(
+        facts, ParallelDims(8, 8, zero_stage=2, offload="optimizer"), workload(), small_profile()
+    )
+    assert on_gpu.terms["offload"] == 0 and on_gpu.terms["optimizer"] > 0
+    assert (
+        offloaded.terms["optimizer"] == 0 and offloaded.terms["offload"] > on_gpu.terms["optimizer"]
+    )
+
+
+def test_mfu_is_the_models_flops_over_step_time_ranks_and_peak():
+    facts = ModelFacts.from_config_dict(LLAMA_7B)
+    forecast = forecast_step(facts, ParallelDims(8, 8, zero_stage=3), workload(), small_profile())
+    flops = micro_batch_flops(facts, micro_batch=1, seq_len=4096).model * 64
+    assert forecast.model_flops_per_step == pytest.approx(flops)
+    assert forecast.mfu == pytest.approx(flops / (forecast.step_time_s * 8 * 2e12))
+    row = forecast.to_dict(steps=1000, price_per_gpu_hour=2.0)
+    assert row["hours"] == pytest.approx(forecast.step_time_s * 1000 / 3600, rel=1e-3)
+    assert row["gpu_hours"] == pytest.approx(row["hours"] * 8, rel=1e-3)
+    assert row["cost"] == pytest.approx(row["gpu_hours"] * 2.0, rel=1e-2)
+    assert {"step_time_s", "tokens_per_s", "mfu", "hours", "gpu_hours", "profile"} <= set(row)
+
+
+# ---------------------------------------------------------------------------------------------
+# a real step
+
+
+@pytest.mark.multiprocess
+def test_zero3_gathers_its_partitioned_weights_once_a_micro_batch_as_the_forecast_counts(tmp_path):
+    # MLP weights of 64 × 2048 (131 k elements) pass ZeRO-3's persistence threshold (100 k) and
+    # are partitioned; attention and norms persist whole and are gathered after the step
+    config = write_config(
+        tmp_path / "wide.yaml",
+        model={"config": {**json.loads(json.dumps(SMALL_LLAMA)), "intermediate_size": 2048}},
+        train={"max_steps": 3, "global_batch_size": 8, "micro_batch_size": 2},
+    )
+    run = tmp_path / "zero3"
+    train(run, "--cpu", "--gpus", "2", "--zero", "3", config=config, env=spy_environment(run))
+    assert_forecast_collectives(run)
+    spied = json.loads((tmp_path / "zero3.collectives" / "rank-0.json").read_text())
+    gathers = [c for c in spied["collectives"] if c["op"] == "all_gather"]
+    assert gathers[0]["bytes"] == 2 * 3 * 64 * 2048 * 4  # both layers' MLPs, fp32, at once
