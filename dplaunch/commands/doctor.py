@@ -104,7 +104,7 @@ def run_doctor(flags: RunFlags) -> int:
         typer.echo(f"doctor: FAIL ({time.monotonic() - started:.1f} s)")
         return 1
     plan = prepared.plan
-    prepared = _with_backend(prepared, plan.backend)
+    prepared = with_backend(prepared, plan.backend)
     from dplaunch.commands.slurm import srun_relaunch_argv
 
     relaunch = srun_relaunch_argv(prepared)
@@ -137,8 +137,9 @@ def run_doctor(flags: RunFlags) -> int:
     return 1 if failures else 0
 
 
-def _with_backend(prepared: PreparedRun, backend: str) -> PreparedRun:
-    # the plan that decides the backend is made with the ranks' command line: filled in after
+def with_backend(prepared: PreparedRun, backend: str) -> PreparedRun:
+    """PREPARED with the plan's backend where the ranks' command line holds BACKEND_PLACEHOLDER
+    (the plan that decides the backend is made with that command line: filled in after)."""
     return replace(
         prepared,
         argv=[backend if part == BACKEND_PLACEHOLDER else part for part in prepared.argv],

@@ -187,3 +187,56 @@ def host_memory_gb(env: Mapping[str, str] | None = None) -> float | None:
     if granted.isdigit() and int(granted) > 0:
         total = min(total, int(granted) / 1024)
     return total
+
+
+def cpu_device_name(cpuinfo: str | None = None) -> str:
+    """The name "CPU <model>" of this machine (/proc/cpuinfo's model name): the device of CPU ranks, as
+    `dplaunch calibrate` and `dplaunch plan` name it."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as handle:
+                cpuinfo = handle.read()
+        except OSError:
+            cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        if line.startswith("model name") and ":" in line:
+            return "CPU " + " ".join(line.split(":", 1)[1].split())
+    import platform
+
+    return "CPU " + (platform.processor() or platform.machine() or "unknown")
+
+
+def interconnect_seen(nodes: int, gpus: list[Gpu], sys_root: str = "/sys") -> str:
+    """The link a calibration runs over: between nodes InfiniBand when a port is active (else
+    Ethernet); inside one node NVLink when nvidia-smi's topology shows NV links, else PCIe, and
+    shared memory between CPU ranks."""
+    if nodes > 1:
+        ports = os.path.join(sys_root, "class", "infiniband")
+        try:
+            for device in os.listdir(ports):
+                for port in os.listdir(os.path.join(ports, device, "ports")):
+                    with open(os.path.join(ports, device, "ports", port, "state")) as handle:
+                        if "ACTIVE" in handle.read():
+                            return "infiniband"
+        except OSError:
+            pass
+        return "ethernet"
+    if not gpus:
+        return "shared memory"
+    if shutil.which("nvidia-smi") is None:
+        return "pcie"
+    try:
+        topology = subprocess.run(
+            ["nvidia-smi", "topo", "-m"],
+            capture_output=True,
+            text=True,
+            timeout=NVIDIA_SMI_TIMEOUT_S,
+            check=False,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "pcie"
+    return (
+        "nvlink"
+        if any(word.startswith("NV") and word[2:].isdigit() for word in topology.split())
+        else "pcie"
+    )
