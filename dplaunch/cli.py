@@ -13,7 +13,17 @@ from typing import Any
 
 import typer
 
-from dplaunch.commands import doctor, env, export, plan, report, slurm, train, verify
+from dplaunch.commands import (
+    calibrate,
+    doctor,
+    env,
+    export,
+    plan,
+    report,
+    slurm,
+    train,
+    verify,
+)
 from dplaunch.errors import EXIT_USER_ERROR, UserError
 
 try:  # newer typer (0.29) ships its own copy of click
@@ -41,6 +51,7 @@ COMMANDS = {
     "plan": plan.plan_command,
     "verify": verify.verify_command,
     "doctor": doctor.doctor_command,
+    "calibrate": calibrate.calibrate_command,
     "env": env.env_command,
     "report": report.report_command,
     "export": export.export_command,

@@ -16,18 +16,17 @@ import json
 import os
 import signal
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
 from dplaunch.commands.doctor import BACKEND_PLACEHOLDER, with_backend
-from dplaunch.launching.prepare import RunFlags, prepare_script_launch
-from dplaunch.launching.process import run_supervised
-from dplaunch.launching.rundir import write_run_files
-from dplaunch.planning.devices import cpu_device_name, interconnect_seen, visible_gpus
+from dplaunch.commands.options import command
+from dplaunch.config.flags import RunFlags
+from dplaunch.launching.devices import cpu_device_name, interconnect_seen, visible_gpus
 from dplaunch.planning.profiles import (
     profile_dir,
     profile_file_name,
@@ -47,8 +46,34 @@ class CalibrationTimeout(Exception):
     """The deadline passed while the ranks measured."""
 
 
+@dataclass
+class CalibrateOptions:
+    """`dplaunch calibrate`'s own options."""
+
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            help="Write the profile here (to ship with a run file: --profile FILE) instead of "
+            "the user's cache.",
+        ),
+    ] = None
+    quick: Annotated[
+        bool, typer.Option("--quick", help="Few shapes and sizes (seconds): a smoke test.")
+    ] = False
+
+
+@command(config_option=True)
+def calibrate_command(flags: RunFlags, options: CalibrateOptions) -> int:
+    """Measure this hardware's compute, collective and copy rates (about a minute): the profile `dplaunch plan` forecasts step times with."""
+    return run_calibrate(flags, options.out, options.quick)
+
+
 def run_calibrate(flags: RunFlags, out: Path | None = None, quick: bool = False) -> int:
     """Measure, write the profile (node 0), print it; 0 when done, 1 when the ranks failed."""
+    from dplaunch.launching.prepare import prepare_script_launch
+    from dplaunch.launching.rundir import write_run_files
+
     started = time.monotonic()
     run_dir = Path(flags.output_dir or "runs/calibrate")
     # launched as a script's ranks are; the run's parallel layout plays no part
@@ -96,6 +121,7 @@ def run_calibrate(flags: RunFlags, out: Path | None = None, quick: bool = False)
 
 def _run_ranks(argv: list[str], env: dict[str, str]) -> str | None:
     """Start the ranks; why they failed, or None."""
+    from dplaunch.launching.process import run_supervised
 
     def too_late(_signum: int, _frame: Any) -> None:
         raise CalibrationTimeout
