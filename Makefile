@@ -31,6 +31,9 @@ $(TEST_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[wandb,mlflow,trackio,qlora]'
 	$(PY) -m pip install --quiet -c constraints.txt tensorflow-cpu
 	$(PY) -m pip install --quiet --no-deps -c constraints.txt tf-keras
+	# TRL, the reference tests/test_sft_parity.py compares sft masks with (and whose shipped chat
+	# templates it reads); its dependencies are the pinned stack's own
+	$(PY) -m pip install --quiet --no-deps -c constraints.txt trl
 	touch $(TEST_STAMP)
 
 demo: $(STAMP)
