@@ -392,11 +392,22 @@ def test_examples_cut_or_left_out_are_counted_before_launch(tmp_path):
         assert result.returncode == 0, result.stderr
         return [line for line in result.stdout.splitlines() if line.startswith("note: ")]
 
+    def said(line: str, notes: list[str]) -> int:
+        # the note's place among the plan's notes (each names an example: "(e.g. line 6 of …)")
+        return next(i for i, note in enumerate(notes) if note.startswith(f"note: {line} (e.g. "))
+
     assert not any("exceed" in line for line in notes())
-    assert (
-        "note: 136 of 2,000 conversations exceed 200 tokens (data.max_length): truncated"
-        in notes("--set", "data.max_length=200")
+    cut = notes("--set", "data.max_length=200")
+    # the answers cut come first, loudly; then how many the limit truncates
+    answers_cut = said(
+        "ANSWERS CUT: 136 of 2,000 conversations lose answer tokens to data.max_length 200 "
+        "(1,128 answer tokens never trained) — raise data.max_length, or set data.truncation: drop",
+        cut,
     )
+    truncated = said(
+        "136 of 2,000 conversations exceed 200 tokens (data.max_length): truncated", cut
+    )
+    assert answers_cut < truncated
     # a prompt longer than max_length leaves no answer token: never trained on silently
     data = tmp_path / "pairs.jsonl"
     rows = [{"prompt": "p" * (60 if n < 3 else 5), "completion": "c"} for n in range(20)]
@@ -404,9 +415,10 @@ def test_examples_cut_or_left_out_are_counted_before_launch(tmp_path):
     pairs = ("--set", f"data.dataset={data}", "--set", "data.max_length=40")
     pairs += ("--set", "data.eval_dataset=null", "--set", "train.sample_prompts=null")
     pairs += ("--global-batch", "4")
-    said = notes(*pairs)
-    assert "note: 3 of 20 examples exceed 40 tokens (data.max_length): truncated" in said
-    assert (
-        "note: 3 of 20 examples have no answer token left after truncation: dropped (raise "
-        "data.max_length to keep them)" in said
+    noted = notes(*pairs)
+    said("3 of 20 examples exceed 40 tokens (data.max_length): truncated", noted)
+    said(
+        "3 of 20 examples have no answer token left after truncation: dropped (raise "
+        "data.max_length to keep them)",
+        noted,
     )

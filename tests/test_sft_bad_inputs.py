@@ -41,6 +41,15 @@ def _template_file(text: str):
     return build
 
 
+def _with_records_and_template(template: str, *records):
+    def build(tmp: Path) -> list:
+        path = tmp / "template.jinja"
+        path.write_text(template)
+        return [*_with_records(*records)(tmp), "--set", f"data.chat_template={path}"]
+
+    return build
+
+
 def _prompts_file(text: str):
     def build(tmp: Path) -> list:
         path = tmp / "prompts.jsonl"
@@ -48,6 +57,14 @@ def _prompts_file(text: str):
         return ["train", SFT_CONFIG, "--set", f"train.sample_prompts={path}"]
 
     return build
+
+
+# renders user and assistant turns only: any other role is left out of the text
+ONLY_USER_AND_ASSISTANT = (
+    "{% for m in messages %}{% if m['role'] in ['user', 'assistant'] %}"
+    "{{ bos_token + m['role'] + '\\n' + m['content'] + eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ bos_token + 'assistant\\n' }}{% endif %}"
+)
 
 
 def _message(role, content):
@@ -61,9 +78,18 @@ CASES = [
         "data.dataset: line 2 of {tmp}/chat.jsonl has \"hello\" as 'messages', not a list of messages",
     ),
     (
-        "unknown-role",
-        _with_records({"messages": [_message("bot", "hi"), _message("assistant", "yo")]}),
-        "line 2 of {tmp}/chat.jsonl message 1 of 'messages' has role \"bot\", not one of system, user",
+        "role-the-template-leaves-out",
+        _with_records_and_template(
+            ONLY_USER_AND_ASSISTANT,
+            {"messages": [_message("bot", "hi"), _message("assistant", "yo")]},
+        ),
+        'data.chat_template: message 1 (role "bot") is left out by the chat template, which '
+        "does not render that role (line 2 of {tmp}/chat.jsonl)",
+    ),
+    (
+        "role-not-a-name",
+        _with_records({"messages": [_message(5, "hi"), _message("assistant", "yo")]}),
+        "line 2 of {tmp}/chat.jsonl message 1 of 'messages' has role 5, not a name such as user",
     ),
     (
         "no-assistant-turn",

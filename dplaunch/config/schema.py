@@ -28,6 +28,8 @@ Scheduler = Literal[
 
 # model.tokenizer naming dplaunch's built-in 259-token tokenizer (no files)
 BYTE_LEVEL = "byte-level"
+# data.max_length of sft when the run file leaves it unset: TRL's default (chat examples are long)
+SFT_MAX_LENGTH = 1024
 
 
 class FieldProblem(ValueError):
@@ -153,7 +155,9 @@ class DataConfig(Section):
         description="Sequence classification: the classes' names in class order, e.g. `[negative, positive]`. Labels may then be names or class numbers; `model.num_labels` follows, and the exported model's `id2label` names them. Unset for a cached hub dataset: its `ClassLabel` names.",
     )
     max_length: int = Field(
-        128, ge=8, description="Tokens per sample (the block size when packing)."
+        128,
+        ge=8,
+        description=f"Tokens per sample (the block size when packing); unset: {SFT_MAX_LENGTH} for sft (as TRL: chat examples are long; the plan says how many the limit cuts), 128 otherwise.",
     )
     packing: bool | None = Field(
         None,
@@ -166,6 +170,14 @@ class DataConfig(Section):
     chat_template: str | None = Field(
         None,
         description="sft: a Jinja chat template (the text, or a file holding it, relative to the run file) used instead of the tokenizer's.",
+    )
+    tools: list[dict[str, Any]] | None = Field(
+        None,
+        description="sft: tool definitions (JSON schemas, as `apply_chat_template(tools=…)` takes them) the chat template renders with every conversation; a record's own `tools` column (a list, or its JSON text) wins.",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        {},
+        description="sft: extra variables for the chat template, as `apply_chat_template(**kwargs)`, e.g. `{enable_thinking: false}`; a record's own `chat_template_kwargs` column adds to them.",
     )
     loss_on: Literal["answers", "all"] = Field(
         "answers",
@@ -444,11 +456,20 @@ class RunConfig(Section):
     def _sft_keys(self) -> RunConfig:
         # values other than the defaults (run.yaml, as the ranks read it, lists every key)
         if self.model.task == "sft":
+            if "max_length" not in self.data.model_fields_set:
+                self.data.max_length = SFT_MAX_LENGTH
             return self
         data, train = self.data, self.train
         given = [
             f"data.{key}"
-            for key in ("format", "chat_template", "loss_on", "truncation")
+            for key in (
+                "format",
+                "chat_template",
+                "loss_on",
+                "truncation",
+                "tools",
+                "chat_template_kwargs",
+            )
             if getattr(data, key) != DataConfig.model_fields[key].default
         ]
         if train.sample_prompts is not None:

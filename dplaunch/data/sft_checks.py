@@ -20,17 +20,13 @@ from typing import Any
 
 from dplaunch.config.schema import BYTE_LEVEL, RunConfig
 from dplaunch.data import conversations
+from dplaunch.data.answer_spans import Example, Renderer, TemplateError
 from dplaunch.data.arrow_datasets import check_hub_dataset, saved_dataset, saved_folder
 from dplaunch.data.checks import _check_budget
-from dplaunch.data.conversations import (
-    CONVERSATIONAL,
-    PROMPT_COMPLETION,
-    TEXT,
-    CountedExamples,
-    Renderer,
-    TemplateError,
-)
+from dplaunch.data.conversations import CONVERSATIONAL, PROMPT_COMPLETION, TEXT
+from dplaunch.data.example_tokens import Encoded, leading_special_ids, pack_runs, pitfalls
 from dplaunch.data.formats import eval_fraction_split, is_local, local_format
+from dplaunch.data.sft_examples import SftExamples, TokenizerView, chat_templates
 from dplaunch.errors import UserError
 from dplaunch.hub import find_model_file
 
@@ -62,32 +58,28 @@ def check_sft_examples(config: RunConfig) -> list[str]:
     columns = () if data.format else _first_columns(config)
     if columns is None:
         return []  # a hub dataset the ranks will download: its records are checked there
-    fmt = conversations.resolve_format(data.format, columns, data.text_column)
-    tokenizer = _LaunchTokenizer.of(config)
-    template = (
-        conversations.read_chat_template(data.chat_template)
-        if data.chat_template
-        else tokenizer.template
-    )
-    renderer = Renderer(template, tokenizer.special, tokenizer.special.get("eos_token"))
-    if template is None and fmt == CONVERSATIONAL:
+    tokenizer = launch_tokenizer(config)
+    pipeline = SftExamples.of(data, columns, tokenizer)
+    renderer = pipeline.renderer
+    if renderer.template is None and pipeline.fmt == CONVERSATIONAL:
         raise _no_template(tokenizer, f"the conversations of {data.dataset}")
     if config.train.sample_prompts:
         _check_sample_prompts(config, renderer)
     budget = [_check_budget()]
-    examples: list[conversations.Example] = []
+    examples: list[Example] = []
+    places: list[str] = []
     for field, source in (("data.dataset", data.dataset), ("data.eval_dataset", data.eval_dataset)):
         if source is None:
             continue
         split = data.split if field == "data.dataset" else ""
         for where, record in _records(source, split, data, budget):
-            problem = conversations.record_problem(record, fmt)
+            problem = conversations.record_problem(record, pipeline.fmt)
             if problem is not None:
                 raise UserError(field, f"{where} {problem[0]}", problem[1])
-            if template is None and _needs_template(record, fmt):
+            if renderer.template is None and _needs_template(record, pipeline.fmt):
                 raise _no_template(tokenizer, f"the messages of {where}")
             try:
-                example = renderer.example(record, fmt)
+                example = renderer.example(record, pipeline.fmt)
             except TemplateError as error:
                 raise UserError(
                     "data.chat_template",
@@ -96,19 +88,15 @@ def check_sft_examples(config: RunConfig) -> list[str]:
                 ) from None
             if field == "data.dataset":
                 examples.append(example)
+                places.append(where)
     if tokenizer.encode is None or not examples:
         return []
-    encoded = conversations.encode_examples(
-        examples,
-        tokenizer.encode,
-        max_length=data.max_length,
-        truncation=data.truncation,
-        loss_on=data.loss_on,
-    )
-    counted = CountedExamples(encoded, len(examples), fmt, data.max_length, data.truncation)
+    encoded = pipeline.tokens(examples)
+    noun = "conversations" if pipeline.fmt == CONVERSATIONAL else "examples"
     if budget[0] > 0:
-        _check_one_global_batch(config, encoded, counted)
-    return counted.lines()
+        _check_one_global_batch(config, encoded, noun)
+    found = pitfalls(encoded, len(examples), noun, data.max_length, data.truncation)
+    return [f"{pitfall.text} (e.g. {places[pitfall.first]})" for pitfall in found]
 
 
 def _check_sample_prompts(config: RunConfig, renderer: Renderer) -> None:
@@ -139,14 +127,14 @@ def _check_sample_prompts(config: RunConfig, renderer: Renderer) -> None:
                 "set data.chat_template, or give the prompts as texts",
             )
         try:
-            renderer.render(prompt, add_generation_prompt=True)
+            renderer.render(conversations.normalized_messages(prompt), add_generation_prompt=True)
         except TemplateError as error:
             raise UserError(
                 "data.chat_template", f"{error} (prompt {number} of {path})", "fix the template"
             ) from None
 
 
-def _no_template(tokenizer: _LaunchTokenizer, what: str) -> UserError:
+def _no_template(tokenizer: TokenizerView, what: str) -> UserError:
     return UserError(
         "data.chat_template",
         f"the tokenizer {tokenizer.name} has no chat template to render {what}",
@@ -160,23 +148,19 @@ def _needs_template(record: dict, fmt: str) -> bool:
     )
 
 
-def _check_one_global_batch(
-    config: RunConfig, encoded: conversations.Encoded, counted: CountedExamples
-) -> None:
+def _check_one_global_batch(config: RunConfig, encoded: Encoded, noun: str) -> None:
     data, wanted = config.data, config.train.global_batch_size
     kept = len(encoded.input_ids)
     if data.packing:
         if data.eval_fraction is not None:
             return  # which examples share blocks depends on the split the ranks make
-        samples = len(
-            conversations.pack_lengths([len(ids) for ids in encoded.input_ids], data.max_length)
-        )
-        what = f"{kept:,} {counted.noun} kept pack into {samples:,} blocks"
+        samples = len(pack_runs([len(ids) for ids in encoded.input_ids], data.max_length))
+        what = f"{kept:,} {noun} kept pack into {samples:,} blocks"
     else:
         samples = kept
         if data.eval_fraction is not None:
             samples, _ = eval_fraction_split(kept, data.eval_fraction)
-        what = f"{samples:,} training {counted.noun} are kept"
+        what = f"{samples:,} training {noun} are kept"
     if samples >= wanted:
         return
     left_out = encoded.too_long_dropped + encoded.no_answer_dropped
@@ -189,46 +173,52 @@ def _check_one_global_batch(
     )
 
 
-class _LaunchTokenizer:
-    """What the check needs of the run's tokenizer, without torch: its chat template, its special
-    tokens, and an encoder (texts → (ids, character offsets)) when tokenizer.json is there."""
+def launch_tokenizer(config: RunConfig) -> TokenizerView:
+    """The run's tokenizer as the check needs it, without torch: its chat template, its special
+    tokens, and an encoder from the `tokenizers` core when tokenizer.json is there."""
+    model = config.model
+    name = model.tokenizer or model.name_or_path or ""
+    if name == BYTE_LEVEL:
+        from dplaunch.data.byte_level import SPECIAL_TOKENS, byte_level_core
 
-    def __init__(self, name: str, template: Any, special: dict[str, str], encode: Any):
-        self.name, self.template, self.special, self.encode = name, template, special, encode
+        return _core_view(name, None, dict(_BYTE_LEVEL_SPECIAL), byte_level_core(), SPECIAL_TOKENS)
+    settings_file = find_model_file(
+        name, ("tokenizer_config.json",), "model.tokenizer", what="tokenizer"
+    )
+    folder = settings_file.parent
+    settings = _json_object(settings_file)
+    template = settings.get("chat_template")
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    default, tool_use = chat_templates(template)
+    template = {"default": default, "tool_use": tool_use} if tool_use else default
+    special = conversations.special_tokens_of(settings)
+    # the special tokens tokenizer_config.json adds beside tokenizer.json's
+    texts = [
+        added.get("content")
+        for added in (settings.get("added_tokens_decoder") or {}).values()
+        if isinstance(added, dict) and added.get("special")
+    ]
+    if not (folder / "tokenizer.json").is_file():
+        return TokenizerView(name, template, special, [*special.values(), *texts], None)
+    from tokenizers import Tokenizer
 
-    @classmethod
-    def of(cls, config: RunConfig) -> _LaunchTokenizer:
-        model = config.model
-        name = model.tokenizer or model.name_or_path or ""
-        if name == BYTE_LEVEL:
-            from dplaunch.data.byte_level import byte_level_core
-
-            return cls(name, None, dict(_BYTE_LEVEL_SPECIAL), _encoder(byte_level_core()))
-        settings_file = find_model_file(
-            name, ("tokenizer_config.json",), "model.tokenizer", what="tokenizer"
-        )
-        folder = settings_file.parent
-        settings = _json_object(settings_file)
-        template = settings.get("chat_template")
-        if (folder / "chat_template.jinja").is_file():
-            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
-        if isinstance(template, list):  # named templates: the default one
-            named = {item.get("name"): item.get("template") for item in template}
-            template = named.get("default")
-        special = conversations.special_tokens_of(settings)
-        encode = None
-        if (folder / "tokenizer.json").is_file():
-            from tokenizers import Tokenizer
-
-            encode = _encoder(Tokenizer.from_file(str(folder / "tokenizer.json")))
-        return cls(name, template, special, encode)
+    core = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    return _core_view(name, template, special, core, texts)
 
 
-def _encoder(core: Any) -> Any:
-    def encode(texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
-        return [(e.ids, e.offsets) for e in core.encode_batch(texts, add_special_tokens=False)]
+def _core_view(
+    name: str, template: Any, special: dict[str, str], core: Any, texts: Any
+) -> TokenizerView:
+    def encode(batch: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        return [(e.ids, e.offsets) for e in core.encode_batch(batch, add_special_tokens=False)]
 
-    return encode
+    added = [token.content for token in core.get_added_tokens_decoder().values() if token.special]
+    leading = leading_special_ids(
+        core.encode("a", add_special_tokens=True).ids,
+        core.encode("a", add_special_tokens=False).ids,
+    )
+    return TokenizerView(name, template, special, [*added, *texts], encode, tuple(leading))
 
 
 def _json_object(path: Path) -> dict:

@@ -27,10 +27,13 @@ import numpy as np
 import torch
 
 from dplaunch.config.schema import DataConfig
-from dplaunch.data import conversations
+from dplaunch.data import answer_spans, conversations, example_tokens, sft_examples
+from dplaunch.data.answer_spans import Renderer, TemplateError
 from dplaunch.data.arrow_datasets import saved_folder
-from dplaunch.data.conversations import IGNORE_INDEX, TEXT, Renderer, TemplateError
+from dplaunch.data.conversations import TEXT
+from dplaunch.data.example_tokens import IGNORE_INDEX, leading_special_ids, pack_runs
 from dplaunch.data.formats import class_number, is_local, label_ids, local_format
+from dplaunch.data.sft_examples import SftExamples, TokenizerView, make_renderer
 
 
 def load_splits(data: DataConfig, seed: int) -> tuple[Any, Any | None]:
@@ -107,6 +110,8 @@ def tokenized_cache_file(dataset: Any, tokenizer: Any, data: DataConfig, task: s
                 "format",
                 "loss_on",
                 "truncation",
+                "tools",
+                "chat_template_kwargs",
             }
         ),
         # the template's text, not its file's name
@@ -126,7 +131,11 @@ def _tokenize_source() -> str:
             inspect.getsource(tokenize)
             + inspect.getsource(class_number)
             + inspect.getsource(_sft_rows)
-            + inspect.getsource(conversations)
+            + inspect.getsource(tokenizer_view)
+            + "".join(
+                inspect.getsource(module)
+                for module in (conversations, answer_spans, example_tokens, sft_examples)
+            )
         )
     except OSError:
         from dplaunch import __version__
@@ -226,7 +235,7 @@ def tokenize(
             assembled = rows.with_format("arrow").map(
                 lambda batch: pack_examples(batch, data.max_length),
                 batched=True,
-                batch_size=10_000,
+                batch_size=example_tokens.PACKING_RUN,
                 desc="packing examples",
                 **store(cache_file),
             )
@@ -258,19 +267,34 @@ def for_evaluation(data: DataConfig, task: str) -> DataConfig:
     return data.model_copy(update={"packing": False}) if task == "sft" else data
 
 
-def sft_renderer(tokenizer: Any, data: DataConfig) -> Renderer:
-    """The chat template (data.chat_template, else the tokenizer's) and the special tokens it names."""
-    template = (
-        conversations.read_chat_template(data.chat_template)
-        if data.chat_template
-        else tokenizer.chat_template
-    )
-    if isinstance(template, dict):  # named templates: the default one
-        template = template.get("default")
+def tokenizer_view(tokenizer: Any) -> TokenizerView:
+    """What the sft pipeline needs of an HF tokenizer (sft_examples.TokenizerView)."""
     names = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
-    special = {name: getattr(tokenizer, name, None) for name in names}
-    special = {name: value for name, value in special.items() if isinstance(value, str)}
-    return Renderer(template, special, tokenizer.eos_token)
+    named = {name: getattr(tokenizer, name, None) for name in names}
+    named = {name: value for name, value in named.items() if isinstance(value, str)}
+    special = [added.content for added in tokenizer.added_tokens_decoder.values() if added.special]
+
+    def encode(texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        out = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        return list(zip(out["input_ids"], out["offset_mapping"], strict=True))
+
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    return TokenizerView(
+        name, tokenizer.chat_template, named, special, encode, tuple(leading_ids(tokenizer))
+    )
+
+
+def leading_ids(tokenizer: Any) -> list[int]:
+    """The special tokens `tokenizer(text)` puts before a text (a BOS), as a prompt given as text
+    is read at inference."""
+    return leading_special_ids(
+        tokenizer("a")["input_ids"], tokenizer("a", add_special_tokens=False)["input_ids"]
+    )
+
+
+def sft_renderer(tokenizer: Any, data: DataConfig) -> Renderer:
+    """The run's chat template renderer (sft_examples.make_renderer) for an HF tokenizer."""
+    return make_renderer(data, tokenizer_view(tokenizer))
 
 
 def attach_chat_template(tokenizer: Any, data: DataConfig, task: str) -> None:
@@ -280,52 +304,55 @@ def attach_chat_template(tokenizer: Any, data: DataConfig, task: str) -> None:
         tokenizer.chat_template = conversations.read_chat_template(data.chat_template)
 
 
+def sft_examples_of(tokenizer: Any, data: DataConfig, columns: list[str]) -> SftExamples:
+    """The run's records → tokens pipeline (sft_examples.SftExamples) with an HF tokenizer."""
+    return SftExamples.of(data, columns, tokenizer_view(tokenizer))
+
+
+def sft_example(pipeline: SftExamples, record: dict) -> answer_spans.Example:
+    """RECORD rendered; a ValueError naming it when the ranks cannot train on it (the launch
+    check reads within its budget only)."""
+    try:
+        return pipeline.example(record)
+    except TemplateError as error:
+        raise ValueError(f"a record {error}: {json.dumps(record, default=str)[:200]}") from None
+
+
 def _sft_rows(tokenizer: Any, data: DataConfig, columns: list[str]) -> Any:
     """The row pass of sft: records → input_ids and labels (IGNORE_INDEX where not trained)."""
-    fmt = conversations.resolve_format(data.format, columns, data.text_column)
-    renderer = sft_renderer(tokenizer, data)
-
-    def encode_texts(texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
-        out = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-        return list(zip(out["input_ids"], out["offset_mapping"], strict=True))
+    pipeline = sft_examples_of(tokenizer, data, columns)
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
         records = [
             dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)
         ]
-        examples = []
-        for record in records:
-            problem = conversations.record_problem(record, fmt)
-            try:
-                if problem is not None:
-                    raise TemplateError(" — ".join(problem))
-                examples.append(renderer.example(record, fmt))
-            except TemplateError as error:  # past the launch check's budget
-                raise ValueError(f"a record {error}: {json.dumps(record)[:200]}") from None
-        encoded = conversations.encode_examples(
-            examples,
-            encode_texts,
-            max_length=data.max_length,
-            truncation=data.truncation,
-            loss_on=data.loss_on,
-        )
+        encoded = pipeline.tokens([sft_example(pipeline, record) for record in records])
         return {"input_ids": encoded.input_ids, "labels": encoded.labels}
 
     return encode
 
 
 def pack_examples(batch: Any, max_length: int) -> dict[str, list]:
-    """Whole examples into blocks of at most MAX_LENGTH tokens (conversations.pack_lengths), with
-    position ids that restart at each example: the attention of every backend keeps the examples
-    apart from them (see Batcher.collate)."""
+    """Whole examples of an Arrow BATCH into blocks of at most MAX_LENGTH tokens (pack_rows)."""
     ids = batch.column("input_ids").to_pylist()
     labels = batch.column("labels").to_pylist()
+    blocks, _ = pack_rows(ids, labels, max_length)
+    return blocks
+
+
+def pack_rows(
+    ids: list[list[int]], labels: list[list[int]], max_length: int
+) -> tuple[dict[str, list], list[list[int]]]:
+    """Whole examples into blocks of at most MAX_LENGTH tokens (example_tokens.pack_runs), with
+    position ids that restart at each example: the attention of every backend keeps the examples
+    apart from them (see Batcher.collate). Also each block's examples (indices into IDS)."""
     out: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
-    for members in conversations.pack_lengths([len(row) for row in ids], max_length):
+    members_of_blocks = pack_runs([len(row) for row in ids], max_length)
+    for members in members_of_blocks:
         out["input_ids"].append([t for i in members for t in ids[i]])
         out["labels"].append([t for i in members for t in labels[i]])
         out["position_ids"].append([p for i in members for p in range(len(ids[i]))])
-    return out
+    return out, members_of_blocks
 
 
 def batch_tokens(batch: dict[str, torch.Tensor]) -> int:

@@ -1,7 +1,8 @@
 """train.sample_prompts: short greedy answers to a few prompts at each evaluation, logged by rank 0.
 
-The file holds JSON lines {"prompt": TEXT or [messages…]}: a text is given to the model as it
-is, a message list is rendered with the run's chat template and its generation prompt (as
+The file holds JSON lines {"prompt": TEXT or [messages…]}: a text is given to the model as
+`tokenizer(text)` reads it (with a BOS token where the tokenizer adds one, as sft trains a text
+prompt), a message list is rendered with the run's chat template and its generation prompt (as
 `apply_chat_template(..., add_generation_prompt=True)`), so the model answers as the next
 assistant turn. The launch check reads it (data/sft_checks.py); read_sample_prompts is shared.
 """
@@ -12,7 +13,9 @@ from typing import Any
 
 import torch
 
-from dplaunch.data.conversations import Renderer, read_sample_prompts
+from dplaunch.data.answer_spans import Renderer
+from dplaunch.data.conversations import normalized_messages, read_sample_prompts
+from dplaunch.train.data import leading_ids
 
 # new tokens per answer: enough for a short reply, little next to an evaluation
 MAX_NEW_TOKENS = 48
@@ -27,9 +30,10 @@ class PromptSampler:
         self.texts = [
             prompt
             if isinstance(prompt, str)
-            else renderer.render(prompt, add_generation_prompt=True)
+            else renderer.render(normalized_messages(prompt), add_generation_prompt=True)
             for prompt in self.prompts
         ]
+        self.leading = leading_ids(tokenizer)
 
     @torch.no_grad()
     def answers(self, model: Any, device: torch.device, synced: bool = False) -> list[dict]:
@@ -41,8 +45,10 @@ class PromptSampler:
         out = []
         try:
             for prompt, text in zip(self.prompts, self.texts, strict=True):
-                ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-                ids = ids.to(device)
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+                if isinstance(prompt, str):
+                    ids = [*self.leading, *ids]
+                ids = torch.tensor([ids], device=device)
                 generated = model.generate(
                     ids,
                     attention_mask=torch.ones_like(ids),

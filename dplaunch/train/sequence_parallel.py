@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from dplaunch.data.conversations import IGNORE_INDEX
+from dplaunch.data.example_tokens import IGNORE_INDEX
 from dplaunch.train.engines import AccelerateEngine, token_sums
 
 
