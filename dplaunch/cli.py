@@ -15,6 +15,7 @@ import typer
 
 from dplaunch.commands import (
     calibrate,
+    data,
     doctor,
     env,
     export,
@@ -48,6 +49,7 @@ COMMANDS = {
     "train": train.train_command,
     "config": train.config_command,
     "launch": train.launch_command,
+    "data": data.data_command,
     "plan": plan.plan_command,
     "verify": verify.verify_command,
     "doctor": doctor.doctor_command,

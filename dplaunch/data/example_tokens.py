@@ -137,6 +137,8 @@ class Encoded:
     prompt_differs: int = 0
     # the first example (its index among those encoded) of each pitfall above
     first: dict[str, int] = field(default_factory=dict)
+    # False: count only (`dplaunch data` reads a dataset in chunks and keeps no tokens)
+    keep_tokens: bool = True
 
     def add(self, index: int, example: Example, tokens: TokenizedExample) -> None:
         """Count example INDEX and keep its tokens when it is trained on."""
@@ -156,9 +158,29 @@ class Encoded:
         if counts["answers_cut"]:
             self.answer_tokens_cut += tokens.trained_cut
         self.straddling += tokens.straddling
-        if tokens.kept:
+        if tokens.kept and self.keep_tokens:
             self.input_ids.append(tokens.input_ids)
             self.labels.append(tokens.labels)
+
+    def absorb(self, other: Encoded, first_index: int) -> None:
+        """Add OTHER's counts, its examples numbered from FIRST_INDEX on (no tokens)."""
+        for name in _COUNTS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name, index in other.first.items():
+            self.first.setdefault(name, first_index + index)
+
+
+_COUNTS = (
+    "truncated",
+    "too_long_dropped",
+    "no_answer_dropped",
+    "answers_cut",
+    "answer_tokens_cut",
+    "straddling",
+    "straddling_examples",
+    "unclosed",
+    "prompt_differs",
+)
 
 
 def encode_examples(

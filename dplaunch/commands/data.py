@@ -1,0 +1,360 @@
+"""`dplaunch data RUN.yaml`: the run's data as the ranks will train on it, before any GPU hour.
+
+Runs the ranks' own data pipeline in this process and starts nothing: the tokenizer
+(train/modeling.py's load_tokenizer), the splits (train/data.py's load_splits), the records →
+rendered text → tokens and labels of sft (data/sft_examples.py, as the row pass of the ranks), the
+cut at data.max_length and the packing into blocks (train/data.py's pack_rows). Prints the
+statistics a user checks (examples kept, cut, dropped; tokens per example; trained tokens and
+their share; packing efficiency; global batches per epoch), each pitfall once with its count and
+an example, `--show N` examples with their trained tokens highlighted (colours on a terminal,
+[[…]] otherwise), and the first packed blocks with the examples they hold, kept apart by their
+position ids. `--json` prints {"stats": …, "examples": [{index, tokens, trained}…]}.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+
+from dplaunch.commands.options import command
+from dplaunch.config.flags import RunFlags
+from dplaunch.errors import UserError
+
+IGNORE_INDEX = -100
+
+
+@command()
+def data_command(
+    flags: RunFlags,
+    show: Annotated[
+        int,
+        typer.Option("--show", min=0, help="Examples to print, with their trained tokens marked."),
+    ] = 3,
+    start: Annotated[
+        int, typer.Option("--start", min=0, help="Index of the first example printed.")
+    ] = 0,
+    blocks: Annotated[
+        int,
+        typer.Option(
+            "--blocks", min=0, help="Packed blocks to print (data.packing), with their examples."
+        ),
+    ] = 1,
+    boundaries: Annotated[
+        bool, typer.Option("--boundaries", help="Show where each token begins (| between tokens).")
+    ] = False,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json", help="Print JSON: the statistics and the examples' tokens and mask."
+        ),
+    ] = False,
+) -> int:
+    """Run the run file's data pipeline as the ranks will (tokenizer, chat template, truncation, packing) and show what is trained; start nothing."""
+    return run_data(
+        flags, show=show, start=start, blocks=blocks, boundaries=boundaries, as_json=as_json
+    )
+
+
+def run_data(
+    flags: RunFlags, *, show: int, start: int, blocks: int, boundaries: bool, as_json: bool
+) -> int:
+    """Build the run's training data as the ranks do; print its statistics and examples."""
+    from dplaunch.config.load import load_run_config
+    from dplaunch.data.checks import check_data
+    from dplaunch.planning.model_facts import check_tokenizer
+
+    config = load_run_config(
+        flags.config, overrides=flags.overrides(), assignments=flags.assignments
+    )
+    task = config.model.task
+    if task == "sequence-classification":
+        raise UserError(
+            "model.task",
+            "sequence-classification trains a label per text, not tokens: nothing to show",
+            "use dplaunch data with a causal-lm or sft run",
+        )
+    check_tokenizer(config.model)
+    data_task = task
+    if task == "sft":
+        from dplaunch.data.sft_checks import sft_data_task
+
+        data_task = sft_data_task(config)
+    check_data(config.data, data_task)  # one line for missing files, broken records, columns
+
+    from dplaunch.train.data import attach_chat_template, load_splits
+    from dplaunch.train.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(config.model)
+    attach_chat_template(tokenizer, config.data, task)
+    training, _ = load_splits(config.data, config.train.seed)
+    if data_task == "sft":
+        report = _SftReport.build(config, tokenizer, training, range(start, start + show), blocks)
+    else:
+        report = _CausalReport.build(config, tokenizer, training, range(start, start + show))
+    if as_json:
+        typer.echo(json.dumps(report.as_json(), indent=1, ensure_ascii=False))
+    else:
+        report.print(_Printer(boundaries))
+    return 0
+
+
+class _Printer:
+    """Tokens on a terminal in colour (trained bold green, the rest dim; token boundaries by
+    alternating backgrounds), elsewhere as plain text with [[…]] around trained tokens."""
+
+    def __init__(self, boundaries: bool):
+        from rich.console import Console
+
+        self.console = Console(highlight=False, soft_wrap=True)
+        self.colour = self.console.is_terminal and not self.console.no_color
+        self.boundaries = boundaries
+
+    def line(self, text: str = "", style: str | None = None) -> None:
+        if self.colour:
+            self.console.print(text, style=style, markup=False)
+        else:
+            typer.echo(text)
+
+    def tokens(self, pieces: list[str], trained: list[bool]) -> None:
+        from dplaunch.data.preview import marked_text
+
+        if not self.colour:
+            typer.echo(marked_text(pieces, trained, self.boundaries))
+            return
+        from rich.text import Text
+
+        text = Text()
+        for index, (piece, keep) in enumerate(zip(pieces, trained, strict=True)):
+            style = "bold green" if keep else "dim"
+            if self.boundaries:
+                shade = "on grey19" if index % 2 else "on grey30"
+                style = f"{'bold bright_green' if keep else 'grey70'} {shade}"
+            text.append(piece, style=style)
+        self.console.print(text)
+
+
+class _SftReport:
+    """sft examples through the ranks' pipeline: statistics, pitfalls, shown examples and blocks."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, Any] = {}
+        self.lines: list[str] = []
+        self.shown: list[dict[str, Any]] = []
+        self.blocks: list[dict[str, Any]] = []
+
+    @classmethod
+    def build(
+        cls, config: Any, tokenizer: Any, dataset: Any, wanted: range, block_count: int
+    ) -> _SftReport:
+        from dplaunch.data.answer_spans import TemplateError
+        from dplaunch.data.conversations import CONVERSATIONAL
+        from dplaunch.data.example_tokens import Encoded, pack_runs, pitfalls
+        from dplaunch.data.preview import ExampleFacts, sft_stats, summary_lines, token_texts
+        from dplaunch.train.data import pack_rows, sft_examples_of
+
+        data = config.data
+        pipeline = sft_examples_of(tokenizer, data, dataset.column_names)
+
+        def tokens_of(indices: list[int], encoded: Encoded | None = None) -> list:
+            examples = []
+            for index in indices:
+                try:
+                    examples.append(pipeline.example(dataset[index]))
+                except TemplateError as error:
+                    raise UserError(
+                        "data.dataset",
+                        f"example {index} {error}",
+                        "fix that record, or the template (data.chat_template)",
+                    ) from None
+            details: list = []
+            counted = pipeline.tokens(examples, details)
+            if encoded is not None:
+                encoded.absorb(counted, indices[0] if indices else 0)
+            return list(zip(examples, details, strict=True))
+
+        report, encoded, facts = cls(), Encoded(keep_tokens=False), []
+        chunk = 1000
+        for first in range(0, len(dataset), chunk):
+            indices = list(range(first, min(first + chunk, len(dataset))))
+            for index, (example, tokens) in zip(indices, tokens_of(indices, encoded), strict=True):
+                facts.append(ExampleFacts.of(tokens))
+                if index in wanted:
+                    names = tokenizer.convert_ids_to_tokens(tokens.input_ids)
+                    report.shown.append(
+                        {
+                            "index": index,
+                            "tokens": token_texts(example.text, tokens, names),
+                            "trained": tokens.trained,
+                            "fate": tokens.fate,
+                            "length": tokens.length,
+                        }
+                    )
+        kept = [index for index, fact in enumerate(facts) if fact.kept]
+        packed = None
+        if data.packing:
+            packed = [
+                [kept[i] for i in block]
+                for block in pack_runs([facts[i].tokens for i in kept], data.max_length)
+            ]
+        noun = "conversations" if pipeline.fmt == CONVERSATIONAL else "examples"
+        found = pitfalls(encoded, len(dataset), noun, data.max_length, data.truncation)
+        report.stats = sft_stats(
+            facts,
+            fmt=pipeline.fmt,
+            max_length=data.max_length,
+            truncation=data.truncation,
+            blocks=packed,
+            global_batch_size=config.train.global_batch_size,
+            found=found,
+        )
+        report.stats["task"] = "sft"
+        report.lines = [
+            f"data: {_source(data.dataset)} ({pipeline.fmt}), tokenizer "
+            f"{config.model.tokenizer or config.model.name_or_path}"
+            + (", chat template from data.chat_template" if data.chat_template else ""),
+            *summary_lines(report.stats, noun),
+        ]
+        # the first blocks that hold several examples show how they are kept apart
+        several = [n for n, block in enumerate(packed or []) if len(block) > 1]
+        for number in (several or list(range(len(packed or []))))[:block_count]:
+            block_members = packed[number]
+            pairs = tokens_of(block_members)
+            ids = [tokens.input_ids for _, tokens in pairs]
+            labels = [tokens.labels for _, tokens in pairs]
+            (block, _) = pack_rows(ids, labels, data.max_length)
+            pieces, spans, at = [], [], 0
+            for index, (example, tokens) in zip(block_members, pairs, strict=True):
+                names = tokenizer.convert_ids_to_tokens(tokens.input_ids)
+                pieces += token_texts(example.text, tokens, names)
+                spans.append({"example": index, "tokens": [at, at + len(tokens.input_ids)]})
+                at += len(tokens.input_ids)
+            positions = block["position_ids"][0]
+            report.blocks.append(
+                {
+                    "block": number,
+                    "examples": spans,
+                    "tokens": len(positions),
+                    "capacity": data.max_length,
+                    # every example starts its own run of position ids: the attention keeps it apart
+                    "isolated": sum(p == 0 for p in positions) == len(spans),
+                    "pieces": pieces,
+                    "trained": [label != IGNORE_INDEX for label in block["labels"][0]],
+                }
+            )
+        return report
+
+    def as_json(self) -> dict[str, Any]:
+        stats = dict(self.stats)
+        if self.blocks:
+            stats["blocks_shown"] = [
+                {key: block[key] for key in ("block", "examples", "tokens", "capacity", "isolated")}
+                for block in self.blocks
+            ]
+        examples = [
+            {"index": e["index"], "tokens": e["tokens"], "trained": e["trained"]}
+            for e in self.shown
+        ]
+        return {"stats": stats, "examples": examples}
+
+    def print(self, out: _Printer) -> None:
+        for line in self.lines:
+            out.line(line)
+        for warning in self.stats["warnings"]:
+            out.line(
+                f"warning: {warning['text']} (e.g. example {warning['example']})", "bold yellow"
+            )
+        for example in self.shown:
+            trained = sum(example["trained"])
+            out.line()
+            out.line(
+                f"example {example['index']}: {example['length']:,} tokens, {trained:,} trained"
+                + ("" if example["fate"] == "kept" else f" ({example['fate']})"),
+                "bold",
+            )
+            out.tokens(example["tokens"], example["trained"])
+        for block in self.blocks:
+            members = ", ".join(
+                f"example {span['example']} (tokens {span['tokens'][0]}–{span['tokens'][1] - 1})"
+                for span in block["examples"]
+            )
+            out.line()
+            out.line(
+                f"block {block['block']}: {block['tokens']:,} of {block['capacity']:,} tokens: "
+                f"{members}",
+                "bold",
+            )
+            out.line(
+                "  position ids restart at 0 at each example"
+                + (
+                    ": each attends only to itself (SDPA/eager: a block-diagonal mask; "
+                    "flash-attention: one sequence each)"
+                    if block["isolated"]
+                    else ": NOT isolated"
+                )
+            )
+            out.tokens(block["pieces"], block["trained"])
+
+
+class _CausalReport:
+    """causal-LM texts packed into full blocks by the ranks' tokenize(): every token trained."""
+
+    def __init__(self, stats: dict[str, Any], shown: list[dict[str, Any]], lines: list[str]):
+        self.stats, self.shown, self.lines = stats, shown, lines
+
+    @classmethod
+    def build(cls, config: Any, tokenizer: Any, dataset: Any, wanted: range) -> _CausalReport:
+        from dplaunch.train.data import tokenize
+
+        data = config.data
+        blocks = tokenize(dataset, tokenizer, data, config.model.task)
+        shown = []
+        for index in wanted:
+            if index >= len(blocks):
+                break
+            ids = blocks[index]["input_ids"]
+            shown.append(
+                {
+                    "index": index,
+                    "tokens": [tokenizer.decode([token]) for token in ids],
+                    # the first token of a block is predicted by nothing in it
+                    "trained": [position > 0 for position in range(len(ids))],
+                }
+            )
+        global_batch = config.train.global_batch_size
+        stats = {
+            "task": "causal-lm",
+            "texts": len(dataset),
+            "blocks": len(blocks),
+            "block_tokens": data.max_length,
+            "tokens": len(blocks) * data.max_length,
+            "trained_tokens": len(blocks) * (data.max_length - 1),
+            "global_batch_size": global_batch,
+            "global_batches_per_epoch": len(blocks) // global_batch,
+            "warnings": [],
+        }
+        lines = [
+            f"data: {_source(data.dataset)} ({len(dataset):,} texts, causal LM), tokenizer "
+            f"{config.model.tokenizer or config.model.name_or_path}",
+            f"packing: every text and its EOS token concatenated into {len(blocks):,} blocks of "
+            f"{data.max_length:,} tokens; every token is trained",
+            f"global batches per epoch: {stats['global_batches_per_epoch']:,} ({len(blocks):,} "
+            f"blocks ÷ global batch {global_batch:,})",
+        ]
+        return cls(stats, shown, lines)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"stats": self.stats, "examples": self.shown}
+
+    def print(self, out: _Printer) -> None:
+        for line in self.lines:
+            out.line(line)
+        for example in self.shown:
+            out.line()
+            out.line(f"block {example['index']}: {len(example['tokens']):,} tokens", "bold")
+            out.tokens(example["tokens"], example["trained"])
+
+
+def _source(dataset: Any) -> str:
+    return ", ".join(dataset) if isinstance(dataset, list) else str(dataset)
