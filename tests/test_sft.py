@@ -94,6 +94,17 @@ def test_prompt_completion_as_messages_trains_on_the_completion_turn():
     assert row["labels"] == [IGNORE_INDEX] * len(prompt) + answer
 
 
+def test_a_text_completion_ending_with_the_eos_token_is_closed_and_one_without_eos_is_not():
+    from dplaunch.data.answer_spans import Renderer
+
+    closing = Renderer(None, {}, "</s>", ("</s>",))
+    pair = {"prompt": "2+2=", "completion": "4</s>"}
+    assert closing.example(pair, "prompt-completion").unclosed == 0
+    assert closing.example(pair, "prompt-completion").text == "2+2=4</s>"
+    no_eos = Renderer(None, {}, None, ())
+    assert no_eos.example({"prompt": "2+2=", "completion": "4"}, "prompt-completion").unclosed == 1
+
+
 def test_loss_on_all_trains_every_token_but_the_first():
     (row,) = _tokenized([{"prompt": "ab", "completion": "c"}], loss_on="all")
     assert row["labels"] == [IGNORE_INDEX, *row["input_ids"][1:]]

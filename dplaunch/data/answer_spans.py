@@ -139,7 +139,8 @@ class Renderer:
             )
             text = prompt + completion + end
             answers = ((len(prompt), len(text)),) if len(text) > len(prompt) else ()
-            return Example(text, answers, bos=True, unclosed=int(bool(answers) and not end))
+            closed = bool(self.eos_token) and text.endswith(self.eos_token)
+            return Example(text, answers, bos=True, unclosed=int(bool(answers) and not closed))
         prompt, completion = normalized_messages(prompt), normalized_messages(completion)
         conversation = _Conversation(self, [*prompt, *completion], tools, kwargs)
         start = conversation.render(prompt, add_generation_prompt=True)

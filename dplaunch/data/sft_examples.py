@@ -55,7 +55,7 @@ def make_renderer(data: DataConfig, tokenizer: TokenizerView) -> Renderer:
         default,
         dict(tokenizer.named_special),
         tokenizer.named_special.get("eos_token"),
-        end_tokens(tokenizer.special_texts),
+        end_tokens([*tokenizer.special_texts, *tokenizer.named_special.values()]),
         tools=data.tools,
         template_kwargs=dict(data.chat_template_kwargs),
         tool_template=tool_use,
