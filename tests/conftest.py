@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import spy_environment, train
+from tests.helpers import REPO, spy_environment, train, write_config
 
 # the comparison every layout is checked against: 6 steps, global batch 8 in micro-batches of 2
 COMPARISON_FLAGS = ("--max-steps", "6", "--global-batch", "8", "--micro-batch", "2")
@@ -19,3 +19,14 @@ def dp_reference(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("reference") / "dp2"
     train(run_dir, "--cpu", "--gpus", "2", *COMPARISON_FLAGS, env=spy_environment(run_dir))
     return run_dir
+
+
+@pytest.fixture(scope="module")
+def run_file(tmp_path_factory) -> Path:
+    """The tiny Llama on the first 44 reviews (3 steps per epoch at global batch 8), for the
+    checkpoint and restart tests (test_lora has a run_file of its own)."""
+    folder = tmp_path_factory.mktemp("small")
+    data = folder / "reviews-44.jsonl"
+    rows = (REPO / "dplaunch/resources/data/reviews.jsonl").read_text().splitlines()[:44]
+    data.write_text("\n".join(rows) + "\n")
+    return write_config(folder / "tiny-small.yaml", data={"dataset": str(data)})

@@ -1,16 +1,21 @@
-"""Shared test fixtures: the tiny models and data, and running dplaunch as a user would."""
+"""Shared test helpers: the tiny models and data, running dplaunch as a user would (a process, or
+its main() in this process for refusals), runs in the background, plans and model shapes."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from dplaunch.launching.ports import free_port
+from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.run_directory.layout import METRICS_FILE
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,6 +85,68 @@ def run_dplaunch(
     )
 
 
+def run_cli(
+    *args: Any, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 0
+) -> subprocess.CompletedProcess:
+    """`dplaunch ARGS…` through the CLI's main() in this process, its exit status and output
+    captured as run_dplaunch gives them, for what fails before any rank starts (a process start
+    costs about a second). Everything a command may change in its process is set for the call and
+    put back after it: os.environ (ENV, as the ranks' environment by default), the working
+    directory, sys.argv, signal handlers, logging, warnings filters, and the port and GPU claims
+    dplaunch holds. An exception that escapes main() comes back as its traceback on stderr with
+    exit status 1, as a process would show it. (TIMEOUT is run_dplaunch's; unused here.)"""
+    import contextlib
+    import io
+    import logging
+    import signal
+    import traceback
+    import warnings
+
+    from dplaunch.cli import main
+    from dplaunch.launching import ports
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_environ, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv
+    handled = [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP]
+    saved_handlers = {number: signal.getsignal(number) for number in handled}
+    root = logging.getLogger()
+    saved_logging = (list(root.handlers), root.level)
+    claims, held = len(ports._claims), set(ports._held)
+    os.environ.clear()
+    os.environ.update(env or child_environment())
+    status = 0
+    try:
+        os.chdir(cwd or REPO)
+        sys.argv = ["dplaunch", *map(str, args)]
+        with warnings.catch_warnings(), contextlib.redirect_stdout(out):
+            with contextlib.redirect_stderr(err):
+                try:
+                    main()
+                except SystemExit as exit:
+                    code = exit.code
+                    status = code if isinstance(code, int) else (0 if code is None else 1)
+                    if not isinstance(code, int | None):
+                        print(code, file=sys.stderr)
+                except Exception:  # noqa: BLE001 — a process would print it and exit 1
+                    traceback.print_exc()
+                    status = 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_environ)
+        os.chdir(saved_cwd)
+        sys.argv = saved_argv
+        for number, handler in saved_handlers.items():
+            signal.signal(number, handler)
+        root.handlers[:], root.level = saved_logging
+        for handle in ports._claims[claims:]:
+            os.close(handle)
+        del ports._claims[claims:]
+        ports._held.intersection_update(held)
+    return subprocess.CompletedProcess(
+        ["dplaunch", *map(str, args)], status, out.getvalue(), err.getvalue()
+    )
+
+
 def loopback_node_argv(
     config: Path, node_rank: int, port: int, run_dir: Path, *flags: Any, gpus: int = 2
 ) -> list[str]:
@@ -102,10 +169,6 @@ def run_loopback_nodes(
 ) -> list[str]:
     """Both loopback "nodes" of loopback_node_argv on PORT (unset: a free one), run to the end;
     their outputs (each must exit 0)."""
-    import subprocess
-
-    from dplaunch.launching.ports import free_port
-
     port = port or free_port()
     nodes = [
         subprocess.Popen(
@@ -343,3 +406,256 @@ def assert_forecast_collectives(run_dir: Path) -> None:
         f"spied but not forecast: {dict(seen - expected)}; forecast but not spied: "
         f"{dict(expected - seen)}"
     )
+
+
+# ---------------------------------------------------------------- runs in the background
+
+# two CPU ranks of plain data parallelism
+DDP = ("--cpu", "--gpus", "2")
+# the checkpoint faults a rank injects (train/checkpoint_faults.py): "STEP:KIND=VALUE"
+FAULT = "DPLAUNCH_TEST_CHECKPOINT_FAULT"
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    """Per-step losses over all launches of a run; a step logged again after a resume wins."""
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r["type"] == "train"}
+
+
+def latest(run_dir: Path) -> str:
+    """The name of a run's newest complete checkpoint (checkpoints/latest)."""
+    return (run_dir / "checkpoints" / "latest").read_text().strip()
+
+
+def start_train(
+    run_file: Path, run_dir: Path, *args: str, slurm_step: bool = False, **env: str
+) -> subprocess.Popen:
+    """`dplaunch train` in the background (a process we can signal), output in run_dir.log.
+
+    slurm_step: in a process group of its own (signal them all, as SLURM signals a step), with
+    SIGUSR1 ignored, as the bash wrapper of dplaunch's SLURM script leaves it."""
+    log = open(f"{run_dir}.log", "w")  # noqa: SIM115 — closed with the process by finish_train()
+    return subprocess.Popen(
+        [sys.executable, "-m", "dplaunch", "train", str(run_file), "-o", str(run_dir), *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=child_environment(**env),
+        cwd=REPO,
+        text=True,
+        start_new_session=slurm_step,
+        preexec_fn=(lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN)) if slurm_step else None,
+    )
+
+
+def finish_train(process: subprocess.Popen, run_dir: Path, timeout: float = 300) -> tuple[int, str]:
+    """Wait for a start_train run; its exit status and log."""
+    code = process.wait(timeout=timeout)
+    return code, Path(f"{run_dir}.log").read_text()
+
+
+def wait_while_running(
+    condition, what: str, process: subprocess.Popen, timeout: float = 240
+) -> None:
+    """Wait for CONDITION; fail when PROCESS ends first or TIMEOUT passes."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None:
+            raise AssertionError(f"dplaunch ended ({process.returncode}) before {what}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def rank_pids(run_dir: Path) -> dict[int, int]:
+    """PID of each training rank of a run (the processes running `dplaunch.train RUN_DIR`)."""
+    pids = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"dplaunch.train" in argv and str(run_dir.absolute()).encode() in argv:
+            for item in environ:
+                if item.startswith(b"RANK="):
+                    pids[int(item[5:])] = int(entry.name)
+    return pids
+
+
+def start_dplaunch(
+    tmp: Path, *args, env: dict[str, str] | None = None, cwd: Path = REPO, umask=None
+):
+    """`dplaunch ARGS…` in the background, output to files (read with `output`)."""
+    out, err = (tmp / "dplaunch.out").open("w"), (tmp / "dplaunch.err").open("w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "dplaunch", *map(str, args)],
+        stdout=out,
+        stderr=err,
+        env=env or child_environment(),
+        cwd=cwd,
+        preexec_fn=(lambda: os.umask(umask)) if umask is not None else None,
+    )
+
+
+def output(tmp: Path) -> tuple[str, str]:
+    """(stdout, stderr) of a start_dplaunch process so far."""
+    return (tmp / "dplaunch.out").read_text(), (tmp / "dplaunch.err").read_text()
+
+
+def run_processes(marker: str) -> list:
+    """Live processes whose command line mentions ``marker`` (a run dir or script in tmp_path)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if process.info["status"] == psutil.STATUS_ZOMBIE or process.pid == os.getpid():
+                continue
+            if marker in " ".join(process.info["cmdline"] or []):
+                found.append(process)
+        except psutil.Error:
+            continue
+    return found
+
+
+def wait_for(condition, timeout: float, what: str):
+    """CONDITION's first true value, asked every 0.2 s; fail after TIMEOUT."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def last_line(text: str) -> str:
+    """The last line of TEXT that is not blank."""
+    return [line for line in text.splitlines() if line.strip()][-1]
+
+
+# ---------------------------------------------------------------- TensorFlow-style workers
+
+# what every worker script starts with: its TF_CONFIG index, and say() that prints at once
+WORKER_PRELUDE = """
+import json, os, signal, sys, time
+config = json.loads(os.environ["TF_CONFIG"])
+index = config["task"]["index"]
+def say(text):
+    sys.stdout.write(text + "\\n")
+    sys.stdout.flush()
+say(f"worker {index} ready")
+"""
+# a worker body that prints its TF_CONFIG and visible devices
+PRINTS_TF_CONFIG = """
+say("TF_CONFIG " + os.environ["TF_CONFIG"])
+say("DEVICES " + repr(os.environ["CUDA_VISIBLE_DEVICES"]))
+"""
+
+
+def worker_script(tmp: Path, name: str, body: str) -> Path:
+    """A TensorFlow-style worker script in TMP: WORKER_PRELUDE, then BODY."""
+    path = tmp / name
+    path.write_text(WORKER_PRELUDE + body)
+    return path
+
+
+def tf_configs(stdout: str) -> list[dict]:
+    """The TF_CONFIG each worker printed (PRINTS_TF_CONFIG), by worker index."""
+    found = [json.loads(line[10:]) for line in stdout.splitlines() if line.startswith("TF_CONFIG ")]
+    return sorted(found, key=lambda config: config["task"]["index"])
+
+
+# ---------------------------------------------------------------- plans and model shapes
+
+# a small Llama's shape (4 layers, 4 heads, 2 KV heads), as config.json gives it
+LLAMA = ModelFacts.from_config_dict(
+    {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 259,
+    }
+)
+
+
+def plan_for(gpus=None, visible=0, render_only=False, model=None, **kwargs):
+    """make_plan for GPUS (VISIBLE of them here) with launch/parallel/train keys as KWARGS."""
+    from dplaunch.config.schema import LaunchConfig, ParallelConfig, TrainConfig
+    from dplaunch.planning.plan import Machine, make_plan
+
+    launch = LaunchConfig(
+        gpus=gpus, **{k: v for k, v in kwargs.items() if k in LaunchConfig.model_fields}
+    )
+    parallel = ParallelConfig(
+        **{k: v for k, v in kwargs.items() if k in ParallelConfig.model_fields}
+    )
+    train = TrainConfig(**{k: v for k, v in kwargs.items() if k in TrainConfig.model_fields})
+    return make_plan(
+        launch, parallel, train, Machine(visible_gpus=visible, render_only=render_only), model
+    )
+
+
+# a 7B Llama's config.json (never built: the planner reads shapes only)
+LLAMA_7B = dict(
+    model_type="llama",
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    intermediate_size=11008,
+    vocab_size=32000,
+)
+
+
+def llama_7b_run_file(path: Path, parallel: object = "auto", **train: object) -> Path:
+    """A run file for a 7B Llama config (never built here) with the tiny-llama data."""
+    data = yaml.safe_load(TINY_LLAMA.read_text())
+    data["name"] = "llama-7b"
+    data["model"]["config"] = dict(LLAMA_7B)
+    data["data"]["max_length"] = 2048
+    data["train"].update(
+        {"global_batch_size": 16, "micro_batch_size": 1, "mixed_precision": "bf16"}
+    )
+    data["train"].update(train)
+    data["parallel"] = parallel
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def run_config(path: Path, *assignments: str):
+    """The RunConfig of the run file PATH with --set ASSIGNMENTS."""
+    from dplaunch.config.load import build_run_config
+
+    data = yaml.safe_load(path.read_text())
+    return build_run_config(data, assignments=list(assignments), base_dir=path.parent)
+
+
+# ---------------------------------------------------------------- what a command imports
+
+HEAVY = ("torch", "accelerate", "deepspeed", "transformers", "datasets")
+
+
+def heavy_imports(*args: Any, env: dict[str, str] | None = None) -> list[str]:
+    """The libraries of HEAVY that `dplaunch ARGS…` imported, run in a fresh process (whatever
+    its exit status): the command line must stay fast and torch-free until ranks start."""
+    probe = (
+        "import sys\n"
+        f"sys.argv = ['dplaunch', *{[str(arg) for arg in args]!r}]\n"
+        "from dplaunch.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        f"print('HEAVY', [m for m in {HEAVY!r} if m in sys.modules], file=sys.stderr)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env or child_environment(),
+        check=False,
+    )
+    line = next((x for x in result.stderr.splitlines() if x.startswith("HEAVY ")), None)
+    assert line is not None, result.stdout[-2000:] + result.stderr[-3000:]
+    return json.loads(line[len("HEAVY ") :].replace("'", '"'))

@@ -1,5 +1,6 @@
 """The catalogue of user mistakes: each is one line naming the field and the fix, exit code 2,
-no traceback, and nothing written. Every case really runs the `dplaunch` command."""
+no traceback, and nothing written. Every case runs the `dplaunch` command line through its main()
+in this process (tests/helpers.run_cli); a few run it as a process too, as a user's shell does."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tests.helpers import (
     child_environment,
     files_under,
     refusal_line,
+    run_cli,
     run_dplaunch,
     write_config,
 )
@@ -335,10 +337,28 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, busy_port, b
     if argv[0] == "train" and "-o" not in argv:
         argv += ["-o", tmp_path / "run"]
     before = files_under(tmp_path)
-    result = run_dplaunch(*argv, env=child_environment(CUDA_VISIBLE_DEVICES="0,1"), timeout=60)
+    result = run_cli(*argv, env=child_environment(CUDA_VISIBLE_DEVICES="0,1"), timeout=60)
     line = refusal_line(result, expected)
     assert " — " in line or "unknown key" in line or ":" in line
     assert files_under(tmp_path) == before, "something was written"
+
+
+# refused by the run file's schema, by the plan, and by a command's own option
+IN_A_PROCESS = ("unknown-nested-key", "impossible-mesh", "slurm-bad-time")
+
+
+@pytest.mark.parametrize(
+    "builder,expected",
+    [c[1:] for c in CASES if c[0] in IN_A_PROCESS],
+    ids=[c[0] for c in CASES if c[0] in IN_A_PROCESS],
+)
+def test_bad_input_in_a_process_is_one_line_exit_2_and_no_traceback(
+    tmp_path, busy_port, builder, expected
+):
+    argv = [*builder(tmp_path), "-o", tmp_path / "run"]
+    result = run_dplaunch(*argv, env=child_environment(CUDA_VISIBLE_DEVICES="0,1"), timeout=60)
+    refusal_line(result, expected)
+    assert files_under(tmp_path) == [], "something was written"
 
 
 def test_the_catalogue_is_large_enough():

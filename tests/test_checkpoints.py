@@ -13,7 +13,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,100 +26,35 @@ from dplaunch.commands.export import run_export
 from dplaunch.config.schema import RunConfig
 from dplaunch.train.modeling import load_model, load_tokenizer
 from tests.helpers import (
+    DDP,
+    FAULT,
     REPO,
     TINY_LLAMA,
     child_environment,
     files_under,
+    finish_train,
+    latest,
+    losses_by_step,
     max_relative_gap,
+    rank_pids,
     read_metrics,
     refusal_line,
     run_dplaunch,
+    start_train,
     train,
     train_losses,
+    wait_while_running,
     write_config,
 )
 
 pytestmark = pytest.mark.multiprocess
 
-DDP = ("--cpu", "--gpus", "2")
 # micro batch 4: grad-accum 1 on 2 ranks, 2 on 1 rank (recomputed when the GPU count changes)
 ZERO2 = ("--cpu", "--zero", "2", "--micro-batch", "4")
 HYBRID = {
     "tp2": ("--cpu", "--gpus", "2", "--tp", "2"),
     "pp2": ("--cpu", "--gpus", "2", "--pp", "2"),
 }
-FAULT = "DPLAUNCH_TEST_CHECKPOINT_FAULT"
-
-
-@pytest.fixture(scope="module")
-def run_file(tmp_path_factory) -> Path:
-    """The tiny Llama on the first 44 reviews (3 steps per epoch at global batch 8)."""
-    folder = tmp_path_factory.mktemp("small")
-    data = folder / "reviews-44.jsonl"
-    rows = (REPO / "dplaunch/resources/data/reviews.jsonl").read_text().splitlines()[:44]
-    data.write_text("\n".join(rows) + "\n")
-    return write_config(folder / "tiny-small.yaml", data={"dataset": str(data)})
-
-
-def losses_by_step(run_dir: Path) -> dict[int, float]:
-    """Per-step losses over all launches of a run; a step logged again after a resume wins."""
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r["type"] == "train"}
-
-
-def latest(run_dir: Path) -> str:
-    return (run_dir / "checkpoints" / "latest").read_text().strip()
-
-
-def start(
-    run_file: Path, run_dir: Path, *args: str, slurm_step: bool = False, **env: str
-) -> subprocess.Popen:
-    """`dplaunch train` in the background (a process we can signal), output in run_dir.log.
-
-    slurm_step: in a process group of its own (signal them all, as SLURM signals a step), with
-    SIGUSR1 ignored, as the bash wrapper of dplaunch's SLURM script leaves it."""
-    log = open(f"{run_dir}.log", "w")  # noqa: SIM115 — closed with the process by finish()
-    return subprocess.Popen(
-        [sys.executable, "-m", "dplaunch", "train", str(run_file), "-o", str(run_dir), *args],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=child_environment(**env),
-        cwd=REPO,
-        text=True,
-        start_new_session=slurm_step,
-        preexec_fn=(lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN)) if slurm_step else None,
-    )
-
-
-def finish(process: subprocess.Popen, run_dir: Path, timeout: float = 300) -> tuple[int, str]:
-    code = process.wait(timeout=timeout)
-    return code, Path(f"{run_dir}.log").read_text()
-
-
-def wait_for(condition, what: str, process: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if process.poll() is not None:
-            raise AssertionError(f"dplaunch ended ({process.returncode}) before {what}")
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-def rank_pids(run_dir: Path) -> dict[int, int]:
-    """PID of each training rank of a run (the processes running `dplaunch.train RUN_DIR`)."""
-    pids = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"dplaunch.train" in argv and str(run_dir.absolute()).encode() in argv:
-            for item in environ:
-                if item.startswith(b"RANK="):
-                    pids[int(item[5:])] = int(entry.name)
-    return pids
 
 
 def test_a_run_survives_a_killed_rank_and_sigterm_with_the_exact_losses(tmp_path, run_file):
@@ -141,22 +75,22 @@ def test_a_run_survives_a_killed_rank_and_sigterm_with_the_exact_losses(tmp_path
     run = tmp_path / "run"
     every_2 = ("--set", "train.checkpoint_every=2", "--resume", "auto")
     # 1. kill -9 of rank 0 while checkpoint step 4 is written but not yet committed
-    process = start(run_file, run, *DDP, *every_2, **{FAULT: "4:sleep=6"})
+    process = start_train(run_file, run, *DDP, *every_2, **{FAULT: "4:sleep=6"})
     temp = run / "checkpoints" / ".tmp-step-4"
-    wait_for(lambda: (temp / "random_states_1.pkl").exists(), "the step-4 save", process)
+    wait_while_running(lambda: (temp / "random_states_1.pkl").exists(), "the step-4 save", process)
     os.kill(rank_pids(run)[0], signal.SIGKILL)
-    code, log = finish(process, run)
+    code, log = finish_train(process, run)
     assert "starting from step 0" in log  # --resume auto without a checkpoint: fresh, and says so
     assert code not in (0, 75), log[-3000:]
     assert latest(run) == "step-2" and not (run / "checkpoints" / "step-4").exists()
 
     # 2. the next --resume auto continues from step 2; SIGTERM while step 6 is being saved (and
     #    torchrun's second SIGTERM): the save completes, the ranks stop there, dplaunch exits 75
-    process = start(run_file, run, *DDP, *every_2, **{FAULT: "6:sleep=6"})
+    process = start_train(run_file, run, *DDP, *every_2, **{FAULT: "6:sleep=6"})
     temp = run / "checkpoints" / ".tmp-step-6"
-    wait_for(lambda: (temp / "random_states_1.pkl").exists(), "the step-6 save", process)
+    wait_while_running(lambda: (temp / "random_states_1.pkl").exists(), "the step-6 save", process)
     process.send_signal(signal.SIGTERM)
-    code, log = finish(process, run)
+    code, log = finish_train(process, run)
     assert code == 75, log[-3000:]
     assert f"resume: {run / 'checkpoints' / 'step-2'} (step 2" in log
     assert latest(run) == "step-6"
@@ -564,17 +498,17 @@ def test_a_stop_before_the_first_step_of_a_run_resumed_from_another_saves_in_thi
     # checkpoint to continue from must be in this run, where --resume auto looks
     _, stopped = ddp_runs
     run = tmp_path / "new-run"
-    process = start(
+    process = start_train(
         run_file, run, "--cpu", "--gpus", "2", "--resume", str(stopped / "checkpoints" / "step-4")
     )
-    wait_for(lambda: rank_pids(run), "the rank", process)
+    wait_while_running(lambda: rank_pids(run), "the rank", process)
     # the rank ignores SIGUSR1 until its handler is installed, and its first step comes later
     while process.poll() is None:
         for pid in rank_pids(run).values():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGUSR1)
         time.sleep(0.1)
-    code, log = finish(process, run)
+    code, log = finish_train(process, run)
     assert code == 75, log[-3000:]
     assert "stopped at step 4" in log, log[-3000:]
     assert latest(run) == "step-4", log[-3000:]
@@ -640,10 +574,12 @@ def test_a_time_limit_signal_during_re_sharding_keeps_the_conversion_and_stops_c
     run = tmp_path / "run"
     shutil.copytree(stopped, run)
     flags = (*ZERO2, "--gpus", "1", "--resume", "auto")
-    process = start(run_file, run, *flags, slurm_step=True)
-    wait_for(lambda: _runs_a_child(process, "ds_to_universal"), "the conversion process", process)
+    process = start_train(run_file, run, *flags, slurm_step=True)
+    wait_while_running(
+        lambda: _runs_a_child(process, "ds_to_universal"), "the conversion process", process
+    )
     os.killpg(process.pid, signal.SIGUSR1)
-    code, log = finish(process, run)
+    code, log = finish_train(process, run)
     # the conversion finished (the signal killed neither it nor the launcher), no rank started,
     # and the launch ended as a checkpointed one: 75, which the SLURM script requeues
     assert code == 75, log[-3000:]
@@ -712,15 +648,15 @@ def test_a_resume_from_an_earlier_checkpoint_of_the_run_leaves_the_later_ones_al
     ]  # fmt: skip
     # back to step 4 (another lr, say): while step 6 is saved again, a crash must come back to
     # step 4, not to the step 8 of the line of training this launch abandons
-    process = start(
+    process = start_train(
         run_file, run, *one_rank, "--resume", str(run / "checkpoints" / "step-4"),
         "--set", "train.keep_last=1", "--set", "train.stop_after_steps=6",
         **{FAULT: "6:sleep=4"},
     )  # fmt: skip
     temp = run / "checkpoints" / ".tmp-step-6"
-    wait_for(lambda: (temp / "random_states_0.pkl").exists(), "the step-6 save", process)
+    wait_while_running(lambda: (temp / "random_states_0.pkl").exists(), "the step-6 save", process)
     assert latest(run) == "step-4"
-    code, log = finish(process, run)
+    code, log = finish_train(process, run)
     assert code == 0, log[-3000:]
     # keep_last 1 counts this line only: step 4 goes, the abandoned step 8 stays, unused
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [

@@ -16,12 +16,10 @@ from tests.helpers import (
     DEFAULT_CONFIG,
     REPO,
     TINY_LLAMA,
-    child_environment,
+    heavy_imports,
     read_metrics,
     run_dplaunch,
 )
-
-HEAVY = ("torch", "accelerate", "deepspeed", "transformers", "datasets")
 
 
 @pytest.mark.parametrize(
@@ -29,22 +27,7 @@ HEAVY = ("torch", "accelerate", "deepspeed", "transformers", "datasets")
     [["--help"], ["train", "--help"], ["train", str(TINY_LLAMA), "--gpus", "16", "--dry-run"]],
 )
 def test_help_and_dry_run_import_no_heavy_library(argv):
-    probe = (
-        "import sys\n"
-        f"sys.argv = ['dplaunch', *{argv!r}]\n"
-        "from dplaunch.cli import main\n"
-        "try:\n    main()\nexcept SystemExit:\n    pass\n"
-        f"print('HEAVY', [m for m in {HEAVY!r} if m in sys.modules])\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=child_environment(),
-        check=True,
-    )
-    assert "HEAVY []" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+    assert heavy_imports(*argv) == []
 
 
 def test_dry_run_prints_plan_files_and_launch_line_and_writes_nothing(tmp_path):

@@ -1,6 +1,7 @@
 """Mistakes on the command line itself: mistyped flags, output paths that cannot be written, a
 run file given to `launch`, a refused sbatch. Each is one line naming the flag and the fix, exit
-code 2, no traceback, and nothing written. Every case really runs the `dplaunch` command."""
+code 2, no traceback, and nothing written. The cases run the command line through its main() in
+this process (tests/helpers.run_cli); the help and one mistyped flag run as a process too."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tests.helpers import (
     child_environment,
     files_under,
     refusal_line,
+    run_cli,
     run_dplaunch,
 )
 
@@ -72,10 +74,16 @@ CLUSTER = [TINY_LLAMA, "--gpus", "16", "--nodes", "4", "--global-batch", "16"]
     ],
 )
 def test_a_mistyped_command_line_is_one_line_naming_the_flag(tmp_path, argv, expected):
-    result = run_dplaunch(*argv, cwd=tmp_path, timeout=60)
+    result = run_cli(*argv, cwd=tmp_path, timeout=60)
     line = refusal_line(result, *expected)
     assert "╭" not in result.stderr and "Usage:" not in result.stderr, line
     assert files_under(tmp_path) == []
+
+
+def test_a_mistyped_flag_in_a_process_is_one_line_and_no_traceback(tmp_path):
+    result = run_dplaunch("train", TINY_LLAMA, "--gpu", "2", cwd=tmp_path, timeout=60)
+    refusal_line(result, "--gpu: no such option — did you mean one of --cpu, --gpus, --tp?")
+    assert "╭" not in result.stderr and files_under(tmp_path) == []
 
 
 def test_help_and_no_arguments_still_show_the_help(tmp_path):
@@ -91,13 +99,13 @@ def test_help_and_no_arguments_still_show_the_help(tmp_path):
 
 def test_slurm_out_naming_a_directory_writes_nothing(tmp_path):
     (tmp_path / "adir").mkdir()
-    result = run_dplaunch(*SLURM_JOB, "--out", tmp_path / "adir", "-o", tmp_path / "run")
+    result = run_cli(*SLURM_JOB, "--out", tmp_path / "adir", "-o", tmp_path / "run")
     refusal_line(result, f"--out: {tmp_path / 'adir'} is a directory", "adir/job.sbatch")
     assert files_under(tmp_path) == ["adir"]
 
 
 def test_slurm_out_where_no_file_can_be_created_writes_nothing(tmp_path):
-    result = run_dplaunch(*SLURM_JOB, "--out", "/proc/job.sbatch", "-o", tmp_path / "run")
+    result = run_cli(*SLURM_JOB, "--out", "/proc/job.sbatch", "-o", tmp_path / "run")
     refusal_line(result, "--out: cannot create files in /proc")
     assert files_under(tmp_path) == []
 
@@ -105,14 +113,14 @@ def test_slurm_out_where_no_file_can_be_created_writes_nothing(tmp_path):
 @pytest.mark.parametrize("flag", ["--out", "-o"])
 def test_config_into_an_existing_file_is_refused_by_the_flag_given(tmp_path, flag):
     (tmp_path / "afile").write_text("x")
-    result = run_dplaunch("config", *CLUSTER, flag, tmp_path / "afile")
+    result = run_cli("config", *CLUSTER, flag, tmp_path / "afile")
     field = "--out" if flag == "--out" else "output_dir"
     refusal_line(result, f"{field}: {tmp_path / 'afile'} is not a directory")
     assert (tmp_path / "afile").read_text() == "x" and files_under(tmp_path) == ["afile"]
 
 
 def test_config_into_an_unwritable_place_is_refused(tmp_path):
-    result = run_dplaunch("config", *CLUSTER, "--out", "/proc/cl")
+    result = run_cli("config", *CLUSTER, "--out", "/proc/cl")
     refusal_line(result, "--out: cannot create files in /proc")
 
 
@@ -132,7 +140,7 @@ def test_report_out_that_cannot_hold_the_plots_is_refused(tmp_path, out, expecte
     run = _run_with_metrics(tmp_path)
     (tmp_path / "afile").write_text("x")
     before = files_under(tmp_path)
-    result = run_dplaunch("report", run, "--out", out, cwd=tmp_path, timeout=120)
+    result = run_cli("report", run, "--out", out, cwd=tmp_path, timeout=120)
     refusal_line(result, "--out: ", expected)
     assert files_under(tmp_path) == before
 
@@ -140,11 +148,11 @@ def test_report_out_that_cannot_hold_the_plots_is_refused(tmp_path, out, expecte
 def test_export_into_an_existing_unwritable_directory_is_refused_before_loading(tmp_path):
     # a checkpoint as export reads it: run.yaml and plan.json (from `dplaunch config`), its step
     checkpoint = tmp_path / "step-1"
-    rendered = run_dplaunch("config", TINY_LLAMA, "--cpu", "--out", checkpoint)
+    rendered = run_cli("config", TINY_LLAMA, "--cpu", "--out", checkpoint)
     assert rendered.returncode == 0, rendered.stderr
     (checkpoint / "checkpoint.json").write_text('{"step": 1}')
     # sysfs refuses new files even to root
-    result = run_dplaunch("export", checkpoint, "--out", "/sys/kernel", timeout=120)
+    result = run_cli("export", checkpoint, "--out", "/sys/kernel", timeout=120)
     refusal_line(result, "--out: cannot create files in /sys/kernel")
 
 
@@ -152,7 +160,7 @@ def test_export_into_an_existing_unwritable_directory_is_refused_before_loading(
 
 
 def test_launch_refuses_a_run_file_and_points_to_train(tmp_path):
-    result = run_dplaunch(
+    result = run_cli(
         "launch", TINY_LLAMA, "--cpu", "--gpus", "2", "-o", tmp_path / "run", timeout=300
     )
     refusal_line(result, "SCRIPT: ", "is a run file, not a Python script", "dplaunch train ")
@@ -160,7 +168,7 @@ def test_launch_refuses_a_run_file_and_points_to_train(tmp_path):
 
 
 def test_launch_of_a_directory_says_it_is_a_directory(tmp_path):
-    result = run_dplaunch("launch", ".", "--dry-run", cwd=tmp_path, timeout=60)
+    result = run_cli("launch", ".", "--dry-run", cwd=tmp_path, timeout=60)
     refusal_line(result, "SCRIPT: . is a directory")
     assert files_under(tmp_path) == []
 
@@ -177,7 +185,7 @@ def test_a_job_sbatch_refuses_is_one_line_and_the_script_stays(tmp_path):
     )
     (fake / "sbatch").chmod(0o755)
     script = tmp_path / "job.sbatch"
-    result = run_dplaunch(
+    result = run_cli(
         *SLURM_JOB,
         "--submit",
         "--out",
@@ -196,14 +204,14 @@ def test_a_job_sbatch_refuses_is_one_line_and_the_script_stays(tmp_path):
 
 
 def test_a_job_name_with_a_line_break_is_named_as_the_job_name(tmp_path):
-    result = run_dplaunch(*SLURM_JOB, "--job-name", "a\nb", "--out", "-", "-o", tmp_path / "run")
+    result = run_cli(*SLURM_JOB, "--job-name", "a\nb", "--out", "-", "-o", tmp_path / "run")
     refusal_line(result, "--job-name: 'a\\nb' contains a line break")
     assert files_under(tmp_path) == []
 
 
 def test_a_multi_line_setup_stays_one_comment_line_in_the_script(tmp_path):
     script = tmp_path / "job.sbatch"
-    result = run_dplaunch(
+    result = run_cli(
         *SLURM_JOB, "--setup", "echo a\necho b", "--out", script, "-o", tmp_path / "run"
     )
     assert result.returncode == 0, result.stderr
@@ -216,7 +224,7 @@ def test_a_multi_line_setup_stays_one_comment_line_in_the_script(tmp_path):
 
 @pytest.mark.parametrize("tolerance", ["-1", "0", "nan"])
 def test_verify_refuses_a_tolerance_that_is_not_positive_before_training(tmp_path, tolerance):
-    result = run_dplaunch(
+    result = run_cli(
         "verify",
         TINY_LLAMA,
         "--cpu",
@@ -233,13 +241,13 @@ def test_verify_refuses_a_tolerance_that_is_not_positive_before_training(tmp_pat
 
 
 def test_zero_cpu_ranks_do_not_suggest_the_cpu_flag_given(tmp_path):
-    result = run_dplaunch("train", TINY_LLAMA, "--cpu", "--gpus", "0", "-o", tmp_path / "run")
+    result = run_cli("train", TINY_LLAMA, "--cpu", "--gpus", "0", "-o", tmp_path / "run")
     line = refusal_line(result, "--gpus: 0 CPU ranks requested — give --gpus 1 or more")
     assert "use --cpu" not in line
 
 
 def test_a_resume_path_that_does_not_exist_points_to_resume_auto(tmp_path):
-    result = run_dplaunch(
+    result = run_cli(
         "train", TINY_LLAMA, "--cpu", "--resume", "latest", "-o", tmp_path / "run", cwd=tmp_path
     )
     refusal_line(result, "--resume: latest does not exist — give --resume auto")
@@ -247,7 +255,7 @@ def test_a_resume_path_that_does_not_exist_points_to_resume_auto(tmp_path):
 
 
 def test_config_out_dash_is_refused_instead_of_making_a_directory_named_dash(tmp_path):
-    result = run_dplaunch("config", TINY_LLAMA, "--cpu", "--out", "-", cwd=tmp_path)
+    result = run_cli("config", TINY_LLAMA, "--cpu", "--out", "-", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert "--out: dplaunch config writes several files" in result.stderr
     assert list(tmp_path.iterdir()) == []

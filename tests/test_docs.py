@@ -8,7 +8,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dplaunch.config.reference import missing_descriptions, render_reference
-from tests.helpers import REPO, cache_hub_dataset, child_environment, run_dplaunch
+from tests.helpers import REPO, cache_hub_dataset, child_environment, free_port, run_dplaunch
 
 README = REPO / "README.md"
 REFERENCE = REPO / "docs" / "reference.md"
@@ -33,12 +32,6 @@ QWEN_CONFIG = {
     "max_position_embeddings": 32768,
     "tie_word_embeddings": True,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def mkdocs_build(project: Path, site: Path) -> subprocess.CompletedProcess:

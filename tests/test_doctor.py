@@ -14,8 +14,7 @@ import pytest
 
 from dplaunch.commands.doctor import NodeReport, gpu_health
 from dplaunch.train.doctor_ranks import CPU_SIZES, bus_bandwidth
-from tests.helpers import TINY_LLAMA, child_environment, fake_nvidia_smi, run_dplaunch
-from tests.test_multinode import free_port
+from tests.helpers import TINY_LLAMA, child_environment, fake_nvidia_smi, free_port, run_dplaunch
 
 # the doctor's own deadline is 60 s; this only keeps a broken doctor from hanging the suite
 BOUND_S = 180

@@ -93,7 +93,7 @@ def test_deepspeed_accumulates_and_reduces_a_bf16_plans_gradients_in_fp32(stage)
     # the deepspeed.json of an 8-GPU bf16 plan, run by one CPU rank (only the batch trio changes)
     from dplaunch.launching.ports import free_port
     from dplaunch.rendering.deepspeed_config import deepspeed_config_dict
-    from tests.test_plan import plan_for
+    from tests.helpers import plan_for
 
     plan = plan_for(gpus=8, visible=8, zero_stage=stage, mixed_precision="bf16")
     config = deepspeed_config_dict(plan, max_grad_norm=1.0)

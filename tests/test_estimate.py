@@ -25,15 +25,8 @@ from dplaunch.planning.estimate import (
     stage_shares,
 )
 from dplaunch.planning.model_facts import ModelFacts
+from tests.helpers import LLAMA_7B
 
-LLAMA_7B = dict(
-    model_type="llama",
-    hidden_size=4096,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    intermediate_size=11008,
-    vocab_size=32000,
-)
 TINY_LLAMA = dict(
     model_type="llama",
     vocab_size=101,

@@ -16,7 +16,6 @@ import pytest
 
 from dplaunch.config.schema import ModelConfig
 from dplaunch.errors import UserError
-from dplaunch.planning.candidates import Workload
 from dplaunch.planning.forecast import (
     Collective,
     forecast_step,
@@ -41,13 +40,14 @@ from dplaunch.planning.profiles import (
     read_profile,
 )
 from dplaunch.planning.rules import ParallelDims
+from dplaunch.planning.workload import Workload
 from tests.helpers import (
+    LLAMA_7B,
     assert_forecast_collectives,
     spy_environment,
     train,
     write_config,
 )
-from tests.test_estimate import LLAMA_7B
 
 SMALL_LLAMA = dict(
     model_type="llama",

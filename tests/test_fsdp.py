@@ -28,10 +28,14 @@ from dplaunch.commands.export import run_export
 from dplaunch.config.schema import RunConfig
 from tests.conftest import COMPARISON_FLAGS
 from tests.helpers import (
+    FAULT,
     REPO,
     TINY_LLAMA,
     assert_forecast_collectives,
+    latest,
+    losses_by_step,
     max_relative_gap,
+    rank_pids,
     read_metrics,
     refusal_line,
     run_dplaunch,
@@ -39,8 +43,8 @@ from tests.helpers import (
     spy_environment,
     train,
     train_losses,
+    wait_while_running,
 )
-from tests.test_checkpoints import FAULT, latest, losses_by_step, rank_pids, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -62,7 +66,7 @@ def fsdp_runs(tmp_path_factory) -> dict[str, Path]:
         cwd=REPO,
     )  # fmt: skip
     shards = killed / "checkpoints" / ".tmp-step-4" / "fsdp"
-    wait_for(lambda: (shards / ".metadata").exists(), "the step-4 save", process)
+    wait_while_running(lambda: (shards / ".metadata").exists(), "the step-4 save", process)
     os.kill(rank_pids(killed)[0], signal.SIGKILL)
     assert process.wait(timeout=300) not in (0, 75)
     step_2 = killed / "checkpoints" / "step-2"
@@ -229,7 +233,7 @@ def test_the_plan_table_lists_fsdp_with_zero3s_memory_and_auto_picks_it_only_whe
     from dplaunch.planning.auto import resolve_auto_parallel
     from dplaunch.planning.model_facts import ModelFacts
     from dplaunch.planning.plan import Machine
-    from tests.test_planning_tools import LLAMA_7B, llama_7b_run_file, run_config
+    from tests.helpers import LLAMA_7B, llama_7b_run_file, run_config
 
     facts = ModelFacts.from_config_dict(LLAMA_7B)
     settings = ("launch.gpus=16", "launch.nodes=2", "launch.gpu_memory_gb=80")

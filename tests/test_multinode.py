@@ -7,7 +7,6 @@ cluster share one filesystem.
 from __future__ import annotations
 
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from tests.conftest import COMPARISON_FLAGS
 from tests.helpers import (
     TINY_LLAMA,
     child_environment,
+    free_port,
     max_relative_gap,
     read_metrics,
     run_dplaunch,
@@ -29,12 +29,6 @@ from tests.helpers import (
     train,
     train_losses,
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.multiprocess

@@ -112,7 +112,7 @@ def test_sequence_parallel_ranks_build_their_op_in_the_keyed_folder(monkeypatch)
     # Ulysses' collectives run through deepspeed.comm, which builds the op too: before, --sp runs
     # built it in torch's shared ~/.cache/torch_extensions
     from dplaunch.launching.prepare import rank_environment
-    from tests.test_plan import LLAMA, plan_for
+    from tests.helpers import LLAMA, plan_for
 
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     plan = plan_for(gpus=2, cpu=True, sp=2, model=LLAMA)

@@ -8,7 +8,6 @@ torch AdamW, same schedule and clipping, fp32.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,19 +18,13 @@ from deepspeed.pipe import TiedLayerSpec
 
 from dplaunch.train.pipeline import create_pipeline_engine, pipeline_layers
 from tests import pipeline_driver
-from tests.helpers import child_environment
+from tests.helpers import child_environment, free_port
 
 DRIVER = Path(pipeline_driver.__file__)
 # fp32 on CPU reproduces the reference to rounding (measured gaps ≤ 1e-7), far inside the 1e-3
 # dplaunch promises; 1e-5 still catches a wrong clipping norm under AdamW (3e-5 – 9e-5 when
 # DeepSpeed's fp32 clipping counted only stage 0's gradients)
 REL_TOLERANCE = 1e-5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def drive(tmp_path: Path, name: str, *args: str, nproc: int = 2) -> dict:

@@ -14,18 +14,8 @@ from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.planning.plan import Machine, batch_math, make_plan
 from dplaunch.rendering.accelerate_config import accelerate_config_dict, render_accelerate_config
 from dplaunch.rendering.deepspeed_config import deepspeed_config_dict
+from tests.helpers import LLAMA, plan_for
 
-LLAMA = ModelFacts.from_config_dict(
-    {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 259,
-    }
-)
 BERT = ModelFacts.from_config_dict(
     {
         "model_type": "bert",
@@ -35,19 +25,6 @@ BERT = ModelFacts.from_config_dict(
         "vocab_size": 30522,
     }
 )
-
-
-def plan_for(gpus=None, visible=0, render_only=False, model=None, **kwargs):
-    launch = LaunchConfig(
-        gpus=gpus, **{k: v for k, v in kwargs.items() if k in LaunchConfig.model_fields}
-    )
-    parallel = ParallelConfig(
-        **{k: v for k, v in kwargs.items() if k in ParallelConfig.model_fields}
-    )
-    train = TrainConfig(**{k: v for k, v in kwargs.items() if k in TrainConfig.model_fields})
-    return make_plan(
-        launch, parallel, train, Machine(visible_gpus=visible, render_only=render_only), model
-    )
 
 
 def test_16_gpus_zero2_global_512_micro_8_gives_grad_accum_4():

@@ -7,7 +7,6 @@ import dataclasses
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,46 +20,20 @@ from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.planning.plan import Machine
 from tests.conftest import COMPARISON_FLAGS
 from tests.helpers import (
+    LLAMA_7B,
     REPO,
     TINY_LLAMA,
     child_environment,
     fake_nvidia_smi,
+    heavy_imports,
+    llama_7b_run_file,
     option_choices,
     refusal_line,
+    run_cli,
+    run_config,
     run_dplaunch,
     train_losses,
 )
-
-LLAMA_7B = dict(
-    model_type="llama",
-    hidden_size=4096,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    intermediate_size=11008,
-    vocab_size=32000,
-)
-HEAVY = ("torch", "accelerate", "deepspeed", "transformers", "datasets")
-
-
-def llama_7b_run_file(path: Path, parallel: object = "auto", **train: object) -> Path:
-    """A run file for a 7B Llama config (never built here) with the tiny-llama data."""
-    data = yaml.safe_load(TINY_LLAMA.read_text())
-    data["name"] = "llama-7b"
-    data["model"]["config"] = dict(LLAMA_7B)
-    data["data"]["max_length"] = 2048
-    data["train"].update(
-        {"global_batch_size": 16, "micro_batch_size": 1, "mixed_precision": "bf16"}
-    )
-    data["train"].update(train)
-    data["parallel"] = parallel
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
-def run_config(path: Path, *assignments: str):
-    data = yaml.safe_load(path.read_text())
-    return build_run_config(data, assignments=list(assignments), base_dir=path.parent)
-
 
 # -- dplaunch plan --------------------------------------------------------------------------------
 
@@ -69,7 +42,7 @@ def test_plan_for_a_7b_llama_on_16_x_80gb_recommends_zero1_and_says_why(tmp_path
     config_json = tmp_path / "llama-7b" / "config.json"
     config_json.parent.mkdir()
     config_json.write_text(json.dumps(LLAMA_7B))
-    result = run_dplaunch(
+    result = run_cli(
         "plan", "--model", config_json.parent, "--gpus", "16", "--nodes", "4", "--gpu-memory", "80"
     )
     assert result.returncode == 0, result.stderr
@@ -89,7 +62,7 @@ def test_plan_for_a_7b_llama_on_16_x_80gb_recommends_zero1_and_says_why(tmp_path
     assert re.search(r"logits in the loss \(12 bytes each\) +0\.73\b", out)
 
     rows = json.loads(
-        run_dplaunch(
+        run_cli(
             "plan",
             "--model",
             config_json,
@@ -119,7 +92,7 @@ def test_plan_for_a_7b_llama_on_16_x_80gb_recommends_zero1_and_says_why(tmp_path
 
 
 def test_plan_takes_the_workload_from_a_run_file():
-    result = run_dplaunch("plan", TINY_LLAMA, "--gpus", "2", "--gpu-memory", "16")
+    result = run_cli("plan", TINY_LLAMA, "--gpus", "2", "--gpu-memory", "16")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "181,184 parameters" in out  # the tiny Llama's exact count
@@ -128,7 +101,7 @@ def test_plan_takes_the_workload_from_a_run_file():
 
 
 def test_plan_without_a_gpu_asks_for_its_memory_in_one_line():
-    result = run_dplaunch("plan", TINY_LLAMA, "--gpus", "2")
+    result = run_cli("plan", TINY_LLAMA, "--gpus", "2")
     assert result.returncode == 2
     assert result.stderr.strip().startswith("dplaunch: error: --gpu-memory: no GPU here")
     assert "Traceback" not in result.stderr
@@ -142,28 +115,13 @@ def test_plan_reads_the_gpu_memory_from_nvidia_smi(tmp_path):
     )
     env = child_environment(PATH=path)
     del env["CUDA_VISIBLE_DEVICES"]
-    result = run_dplaunch("plan", TINY_LLAMA, env=env)
+    result = run_cli("plan", TINY_LLAMA, env=env)
     assert result.returncode == 0, result.stderr
     assert "2 GPUs (1 node(s) × 2), 40 GB each (from nvidia-smi)" in result.stdout
 
 
 def test_plan_imports_no_training_library():
-    probe = (
-        "import sys\n"
-        f"sys.argv = ['dplaunch', 'plan', '--model', {str(REPO / 'examples')!r}, '--gpus', '8']\n"
-        "from dplaunch.cli import main\n"
-        "try:\n    main()\nexcept SystemExit:\n    pass\n"
-        f"print('HEAVY', [m for m in {HEAVY!r} if m in sys.modules])\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=child_environment(),
-        check=True,
-    )
-    assert "HEAVY []" in out.stdout, out.stdout + out.stderr
+    assert heavy_imports("plan", "--model", REPO / "examples", "--gpus", "8") == []
 
 
 # -- model states in fp32: what DeepSpeed really keeps -------------------------------------------
@@ -231,7 +189,7 @@ def test_plan_shows_lora_and_qlora_and_refuses_quantize_without_lora(tmp_path):
     config_json = tmp_path / "config.json"
     config_json.write_text(json.dumps(LLAMA_7B))
     shape = ("--model", config_json, "--gpus", "2", "--gpu-memory", "24", "--seq-len", "1024")
-    qlora = run_dplaunch("plan", *shape, "--lora", "16", "--quantize", "4bit")
+    qlora = run_cli("plan", *shape, "--lora", "16", "--quantize", "4bit")
     assert qlora.returncode == 0, qlora.stderr
     assert (
         "LoRA r 16 on all-linear: 39,976,960 trainable parameters (39,976,960 in adapters; "
@@ -239,7 +197,7 @@ def test_plan_shows_lora_and_qlora_and_refuses_quantize_without_lora(tmp_path):
     ) in qlora.stdout
     # a 7B in 4-bit plus adapters: plain DDP on two 24 GB GPUs
     assert "* DDP fits in 24 GB" in qlora.stdout
-    rows = json.loads(run_dplaunch("plan", *shape, "--lora", "16", "--json").stdout)
+    rows = json.loads(run_cli("plan", *shape, "--lora", "16", "--json").stdout)
     ddp = next(row for row in rows if row["name"] == "DDP")
     assert not ddp["fits"] and ddp["gradients_gb"] == round(4 * 39_976_960 / GIB, 3)
     # FSDP rows count LoRA as ZeRO-3's do, but hold the frozen base's shards in fp32 (2 bytes more)
@@ -250,7 +208,7 @@ def test_plan_shows_lora_and_qlora_and_refuses_quantize_without_lora(tmp_path):
     assert fsdp["gradients_gb"] == zero3["gradients_gb"]
     assert abs(fsdp["weights_gb"] - zero3["weights_gb"] - 2 * frozen / 2 / GIB) < 2e-3
     assert "FSDP" not in qlora.stdout  # QLoRA is refused with FSDP (lora_check.check_lora)
-    refused = run_dplaunch("plan", *shape, "--quantize", "8bit")
+    refused = run_cli("plan", *shape, "--quantize", "8bit")
     refusal_line(refused, "--quantize: QLoRA quantizes the frozen base of a LoRA run", "--lora R")
     import typing
 
@@ -332,7 +290,7 @@ def test_auto_pipelines_an_sft_run_only_when_the_pipeline_can_take_its_examples(
 
 def test_auto_dry_run_runs_the_recommended_plan_and_prints_why(tmp_path):
     path = llama_7b_run_file(tmp_path / "7b.yaml")
-    result = run_dplaunch(
+    result = run_cli(
         "train",
         path,
         "--gpus",
@@ -366,7 +324,7 @@ def test_auto_dry_run_runs_the_recommended_plan_and_prints_why(tmp_path):
     assert '"autotp_size": 4' in out  # the rendered deepspeed.json
     assert not (tmp_path / "run").exists()
 
-    tiny = run_dplaunch(
+    tiny = run_cli(
         "train", TINY_LLAMA, "--cpu", "--gpus", "2", "--set", "parallel=auto", "--dry-run"
     )
     assert tiny.returncode == 0, tiny.stderr
@@ -687,7 +645,7 @@ def test_plan_flag_and_run_file_key_name_the_same_attention_kernels():
 
     kernels = ModelConfig.model_fields["attn_implementation"].annotation
     assert option_choices("plan", "--attn-implementation") == list(get_args(get_args(kernels)[0]))
-    eager = run_dplaunch(
+    eager = run_cli(
         "plan",
         TINY_LLAMA,
         "--gpus",
@@ -699,7 +657,7 @@ def test_plan_flag_and_run_file_key_name_the_same_attention_kernels():
     )
     assert eager.returncode == 0, eager.stderr
     assert "eager attention (keeps the s×s attention scores)" in eager.stdout
-    wrong = run_dplaunch(
+    wrong = run_cli(
         "plan",
         TINY_LLAMA,
         "--gpus",
@@ -753,13 +711,13 @@ def test_a_78b_on_two_gpus_is_refused_before_launch_in_one_line(tmp_path):
     two_gpus = child_environment(CUDA_VISIBLE_DEVICES="0,1")  # the planner counts them from here
     run = ("train", path, "--gpus", "2", "--dry-run", "-o", tmp_path / "run")
     # 2 × 4 bytes × 78 B parameters: no machine this runs on has 584 GiB
-    refused = run_dplaunch(*run, env=two_gpus)
+    refused = run_cli(*run, env=two_gpus)
     refusal_line(
         refused, "launch.gpus_per_node: host RAM: 2 rank(s) per node × 292.0 GiB", "ZeRO-3"
     )
     assert not (tmp_path / "run").exists()
     # CPU ranks rehearse GPU plans: the same plan is noted, not refused
-    rehearsal = run_dplaunch(*run, "--cpu")
+    rehearsal = run_cli(*run, "--cpu")
     assert rehearsal.returncode == 0, rehearsal.stderr
     assert "note: host RAM: 2 rank(s) per node × 292.0 GiB" in rehearsal.stdout
     assert "more than it has (CPU ranks: not refused" in rehearsal.stdout
@@ -774,7 +732,7 @@ def test_host_memory_is_the_slurm_jobs_share_when_it_was_given_one():
 
 
 def test_flash_attention_on_cpu_ranks_is_refused_before_launch(tmp_path):
-    result = run_dplaunch(
+    result = run_cli(
         "train",
         TINY_LLAMA,
         "--cpu",

@@ -25,7 +25,18 @@ import psutil
 import pytest
 import yaml
 
-from tests.helpers import REPO, TINY_LLAMA, child_environment, run_dplaunch, write_config
+from tests.helpers import (
+    REPO,
+    TINY_LLAMA,
+    child_environment,
+    last_line,
+    output,
+    run_dplaunch,
+    run_processes,
+    start_dplaunch,
+    wait_for,
+    write_config,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -107,53 +118,6 @@ def write_script(tmp: Path, name: str, body: str) -> Path:
     path = tmp / name
     path.write_text(PRELUDE + body)
     return path
-
-
-def start_dplaunch(
-    tmp: Path, *args, env: dict[str, str] | None = None, cwd: Path = REPO, umask=None
-):
-    """`dplaunch ARGS…` in the background, output to files (read with `output`)."""
-    out, err = (tmp / "dplaunch.out").open("w"), (tmp / "dplaunch.err").open("w")
-    return subprocess.Popen(
-        [sys.executable, "-m", "dplaunch", *map(str, args)],
-        stdout=out,
-        stderr=err,
-        env=env or child_environment(),
-        cwd=cwd,
-        preexec_fn=(lambda: os.umask(umask)) if umask is not None else None,
-    )
-
-
-def output(tmp: Path) -> tuple[str, str]:
-    return (tmp / "dplaunch.out").read_text(), (tmp / "dplaunch.err").read_text()
-
-
-def run_processes(marker: str) -> list[psutil.Process]:
-    """Live processes whose command line mentions ``marker`` (a run dir or script in tmp_path)."""
-    found = []
-    for process in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if process.info["status"] == psutil.STATUS_ZOMBIE or process.pid == os.getpid():
-                continue
-            if marker in " ".join(process.info["cmdline"] or []):
-                found.append(process)
-        except psutil.Error:
-            continue
-    return found
-
-
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def last_line(text: str) -> str:
-    return [line for line in text.splitlines() if line.strip()][-1]
 
 
 def assert_no_launcher_noise(text: str) -> None:

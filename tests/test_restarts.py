@@ -24,25 +24,22 @@ from safetensors.torch import load_file
 from dplaunch.launching import restarts
 from dplaunch.launching.restarts import Failure, NodeAgreement, restart_verdict
 from tests.helpers import (
-    REPO,
-    child_environment,
-    loopback_node_argv,
-    read_metrics,
-    refusal_line,
-    train,
-)
-from tests.test_checkpoints import (  # noqa: F401 — run_file is a fixture
     DDP,
     FAULT,
-    finish,
+    REPO,
+    child_environment,
+    finish_train,
+    free_port,
     latest,
+    loopback_node_argv,
     losses_by_step,
     rank_pids,
-    run_file,
-    start,
-    wait_for,
+    read_metrics,
+    refusal_line,
+    start_train,
+    train,
+    wait_while_running,
 )
-from tests.test_multinode import free_port
 
 EVERY_2 = ("--set", "train.checkpoint_every=2")
 KILLED = "was killed by signal 9 (SIGKILL)"
@@ -58,7 +55,7 @@ def kill_rank_during_save(run: Path, rank: int, process, after: float = 0.0) -> 
         except OSError:
             return False
 
-    wait_for(saving, "the step-4 save", process, timeout=400)
+    wait_while_running(saving, "the step-4 save", process, timeout=400)
     os.kill(rank_pids(run)[rank], signal.SIGKILL)
 
 
@@ -114,15 +111,17 @@ def test_node_0_decides_for_every_node_from_the_first_failure(tmp_path):
 @pytest.mark.multiprocess
 def test_a_killed_rank_is_restarted_from_the_newest_checkpoint_and_ends_bit_identical(
     tmp_path,
-    run_file,  # noqa: F811 — the fixture imported above
+    run_file,
 ):
     straight = tmp_path / "straight"
     train(straight, *DDP, *EVERY_2, config=run_file)
     run = tmp_path / "run"
     # max_restarts 1: kill -9 of rank 1 while step 4 is saved; the job restarts from step 2
-    process = start(run_file, run, *DDP, *EVERY_2, "--max-restarts", "1", **{FAULT: "4:sleep=4"})
+    process = start_train(
+        run_file, run, *DDP, *EVERY_2, "--max-restarts", "1", **{FAULT: "4:sleep=4"}
+    )
     kill_rank_during_save(run, 1, process)
-    code, log = finish(process, run, timeout=600)
+    code, log = finish_train(process, run, timeout=600)
     assert code == 0, log[-4000:]
     assert "dplaunch: restart 1 of 1 (launch.max_restarts) in 2 s, from checkpoint step 2" in log
     assert "finished after 1 automatic restart(s)" in log
@@ -141,14 +140,14 @@ def test_a_killed_rank_is_restarted_from_the_newest_checkpoint_and_ends_bit_iden
 @pytest.mark.multiprocess
 def test_a_failure_that_repeats_at_the_same_step_is_restarted_once_then_stops_with_the_reason(
     tmp_path,
-    run_file,  # noqa: F811 — the fixture imported above
+    run_file,
 ):
     run = tmp_path / "run"
     # the disk is full at every save of step 4 (RLIMIT_FSIZE): a deterministic failure
-    process = start(
+    process = start_train(
         run_file, run, *DDP, *EVERY_2, "--max-restarts", "3", **{FAULT: "4:max_file_bytes=100000"}
     )
-    code, log = finish(process, run, timeout=600)
+    code, log = finish_train(process, run, timeout=600)
     assert code == 1, log[-4000:]
     assert log.count("dplaunch: restart ") == 1, log[-4000:]
     assert [r["checkpoint_step"] for r in restart_records(run)] == [2]
@@ -163,7 +162,7 @@ def test_a_failure_that_repeats_at_the_same_step_is_restarted_once_then_stops_wi
 @pytest.mark.multiprocess
 def test_two_nodes_restart_together_and_a_kill_after_the_restarts_are_used_up_ends_the_job(
     tmp_path,
-    run_file,  # noqa: F811 — the fixture imported above
+    run_file,
 ):
     run = tmp_path / "shared-run"  # both nodes' run directory, as a cluster's shared disk
     port = free_port()
@@ -182,7 +181,7 @@ def test_two_nodes_restart_together_and_a_kill_after_the_restarts_are_used_up_en
         )
     # rank 1 runs on node 1: killing it fails both nodes' launches
     kill_rank_during_save(run, 1, nodes[1])
-    wait_for(lambda: restart_records(run), "the restart", nodes[0], timeout=300)
+    wait_while_running(lambda: restart_records(run), "the restart", nodes[0], timeout=300)
     restarted_at = time.time()
     kill_rank_during_save(run, 1, nodes[1], after=restarted_at)
     codes = [node.wait(timeout=300) for node in nodes]

@@ -14,6 +14,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.helpers import (
+    LLAMA_7B,
     SFT_CONFIG,
     TINY_LLAMA,
     assert_forecast_collectives,
@@ -26,7 +27,6 @@ from tests.helpers import (
     train_losses,
     write_config,
 )
-from tests.test_estimate import LLAMA_7B
 
 # fp32 on CPU: the sp slices sum their losses in another order than one rank does
 TOLERANCE = 1e-5

@@ -1,5 +1,6 @@
 """Supervised fine-tuning data the ranks could not train on is refused before launch: one line
-naming the record (or the key) and the fix, exit code 2, nothing written."""
+naming the record (or the key) and the fix, exit code 2, nothing written. The cases run the
+command line in this process (tests/helpers.run_cli), one of them as a process too."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tests.helpers import (
     child_environment,
     files_under,
     refusal_line,
+    run_cli,
     run_dplaunch,
 )
 
@@ -173,9 +175,16 @@ CASES = [
 def test_bad_sft_input_is_one_line_exit_2_and_nothing_written(tmp_path, builder, expected):
     argv = [*builder(tmp_path), "-o", tmp_path / "run"]
     before = files_under(tmp_path)
-    result = run_dplaunch(*argv, env=child_environment(), timeout=120)
+    result = run_cli(*argv, env=child_environment(), timeout=120)
     refusal_line(result, expected.replace("{tmp}", str(tmp_path)))
     assert files_under(tmp_path) == before, "something was written"
+
+
+def test_a_bad_conversation_in_a_process_is_one_line_and_no_traceback(tmp_path):
+    [(builder, expected)] = [c[1:] for c in CASES if c[0] == "messages-not-a-list"]
+    result = run_dplaunch(*builder(tmp_path), "-o", tmp_path / "run", timeout=120)
+    refusal_line(result, expected.replace("{tmp}", str(tmp_path)))
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_catalogue_is_large_enough():

@@ -425,7 +425,7 @@ def test_a_tensorflow_script_in_a_batch_script_gets_the_allocations_host_and_por
     slurm_cluster, tmp_path
 ):
     from dplaunch.cluster.slurm import MASTER_PORT_BASE, MASTER_PORT_SPAN
-    from tests.test_tensorflow_launch import PRINTS_TF_CONFIG, tf_configs, worker_script
+    from tests.helpers import PRINTS_TF_CONFIG, tf_configs, worker_script
 
     # TF_CONFIG from SLURM's own variables: dplaunch starts the step, the node's 2 CPU workers
     # listen on the job's port and the next one, on the node SLURM names

@@ -17,7 +17,14 @@ from dplaunch.commands.slurm import SlurmOptions, job_shape, train_command
 from dplaunch.config.flags import RUN_FLAGS, RunFlags
 from dplaunch.config.schema import LaunchConfig
 from dplaunch.errors import UserError
-from tests.helpers import REPO, TINY_LLAMA, child_environment, run_dplaunch, sbatch_options
+from tests.helpers import (
+    REPO,
+    TINY_LLAMA,
+    child_environment,
+    heavy_imports,
+    run_dplaunch,
+    sbatch_options,
+)
 
 LLAMA_1B = REPO / "examples" / "llama-1b.yaml"
 
@@ -215,19 +222,8 @@ def test_submit_without_sbatch_here_says_where_to_run_it(tmp_path):
 
 
 def test_writing_a_script_imports_no_heavy_library(tmp_path):
-    probe = (
-        "import sys\n"
-        f"sys.argv = ['dplaunch', 'slurm', {str(TINY_LLAMA)!r}, '--gpus', '8', '--out', '-', "
-        f"'-o', {str(tmp_path / 'run')!r}]\n"
-        "from dplaunch.cli import main\n"
-        "try:\n    main()\nexcept SystemExit:\n    pass\n"
-        "heavy = ('torch', 'accelerate', 'deepspeed', 'transformers', 'datasets')\n"
-        "print('HEAVY', [m for m in heavy if m in sys.modules], file=sys.stderr)\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, env=child_environment()
-    )
-    assert "HEAVY []" in result.stderr, result.stderr
+    run_dir = tmp_path / "run"
+    assert heavy_imports("slurm", TINY_LLAMA, "--gpus", "8", "--out", "-", "-o", run_dir) == []
 
 
 # ---------------------------------------------------------------- the job's shape

@@ -24,13 +24,20 @@ from dplaunch.config.flags import RunFlags
 from dplaunch.config.schema import LaunchConfig
 from dplaunch.errors import UserError
 from dplaunch.launching.frameworks import detect_framework, worker_hosts
-from tests.helpers import REPO, child_environment, files_under, refusal_line, run_dplaunch
-from tests.test_reliability import (
+from tests.helpers import (
+    PRINTS_TF_CONFIG,
+    REPO,
+    child_environment,
+    files_under,
     last_line,
     output,
+    refusal_line,
+    run_dplaunch,
     run_processes,
     start_dplaunch,
+    tf_configs,
     wait_for,
+    worker_script,
 )
 
 KERAS_EXAMPLE = REPO / "examples" / "keras_multiworker.py"
@@ -150,15 +157,6 @@ def test_a_stalled_worker_fails_the_job_at_the_collective_timeout(tmp_path):
 # --- supervision: the same as for PyTorch ranks ----------------------------------------------------
 
 # looks like a worker of a TensorFlow job; imports nothing heavy, so the tests stay fast
-WORKER_PRELUDE = """
-import json, os, signal, sys, time
-config = json.loads(os.environ["TF_CONFIG"])
-index = config["task"]["index"]
-def say(text):
-    sys.stdout.write(text + "\\n")
-    sys.stdout.flush()
-say(f"worker {index} ready")
-"""
 WORKER_1_RAISES = """
 if index == 1:
     time.sleep(1)
@@ -180,16 +178,6 @@ WORKERS_WAIT = """
 while True:
     time.sleep(0.2)
 """
-PRINTS_TF_CONFIG = """
-say("TF_CONFIG " + os.environ["TF_CONFIG"])
-say("DEVICES " + repr(os.environ["CUDA_VISIBLE_DEVICES"]))
-"""
-
-
-def worker_script(tmp: Path, name: str, body: str) -> Path:
-    path = tmp / name
-    path.write_text(WORKER_PRELUDE + body)
-    return path
 
 
 def launch_workers(tmp: Path, script: Path, *args, timeout: float = 120):
@@ -268,11 +256,6 @@ def test_killing_dplaunch_with_sigkill_leaves_no_worker(tmp_path):
 
 
 # --- TF_CONFIG: one node, several nodes, SLURM ----------------------------------------------------
-
-
-def tf_configs(stdout: str) -> list[dict]:
-    found = [json.loads(line[10:]) for line in stdout.splitlines() if line.startswith("TF_CONFIG ")]
-    return sorted(found, key=lambda config: config["task"]["index"])
 
 
 def test_each_cpu_worker_gets_its_index_the_same_cluster_and_no_gpu(tmp_path):
