@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dplaunch.errors import UserError
-from dplaunch.run_directory.layout import METRICS_FILE
+from dplaunch.run_directory.layout import METRICS_FILE, REPORT_SUMMARY_FILE
 
 # the first steps are warm-up (compilation, allocator, data loader start) and bias the throughput
 WARMUP_FRACTION = 0.1
@@ -312,6 +312,6 @@ def make_report(run_dirs: list[Path], out_dir: Path) -> ReportResult:
     simple_plot("memory.png", "memory_gb", "peak memory of rank 0", "GB")
 
     summaries = [summarize(run) for run in runs]
-    summary_path = out_dir / "summary.txt"
+    summary_path = out_dir / REPORT_SUMMARY_FILE
     summary_path.write_text(format_summary(summaries))
     return ReportResult(out_dir=out_dir, plots=plots, summary_path=summary_path, runs=summaries)

@@ -1,4 +1,5 @@
-"""Stopping early on a signal: what SLURM (or a user) sends, and the exit status that says so.
+"""Signals between dplaunch and its ranks: stopping early on what SLURM (or a user) sends and the
+exit status that says so; the hang dump after a collective timed out; noticing a process's end.
 
 SIGUSR1 (SLURM's time-limit warning) or SIGTERM makes the ranks checkpoint at the next step
 boundary and stop; `dplaunch train` then exits 75, on which the SLURM script requeues. The
@@ -7,6 +8,8 @@ launcher notes SIGUSR1 the same way while it re-shards a checkpoint, before any 
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 from typing import Any
 
@@ -16,6 +19,20 @@ EXIT_CHECKPOINTED = 75
 # (2 is a user error, 75 a checkpointed stop that a requeue continues): not worth retrying as is
 EXIT_NONFINITE = 3
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+# after a collective timed out the supervisor sends this to every rank, which then writes its
+# Python stack (faulthandler) to RUN/errors/stacks-rank-N.txt
+STACK_DUMP_SIGNAL = signal.SIGUSR2
+# a rank's error that says a collective timed out (torch's watchdog, gloo, NCCL)
+TIMEOUT_RE = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
+def exit_handle(pid: int) -> int | None:
+    """A pidfd that becomes readable when ``pid`` exits; None where Linux or Python has none
+    (poll instead) or when the process is already gone."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 class StopSignals:

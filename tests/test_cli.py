@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from dplaunch.launching.process import ERRORS_DIR_ENV
+from dplaunch.run_directory.environment import ERRORS_DIR_ENV
 from tests.helpers import (
     DEFAULT_CONFIG,
     REPO,

@@ -15,7 +15,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from dplaunch.train.nonfinite import EXIT_NONFINITE, FAULT_ENV, NonFiniteGuard
+from dplaunch.run_directory.environment import NONFINITE_FAULT_ENV
+from dplaunch.train.nonfinite import EXIT_NONFINITE, NonFiniteGuard
 from tests.helpers import child_environment, read_metrics, run_dplaunch
 
 DDP = ("--cpu", "--gpus", "2", "--max-steps", "5")
@@ -30,7 +31,7 @@ LAYOUTS = {
 def train_with(run_dir: Path, *flags: str, fault: str) -> tuple[int, str]:
     result = run_dplaunch(
         "train", "examples/tiny-llama.yaml", "-o", run_dir, *flags,
-        env=child_environment(**{FAULT_ENV: fault}),
+        env=child_environment(**{NONFINITE_FAULT_ENV: fault}),
     )  # fmt: skip
     return result.returncode, result.stdout + result.stderr
 

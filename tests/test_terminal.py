@@ -7,7 +7,8 @@ import io
 
 import pytest
 
-from dplaunch.train.metrics import PROGRESS_ENV, REDRAW, RankPrinter, RedrawnLines
+from dplaunch.run_directory.environment import PROGRESS_ENV
+from dplaunch.train.metrics import REDRAW, RankPrinter, RedrawnLines
 from tests.helpers import TINY_LLAMA, child_environment, read_metrics, run_dplaunch
 
 

@@ -30,6 +30,7 @@ import typer
 from dplaunch.commands.options import command
 from dplaunch.config.flags import RunFlags
 from dplaunch.errors import UserError
+from dplaunch.run_directory.layout import DOCTOR_PROBE_PREFIX
 
 if TYPE_CHECKING:
     from dplaunch.launching.prepare import PreparedRun
@@ -224,7 +225,7 @@ def interface_of(local_address: str) -> str | None:
 
 def write_speed(run_dir: Path) -> tuple[float | None, str | None]:
     """(MB/s of an fsync'd write into RUN_DIR, None) or (None, why it failed)."""
-    probe = run_dir / f".doctor-write-{socket.gethostname()}-{os.getpid()}"
+    probe = run_dir / f"{DOCTOR_PROBE_PREFIX}{socket.gethostname()}-{os.getpid()}"
     block = os.urandom(1 << 20)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -246,13 +246,7 @@ def run_export_job(directory: Path, job: RunConfig, plan: Plan, out: Path) -> in
     # ranks' temporary files go into the run directory, removed with it
     job_env = {"CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(run_dir)}
     prepared = render_files(
-        job,
-        plan,
-        run_dir,
-        target,
-        max_grad_norm=job.train.max_grad_norm,
-        extra_env=job_env,
-        threads=openmp_threads(plan, None),
+        job, plan, run_dir, target, extra_env=job_env, threads=openmp_threads(plan, None)
     )
     typer.echo(
         f"export job: {plan.world_size} CPU rank(s) join the tp {plan.tensor_parallel_size} "

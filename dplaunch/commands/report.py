@@ -8,8 +8,7 @@ from typing import Annotated
 import typer
 
 from dplaunch.commands.options import command
-
-REPORT_DIR = "report"
+from dplaunch.run_directory.layout import REPORT_DIR
 
 
 @command()

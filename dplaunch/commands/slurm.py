@@ -23,6 +23,7 @@ import typer
 from dplaunch.commands.options import command
 from dplaunch.config.flags import RUN_FLAGS, RunFlags, flag_option
 from dplaunch.errors import UserError
+from dplaunch.run_directory.environment import UNDER_SRUN_ENV
 from dplaunch.run_directory.layout import LOGS_DIR, REQUEUE_MARK_PREFIX, SBATCH_SCRIPT
 
 if TYPE_CHECKING:
@@ -36,8 +37,6 @@ SIGNAL_SECONDS = 120
 FALLBACK_GPUS_PER_NODE = 4
 # ... and 10 cores per GPU (a V100 node: 40 cores, 4 GPUs)
 FALLBACK_CPUS_PER_GPU = 10
-# set for the launchers dplaunch starts with srun: they must never start srun again
-UNDER_SRUN = "DPLAUNCH_UNDER_SRUN"
 # run flags that SLURM decides inside the job, so the script does not repeat them
 DECIDED_IN_JOB = ("nodes", "node_rank", "master_addr", "master_port", "hostfile", "output_dir")
 # SbatchSpec fields → the flag a user would change
@@ -504,7 +503,7 @@ def srun_relaunch_argv(prepared: PreparedRun) -> list[str] | None:
     from dplaunch.rendering.sbatch import NODE_LAUNCHER
 
     allocation = current_allocation()
-    if allocation is None or allocation.inside_step or os.environ.get(UNDER_SRUN):
+    if allocation is None or allocation.inside_step or os.environ.get(UNDER_SRUN_ENV):
         return None
     again = [sys.executable, "-m", "dplaunch", *sys.argv[1:]]
     # the run directory is pinned: a default one is named by the time each node starts
@@ -517,7 +516,8 @@ def run_under_srun(prepared: PreparedRun, argv: list[str], *, dry_run: bool) -> 
     from dplaunch.launching.prepare import current_allocation
     from dplaunch.launching.preview import print_prepared
     from dplaunch.launching.process import run_supervised
-    from dplaunch.rendering.sbatch import REQUEUE_EXIT_STATUS, REQUEUE_MARK_ENV
+    from dplaunch.rendering.sbatch import REQUEUE_EXIT_STATUS
+    from dplaunch.run_directory.environment import REQUEUE_MARK_ENV
 
     allocation = current_allocation()
     job = allocation.job_id if allocation else "?"
@@ -535,7 +535,7 @@ def run_under_srun(prepared: PreparedRun, argv: list[str], *, dry_run: bool) -> 
     mark = prepared.run_dir.absolute() / f"{REQUEUE_MARK_PREFIX}{job}"
     mark.unlink(missing_ok=True)
     prepared.run_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, UNDER_SRUN: "1", REQUEUE_MARK_ENV: str(mark)}
+    env = {**os.environ, UNDER_SRUN_ENV: "1", REQUEUE_MARK_ENV: str(mark)}
     code = run_supervised(argv, env)
     if code == 0 and mark.exists():
         mark.unlink(missing_ok=True)

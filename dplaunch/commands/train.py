@@ -18,7 +18,7 @@ import typer
 from dplaunch.commands.options import command
 from dplaunch.config.flags import Framework, RunFlags
 from dplaunch.errors import UserError
-from dplaunch.run_directory.layout import CHECKPOINTS_DIR, ERRORS_DIR, RESUME_FILE
+from dplaunch.run_directory.layout import CHECKPOINTS_DIR, ERRORS_DIR, RESUME_FILE, step_dir
 from dplaunch.stop_signals import EXIT_CHECKPOINTED, EXIT_NONFINITE, StopSignals
 
 # `dplaunch launch` runs Python scripts; a run file given to it is meant for `dplaunch train`
@@ -164,6 +164,7 @@ def _train_with_restarts(prepared: PreparedRun, point: ResumePoint | None) -> in
     to launch.max_restarts times (dplaunch.launching.restarts decides; nodes agree there)."""
     from dplaunch.launching import restarts
     from dplaunch.launching.resume import plan_resume, resume_file_text
+    from dplaunch.run_directory.environment import RESTARTS_ENV
 
     run_dir, plan = prepared.run_dir, prepared.plan
     max_restarts = prepared.config.launch.max_restarts
@@ -175,7 +176,7 @@ def _train_with_restarts(prepared: PreparedRun, point: ResumePoint | None) -> in
         agreement.begin()
     done, previous = 0, None
     while True:
-        prepared.env[restarts.RESTARTS_ENV] = str(done)
+        prepared.env[RESTARTS_ENV] = str(done)
         began = restarts.metrics_size(run_dir)
         code, watch = supervise(prepared)
         hints = _failure_hints(run_dir) if code != 0 else None
@@ -228,8 +229,8 @@ def _train_with_restarts(prepared: PreparedRun, point: ResumePoint | None) -> in
             )
             return EXIT_CHECKPOINTED
         if verdict.checkpoint_step is not None:
-            step_dir = run_dir / CHECKPOINTS_DIR / f"step-{verdict.checkpoint_step}"
-            point = plan_resume(run_dir, str(step_dir), prepared.config, plan)
+            checkpoint = run_dir / CHECKPOINTS_DIR / step_dir(verdict.checkpoint_step)
+            point = plan_resume(run_dir, str(checkpoint), prepared.config, plan)
         prepared.files[RESUME_FILE] = resume_file_text(point)
         _print_resume(point, "auto")
         previous = failure
@@ -318,7 +319,7 @@ def _reshard(prepared: PreparedRun, point: ResumePoint) -> str | None:
 def _refuse_a_requeue_without_progress(stop: dict, point: ResumePoint | None) -> None:
     # in a SLURM script that requeues on 75: a stop before this launch's first step means the
     # time-limit signal came during start-up, and every requeue would do the same, forever
-    from dplaunch.rendering.sbatch import REQUEUE_MARK_ENV
+    from dplaunch.run_directory.environment import REQUEUE_MARK_ENV
 
     started_at = point.checkpoint.step if point is not None else 0
     if (
@@ -484,7 +485,7 @@ def supervise(prepared: PreparedRun) -> tuple[int, RankWatch]:
     from dplaunch.launching.op_build import prepare_ops
     from dplaunch.launching.process import RankWatch, run_supervised
     from dplaunch.launching.rundir import write_run_files
-    from dplaunch.train.metrics import PROGRESS_ENV
+    from dplaunch.run_directory.environment import PROGRESS_ENV
 
     write_run_files(prepared.run_dir, prepared.files)
     env = {**os.environ, **prepared.env}

@@ -38,7 +38,14 @@ import typer
 from dplaunch.commands.options import command
 from dplaunch.config.flags import RunFlags
 from dplaunch.errors import UserError
-from dplaunch.run_directory.layout import LAUNCH_SCRIPT, METRICS_FILE, RUN_FILE
+from dplaunch.run_directory.layout import (
+    DEFAULT_RUNS_DIR,
+    LAUNCH_SCRIPT,
+    METRICS_FILE,
+    RUN_FILE,
+    VERIFY_PLAN_DIR,
+    VERIFY_REFERENCE_DIR,
+)
 
 # relative per-step loss gap allowed between the plan and DDP, by precision
 TOLERANCES = {"no": 1e-3, "bf16": 2e-2, "fp16": 1e-2}
@@ -49,7 +56,6 @@ SHRUNK_HEAD_DIM = 16
 SHRUNK_MAX_LENGTH = 128
 # keys of a config.json that would make a shrunk random model fail to build or load weights
 DROPPED_KEYS = ("quantization_config", "torch_dtype", "dtype", "_name_or_path")
-PLAN_DIR, REFERENCE_DIR = "plan", "dp"
 # train keys a --reference run may differ in: they do not change the per-step losses (log_every
 # does: a logged loss is the mean since the previous line, so the reference must log every step)
 IGNORED_TRAIN_KEYS = (
@@ -317,7 +323,9 @@ def run_verify(flags: RunFlags, options: VerifyOptions) -> int:
         raise UserError(
             "--inject-fault", f"unknown fault {options.inject_fault!r}", ", ".join(FAULTS)
         )
-    base = Path(flags.output_dir or Path("runs") / f"verify-{time.strftime('%Y%m%d-%H%M%S')}")
+    base = Path(
+        flags.output_dir or Path(DEFAULT_RUNS_DIR) / f"verify-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
     # a loss at every step; the data, its eval split and the schedule stay as configured
     common = [
         *flags.assignments,
@@ -330,7 +338,7 @@ def run_verify(flags: RunFlags, options: VerifyOptions) -> int:
         extra, shrink_line = _shrink_assignments(flags)
         common += extra
     plan_flags = replace(
-        flags, max_steps=options.steps, output_dir=str(base / PLAN_DIR), assignments=common
+        flags, max_steps=options.steps, output_dir=str(base / VERIFY_PLAN_DIR), assignments=common
     )
     # everything is planned (and every mistake reported) before either run starts
     plan_run = prepare_training_run(plan_flags)
@@ -362,7 +370,7 @@ def run_verify(flags: RunFlags, options: VerifyOptions) -> int:
                 pp=None,
                 fsdp=None,
                 sp=None,
-                output_dir=str(base / REFERENCE_DIR),
+                output_dir=str(base / VERIFY_REFERENCE_DIR),
                 assignments=[
                     *common,
                     "parallel={zero_stage: 0, offload: none, tp: 1, pp: 1, fsdp: null, sp: 1}",

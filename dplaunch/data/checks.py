@@ -38,13 +38,13 @@ from dplaunch.data.formats import (
     local_format,
 )
 from dplaunch.errors import UserError
+from dplaunch.run_directory.environment import DATA_CHECK_MB_ENV
 
 # bytes of a dataset's files read line by line before launch (about 3 s of checking here): a
 # corpus of many GB is checked on its first records of each file and its first 256 MB, not read
 # whole at every launch (and on every node); its rows and bytes are then lower bounds.
 # DPLAUNCH_DATA_CHECK_MB sets another budget (0: the first record of each file only)
 FULL_CHECK_BYTES = 256 * 2**20
-BUDGET_ENV = "DPLAUNCH_DATA_CHECK_MB"
 
 
 def check_data(
@@ -320,7 +320,7 @@ class _Summary:
 
 def _check_budget() -> int:
     """Bytes the check may read: DPLAUNCH_DATA_CHECK_MB megabytes, else FULL_CHECK_BYTES."""
-    raw = os.environ.get(BUDGET_ENV, "").strip()
+    raw = os.environ.get(DATA_CHECK_MB_ENV, "").strip()
     if not raw:
         return FULL_CHECK_BYTES
     try:
@@ -329,7 +329,7 @@ def _check_budget() -> int:
         megabytes = -1.0
     if not megabytes >= 0 or math.isinf(megabytes):
         raise UserError(
-            BUDGET_ENV,
+            DATA_CHECK_MB_ENV,
             f"{raw!r} is not a number of megabytes",
             f"set it to 0 or more (0: each file's first record only), or unset it for "
             f"{FULL_CHECK_BYTES // 2**20}",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import json
 import os
 import sys
 from dataclasses import replace
@@ -21,7 +20,6 @@ from pathlib import Path
 from dplaunch.cluster.hostfile import is_local, launch_for_hostfile, read_hostfile
 from dplaunch.cluster.slurm import SlurmAllocation
 from dplaunch.config.flags import Framework, RunFlags
-from dplaunch.config.load import dump_run_config
 from dplaunch.config.schema import LaunchConfig
 from dplaunch.errors import UserError
 from dplaunch.launching.devices import visible_gpu_count
@@ -35,11 +33,11 @@ from dplaunch.launching.prepare import (
     openmp_threads,
     own_host_names,
     rank_environment,
+    run_files,
     script_run_dir,
 )
 from dplaunch.launching.workers import Worker, render_workers_spec
 from dplaunch.planning.plan import Machine, Plan, make_plan
-from dplaunch.rendering.launch_command import launch_script_name, render_launch_script
 from dplaunch.rendering.tf_config import (
     WorkerLayout,
     default_worker_ports,
@@ -47,7 +45,7 @@ from dplaunch.rendering.tf_config import (
     worker_devices,
     workers_per_node,
 )
-from dplaunch.run_directory.layout import ERRORS_DIR
+from dplaunch.run_directory.layout import ERRORS_DIR, WORKERS_FILE, node_file
 
 TENSORFLOW_MODULES = frozenset({"tensorflow", "keras", "tf_keras"})
 TORCH_MODULES = frozenset(
@@ -115,11 +113,11 @@ def prepare_tensorflow_launch(flags: RunFlags, script: list[str]) -> PreparedRun
     """Plan a TensorFlow script's workers on this node, each with its TF_CONFIG."""
     config = load_script_config(flags)
     allocation = current_allocation()
-    config.launch, hosts, notes = worker_hosts(config.launch, allocation, own_host_names())
+    launch, hosts, notes = worker_hosts(config.launch, allocation, own_host_names())
+    config = config.model_copy(update={"launch": launch})
     check_script_exists(script)
-    plan = make_plan(
-        config.launch, config.parallel, config.train, Machine(visible_gpus=visible_gpu_count())
-    )
+    machine = Machine(visible_gpus=visible_gpu_count())
+    plan = make_plan(config.launch, config.parallel, config.train, machine, extra_notes=notes)
     _refuse_model_parallelism(plan)
     per_node = workers_per_node(plan)
     # in the batch shell (a job, no step) dplaunch only reruns itself with srun: the ports are
@@ -130,28 +128,24 @@ def prepare_tensorflow_launch(flags: RunFlags, script: list[str]) -> PreparedRun
     )
     layout = WorkerLayout(hosts, per_node, ports)
     run_dir = script_run_dir(config, script)
-    config.output_dir = str(run_dir)
+    config = config.model_copy(update={"output_dir": str(run_dir)})
     run_abs = run_dir.absolute()
     workers = tensorflow_workers(
         plan, layout, script, devices=worker_devices(plan, os.environ.get("CUDA_VISIBLE_DEVICES"))
     )
     spec_name = workers_spec_name(plan)
+    # settled on this machine: its workers' ports, the layout they form
     plan = replace(
         plan,
         framework="tensorflow",
-        notes=(*plan.notes, *notes, *port_notes, *_layout_notes(plan, layout, spec_name)),
+        notes=(*plan.notes, *port_notes, *_layout_notes(plan, layout, spec_name)),
     )
     argv = [sys.executable, "-m", "dplaunch.launching.workers", str(run_abs / spec_name)]
     # threads per worker from SLURM's CPUs for this task; elsewhere the workers' own default
     threads = openmp_threads(plan, allocation) if allocation is not None else None
     env = {**rank_environment(plan), **({"OMP_NUM_THREADS": threads[0]} if threads else {})}
-    files = {
-        "run.yaml": dump_run_config(config),
-        "plan.json": json.dumps(plan.to_dict(), indent=2) + "\n",
-        spec_name: render_workers_spec(workers, run_abs / ERRORS_DIR),
-        launch_script_name(plan): render_launch_script(argv, env, Path.cwd()),
-    }
-    return PreparedRun(config=config, plan=plan, run_dir=run_dir, files=files, argv=argv, env=env)
+    spec = {spec_name: render_workers_spec(workers, run_abs / ERRORS_DIR)}
+    return run_files(config, plan, run_dir, argv, env, workers=spec)
 
 
 def tensorflow_workers(
@@ -175,7 +169,7 @@ def tensorflow_workers(
 
 def workers_spec_name(plan: Plan) -> str:
     """workers.json, or workers-nodeR.json on node R > 0 (nodes may share the run directory)."""
-    return "workers.json" if plan.node_rank == 0 else f"workers-node{plan.node_rank}.json"
+    return node_file(WORKERS_FILE, plan.node_rank)
 
 
 def worker_hosts(

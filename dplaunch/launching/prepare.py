@@ -41,7 +41,6 @@ from dplaunch.launching.devices import (
     visible_keys,
 )
 from dplaunch.launching.ports import claim_free_port, claim_gpu, claim_port
-from dplaunch.launching.process import ERRORS_DIR_ENV
 from dplaunch.planning.model_facts import (
     ModelFacts,
     check_model_type,
@@ -59,8 +58,16 @@ from dplaunch.rendering.launch_command import (
     launch_script_name,
     render_launch_script,
 )
+from dplaunch.run_directory.environment import ERRORS_DIR_ENV, TIMEOUT_MINUTES_ENV
 from dplaunch.run_directory.files import plan_text
-from dplaunch.run_directory.layout import DEEPSPEED_FILE, ERRORS_DIR, PLAN_FILE, RUN_FILE
+from dplaunch.run_directory.layout import (
+    DEEPSPEED_FILE,
+    DEFAULT_RUNS_DIR,
+    ERRORS_DIR,
+    NCCL_TRACE_FILE_PREFIX,
+    PLAN_FILE,
+    RUN_FILE,
+)
 
 # seconds a host name may take to resolve before the check gives up (and lets the launch try)
 MASTER_ADDR_RESOLVE_SECONDS = 5.0
@@ -152,6 +159,30 @@ def _refuse_code_not_trusted(model: ModelConfig, config_json: dict[str, Any]) ->
     )
 
 
+@dataclass(frozen=True)
+class ThisMachine:
+    """What settling a plan on this machine needs to know."""
+
+    # the GPUs this process may use (local_machine)
+    gpus: list[Gpu]
+    # False when someone else places the ranks (SLURM's own CUDA_VISIBLE_DEVICES, DeepSpeed's
+    # hostfile runner) or the files are only rendered: no GPU is claimed then
+    claims_gpus: bool
+    # the files are for another machine: nothing here is claimed or built
+    render_only: bool
+    # OMP_NUM_THREADS for each rank and where it comes from (openmp_threads; None: the launcher's)
+    threads: tuple[str, str] | None
+
+
+@dataclass(frozen=True)
+class CheckedRun:
+    """A training run's config once its checks passed, its model's shape, and what they noted."""
+
+    config: RunConfig
+    facts: ModelFacts
+    notes: tuple[str, ...]
+
+
 def prepare_training_run(
     flags: RunFlags,
     *,
@@ -159,7 +190,8 @@ def prepare_training_run(
     out_dir: Path | None = None,
     use_allocation: bool = True,
 ) -> PreparedRun:
-    """Load, validate and plan a training run; render its files. Raises UserError, writes nothing.
+    """Check, plan, settle on this machine and render a training run, each once. Raises
+    UserError, writes nothing.
 
     Inside a SLURM job the allocation decides the launch section (``use_allocation=False``
     for `dplaunch slurm`, which plans another job).
@@ -168,15 +200,36 @@ def prepare_training_run(
         flags.config, overrides=flags.overrides(), assignments=flags.assignments
     )
     allocation = current_allocation() if use_allocation else None
-    config.launch, plan_notes = launch_for_cluster(
+    checked = check_training_run(config, allocation, render_only=render_only)
+    machine, gpus = local_machine(render_only=render_only)
+    config, plan = plan_training_run(checked, machine, gpus)
+    run_dir = out_dir or Path(config.output_dir or _default_run_dir(config.name or "run"))
+    here = ThisMachine(
+        gpus,
+        claims_gpus=not (render_only or allocation is not None or config.launch.hostfile),
+        render_only=render_only,
+        # `dplaunch slurm` plans another machine: the job decides its threads itself
+        threads=openmp_threads(plan, allocation) if use_allocation else None,
+    )
+    target = ["-m", "dplaunch.train", str(run_dir.absolute())]
+    return settle_and_render(config, plan, run_dir, target, here)
+
+
+def check_training_run(
+    config: RunConfig, allocation: SlurmAllocation | None, *, render_only: bool
+) -> CheckedRun:
+    """Everything about a training run that can be refused before planning: the cluster's launch
+    section, the model, its tokenizer, the data (SFT examples too) and the trackers."""
+    launch, notes = launch_for_cluster(
         config.launch, allocation=allocation, render_only=render_only
     )
+    config = config.model_copy(update={"launch": launch})
     facts = model_facts(config.model)
     length_note = check_sequence_length(
         facts, config.data.max_length, from_run_file=config.model.config is not None
     )
     if length_note is not None:
-        plan_notes.append(length_note)
+        notes.append(length_note)
     check_sequence_length_splits(config.parallel.sp, config.data.max_length)
     check_tokenizer(config.model)
     data_task = config.model.task
@@ -195,22 +248,32 @@ def prepare_training_run(
     if data_task == "sft":
         from dplaunch.data.sft_checks import check_sft_examples
 
-        plan_notes.extend(check_sft_examples(config))
+        notes.extend(check_sft_examples(config))
     if dataset_classes is not None:
         # as HF's run_glue: the dataset's ClassLabel names the classes (and counts them)
-        config.data.label_names = list(dataset_classes)
-        config.model.num_labels = len(dataset_classes)
-        plan_notes.append(
+        data = config.data.model_copy(update={"label_names": list(dataset_classes)})
+        model = config.model.model_copy(update={"num_labels": len(dataset_classes)})
+        config = config.model_copy(update={"data": data, "model": model})
+        notes.append(
             f"data.label_names: {', '.join(dataset_classes)} (the dataset's ClassLabel "
             f"{config.data.label_column!r}); model.num_labels {len(dataset_classes)}"
         )
-    machine, gpus = local_machine(render_only=render_only)
-    auto = None
+    return CheckedRun(config, facts, tuple(notes))
+
+
+def plan_training_run(
+    checked: CheckedRun, machine: Machine, gpus: list[Gpu]
+) -> tuple[RunConfig, Plan]:
+    """The plan of a checked run (`parallel: auto` picks its layout first) and the config that
+    says the layout chosen."""
+    config, facts = checked.config, checked.facts
+    auto_notes: tuple[str, ...] = ()
     if config.parallel.auto:
         from dplaunch.planning.auto import resolve_auto_parallel
 
         auto = resolve_auto_parallel(config, facts, machine, lambda: smallest_gpu_memory_gb(gpus))
-        config.parallel = auto.parallel
+        config = config.model_copy(update={"parallel": auto.parallel})
+        auto_notes = (auto.note,)
     plan = make_plan(
         config.launch,
         config.parallel,
@@ -219,6 +282,7 @@ def prepare_training_run(
         facts,
         task=config.model.task,
         attn_implementation=config.model.attn_implementation,
+        extra_notes=(*auto_notes, *checked.notes),
     )
     if config.model.lora is not None:
         from dplaunch.planning.lora_check import check_lora
@@ -231,31 +295,7 @@ def prepare_training_run(
             sp=plan.sequence_parallel_size,
             fsdp=plan.fsdp,
         )
-    if auto is not None:
-        plan = replace(plan, notes=(*plan.notes, auto.note))
-    plan = replace(plan, notes=(*plan.notes, *plan_notes))
-    if not render_only:  # files rendered for elsewhere are built there
-        check_ops_can_be_built(plan)
-    plan = _settle_port(
-        plan, explicit=config.launch.master_port is not None, render_only=render_only
-    )
-    plan, gpu_env = _settle_gpus(
-        plan, gpus, shared=render_only or allocation is not None or bool(config.launch.hostfile)
-    )
-    plan, gloo_env = gloo_interface(plan)
-    run_dir = out_dir or Path(config.output_dir or _default_run_dir(config.name or "run"))
-    config.output_dir = str(run_dir)
-    target = ["-m", "dplaunch.train", str(run_dir.absolute())]
-    return render_files(
-        config,
-        plan,
-        run_dir,
-        target,
-        max_grad_norm=config.train.max_grad_norm,
-        extra_env={**gpu_env, **gloo_env},
-        # `dplaunch slurm` plans another machine: the job decides its threads itself
-        threads=openmp_threads(plan, allocation) if use_allocation else None,
-    )
+    return config, plan
 
 
 def load_script_config(flags: RunFlags) -> ScriptRunConfig:
@@ -280,16 +320,19 @@ def script_run_dir(config: ScriptRunConfig, script: list[str]) -> Path:
 
 
 def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
-    """Plan a launch of a user's own Accelerate or torchrun-style script."""
+    """Check, plan, settle on this machine and render a launch of a user's own Accelerate or
+    torchrun-style script."""
     config = load_script_config(flags)
     allocation = current_allocation()
-    config.launch, cluster_notes = launch_for_cluster(
+    launch, cluster_notes = launch_for_cluster(
         config.launch, allocation=allocation, render_only=False
     )
+    config = config.model_copy(update={"launch": launch})
     check_script_exists(script)
     machine, gpus = local_machine()
-    plan = make_plan(config.launch, config.parallel, config.train, machine)
-    plan = replace(plan, notes=(*plan.notes, *cluster_notes))
+    plan = make_plan(
+        config.launch, config.parallel, config.train, machine, extra_notes=cluster_notes
+    )
     if plan.engine == "pipeline":
         raise UserError(
             "parallel.pp",
@@ -302,33 +345,65 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
             "sequence parallelism needs dplaunch's own loop (it shards each batch's sequence)",
             "use `dplaunch train` for sp > 1",
         )
+    notes = []
     if plan.target == "cpu" and plan.uses_deepspeed:
-        plan = replace(
-            plan,
-            notes=(
-                *plan.notes,
-                "DeepSpeed on CPU ranks: the script must build its Accelerator with "
-                "kwargs_handlers=[InitProcessGroupKwargs(backend='gloo')] (dplaunch train does this)",
-            ),
+        notes.append(
+            "DeepSpeed on CPU ranks: the script must build its Accelerator with "
+            "kwargs_handlers=[InitProcessGroupKwargs(backend='gloo')] (dplaunch train does this)"
         )
-    check_ops_can_be_built(plan)
-    plan = _settle_port(plan, explicit=config.launch.master_port is not None, render_only=False)
-    plan, gpu_env = _settle_gpus(
-        plan, gpus, shared=allocation is not None or bool(config.launch.hostfile)
-    )
-    plan, gloo_env = gloo_interface(plan)
-    run_dir = script_run_dir(config, script)
-    config.output_dir = str(run_dir)
-    # each rank runs the script as `python SCRIPT ARGS…` would, and exits without gloo's teardown race
-    return render_files(
-        config,
-        plan,
-        run_dir,
-        ["-m", "dplaunch.train.script", *script],
-        max_grad_norm=config.train.max_grad_norm,
-        extra_env={**gpu_env, **gloo_env},
+    here = ThisMachine(
+        gpus,
+        claims_gpus=not (allocation is not None or config.launch.hostfile),
+        render_only=False,
         threads=openmp_threads(plan, allocation),
     )
+    # each rank runs the script as `python SCRIPT ARGS…` would, and exits without gloo's teardown race
+    target = ["-m", "dplaunch.train.script", *script]
+    run_dir = script_run_dir(config, script)
+    return settle_and_render(config, plan, run_dir, target, here, notes=tuple(notes))
+
+
+def settle_and_render(
+    config: RunConfig | ScriptRunConfig,
+    plan: Plan,
+    run_dir: Path,
+    target: list[str],
+    here: ThisMachine,
+    notes: tuple[str, ...] = (),
+) -> PreparedRun:
+    """The tail every prepared run shares: its ops checked, the plan settled on this machine
+    (settle_on_this_machine), the config naming its run directory, and the files rendered.
+
+    ``notes``: the caller's, shown after the plan's own and before what settling notes."""
+    if not here.render_only:  # files rendered for elsewhere are built there
+        check_ops_can_be_built(plan)
+    explicit_port = config.launch.master_port is not None
+    plan, env = settle_on_this_machine(plan, here, explicit_port=explicit_port, notes=notes)
+    config = config.model_copy(update={"output_dir": str(run_dir)})
+    return render_files(config, plan, run_dir, target, extra_env=env, threads=here.threads)
+
+
+def settle_on_this_machine(
+    plan: Plan, here: ThisMachine, *, explicit_port: bool, notes: tuple[str, ...] = ()
+) -> tuple[Plan, dict[str, str]]:
+    """The plan as it runs here: its rendezvous port free and claimed, this node's GPUs claimed,
+    gloo's interface chosen; the ranks' environment for these, and a note on each (after
+    NOTES, the caller's)."""
+    settled = list(notes)
+    port = _free_master_port(
+        plan, explicit=explicit_port, render_only=here.render_only, notes=settled
+    )
+    gpu_env = _claim_gpus(plan, here.gpus, settled) if here.claims_gpus else {}
+    gloo_env = gloo_interface(plan, settled)
+    threads = here.threads
+    # (FSDP's offload steps torch's AdamW on the host: no CPU Adam build, no thread note)
+    if threads is not None and plan.offload != "none" and plan.engine != "fsdp":
+        settled.append(
+            f"offload: DeepSpeed's CPU Adam steps on {threads[0]} OpenMP thread(s) per rank "
+            f"(OMP_NUM_THREADS: {threads[1]})"
+        )
+    plan = replace(plan, master_port=port, notes=(*plan.notes, *settled))
+    return plan, {**gpu_env, **gloo_env}
 
 
 def render_files(
@@ -337,29 +412,21 @@ def render_files(
     run_dir: Path,
     target: list[str],
     *,
-    max_grad_norm: float,
     extra_env: dict[str, str] | None = None,
     threads: tuple[str, str] | None = None,
 ) -> PreparedRun:
     """The files, argv and environment that start ``target`` on every rank of ``plan`` (writes nothing).
 
     ``threads``: openmp_threads' answer (None: the launcher's default, one thread per rank)."""
-    # (FSDP's offload steps torch's AdamW on the host: no CPU Adam build, no thread note)
-    if threads is not None and plan.offload != "none" and plan.engine != "fsdp":
-        note = (
-            f"offload: DeepSpeed's CPU Adam steps on {threads[0]} OpenMP thread(s) per rank "
-            f"(OMP_NUM_THREADS: {threads[1]})"
-        )
-        plan = replace(plan, notes=(*plan.notes, note))
     files: dict[str, str] = {}
     run_abs = run_dir.absolute()
     if plan.uses_deepspeed:
-        files[DEEPSPEED_FILE] = render_deepspeed_config(plan, max_grad_norm=max_grad_norm)
+        files[DEEPSPEED_FILE] = render_deepspeed_config(
+            plan, max_grad_norm=config.train.max_grad_norm
+        )
     # node R > 0 of a multi-node run writes accelerate-nodeR.yaml and launch-nodeR.sh
     accelerate_name = accelerate_config_name(plan)
     files[accelerate_name] = render_accelerate_config(plan, str(run_abs / DEEPSPEED_FILE))
-    files[RUN_FILE] = dump_run_config(config)
-    files[PLAN_FILE] = plan_text(plan.to_dict())
     env = {
         **rank_environment(plan, threads),
         **hang_dump_environment(plan, run_abs / ERRORS_DIR),
@@ -369,7 +436,29 @@ def render_files(
         argv = hostfile_launch_argv(plan, Path(config.launch.hostfile), target, env)
     else:
         argv = launch_argv(plan, run_abs, target, accelerate_config=accelerate_name)
-    files[launch_script_name(plan)] = render_launch_script(argv, env, Path.cwd())
+    return run_files(config, plan, run_dir, argv, env, engine=files)
+
+
+def run_files(
+    config: Any,
+    plan: Plan,
+    run_dir: Path,
+    argv: list[str],
+    env: dict[str, str],
+    *,
+    engine: dict[str, str] | None = None,
+    workers: dict[str, str] | None = None,
+) -> PreparedRun:
+    """A prepared run: the run file, the plan and the launch script every run directory holds,
+    after the ENGINE's files (deepspeed.json, accelerate.yaml) and before the WORKERS' spec of a
+    TensorFlow launch (the order --dry-run prints them in)."""
+    files = {
+        **(engine or {}),
+        RUN_FILE: dump_run_config(config),
+        PLAN_FILE: plan_text(plan.to_dict()),
+        **(workers or {}),
+        launch_script_name(plan): render_launch_script(argv, env, Path.cwd()),
+    }
     return PreparedRun(config=config, plan=plan, run_dir=run_dir, files=files, argv=argv, env=env)
 
 
@@ -379,7 +468,7 @@ def rank_environment(plan: Plan, threads: tuple[str, str] | None = None) -> dict
     ``threads`` is openmp_threads' answer: OMP_NUM_THREADS for each rank, and where it comes from."""
     env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     # launch.timeout_minutes, for scripts that build their own process group (dplaunch launch)
-    env["DPLAUNCH_TIMEOUT_MINUTES"] = f"{plan.timeout_minutes:g}"
+    env[TIMEOUT_MINUTES_ENV] = f"{plan.timeout_minutes:g}"
     # where DeepSpeed's ops are built: ZeRO's engine and Ulysses' sp collectives build the same
     if loads_deepspeed(plan) and not os.environ.get("TORCH_EXTENSIONS_DIR"):
         env["TORCH_EXTENSIONS_DIR"] = str(torch_extensions_dir())
@@ -402,7 +491,6 @@ def rank_environment(plan: Plan, threads: tuple[str, str] | None = None) -> dict
 
 # the NCCL flight recorder: the last collectives of every rank, dumped when one times out
 NCCL_TRACE_BUFFER_SIZE = 2000
-NCCL_TRACE_FILE_PREFIX = "nccl-trace-rank-"  # torch appends the rank
 
 
 def hang_dump_environment(
@@ -454,13 +542,13 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _settle_port(plan: Plan, *, explicit: bool, render_only: bool) -> Plan:
+def _free_master_port(plan: Plan, *, explicit: bool, render_only: bool, notes: list[str]) -> int:
     # a busy port fails deep inside every rank: catch it here. One node: pick another; several: say so
     if render_only or (plan.num_nodes > 1 and plan.node_rank != 0):
-        return plan  # on other nodes the port is the head node's
+        return plan.master_port  # on other nodes the port is the head node's
     taken = claim_port(plan.master_port)
     if taken is None:
-        return plan
+        return plan.master_port
     why = "is busy" if taken == "busy" else "is taken by another dplaunch run on this machine"
     if plan.num_nodes > 1:
         raise UserError(
@@ -470,21 +558,16 @@ def _settle_port(plan: Plan, *, explicit: bool, render_only: bool) -> Plan:
         )
     port = claim_free_port()
     reason = "given" if explicit else "default"
-    return replace(
-        plan,
-        master_port=port,
-        notes=(*plan.notes, f"port {plan.master_port} ({reason}) {why}: using free port {port}"),
-    )
+    notes.append(f"port {plan.master_port} ({reason}) {why}: using free port {port}")
+    return port
 
 
-def _settle_gpus(plan: Plan, gpus: list[Gpu], *, shared: bool) -> tuple[Plan, dict[str, str]]:
+def _claim_gpus(plan: Plan, gpus: list[Gpu], notes: list[str]) -> dict[str, str]:
     """Claim this node's GPUs, so that two runs on one machine take different ones (as ports).
 
-    Returns the plan with a note naming them, and CUDA_VISIBLE_DEVICES for the ranks. ``shared``:
-    someone else places the ranks (SLURM's own CUDA_VISIBLE_DEVICES, DeepSpeed's hostfile runner),
-    or the files are only rendered; nothing is claimed then."""
-    if plan.target != "gpu" or shared:
-        return plan, {}
+    Notes which, and returns CUDA_VISIBLE_DEVICES for the ranks."""
+    if plan.target != "gpu":
+        return {}
     candidates = visible_keys(gpus)
     wanted = plan.processes_per_node
     chosen: list[str] = []
@@ -503,16 +586,16 @@ def _settle_gpus(plan: Plan, gpus: list[Gpu], *, shared: bool) -> tuple[Plan, di
     note = f"GPUs {','.join(chosen)} claimed for this run (CUDA_VISIBLE_DEVICES)"
     if held:
         note += f"; {','.join(held)} are held by another dplaunch run"
-    plan = replace(plan, notes=(*plan.notes, note))
+    notes.append(note)
     # the indices are nvidia-smi's, which counts in PCI bus order; CUDA counts fastest first
     # unless told otherwise, so on a machine of mixed GPUs the ranks would use others
-    return plan, {"CUDA_VISIBLE_DEVICES": ",".join(chosen), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(chosen), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
 def gloo_interface(
-    plan: Plan, environ: Mapping[str, str] | None = None
-) -> tuple[Plan, dict[str, str]]:
-    """GLOO_SOCKET_IFNAME for the ranks of a multi-node run, and a plan note on it.
+    plan: Plan, notes: list[str], environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME for the ranks of a multi-node run; a note on it goes to NOTES.
 
     Besides NCCL the ranks talk over gloo (the side group that agrees on stops and saves), and gloo
     binds the address of the host name unless GLOO_SOCKET_IFNAME names an interface: on clusters
@@ -520,30 +603,30 @@ def gloo_interface(
     NCCL_* to the other hosts but not GLOO_*, so the variable travels with the ranks' own."""
     environ = os.environ if environ is None else environ
     if plan.num_nodes == 1:
-        return plan, {}
+        return {}
     given = environ.get("GLOO_SOCKET_IFNAME")
     if given:
-        return plan, {"GLOO_SOCKET_IFNAME": given}
+        return {"GLOO_SOCKET_IFNAME": given}
     nccl = environ.get("NCCL_SOCKET_IFNAME", "")
     if not nccl:
-        return plan, {}
+        return {}
     # NCCL reads prefixes ("eth" = eth0, eth1…), "^" exclusions and "=" exact names; gloo only exact
     # names, so the value is reused only when it names interfaces this node has
     names = nccl.removeprefix("=").split(",")
     if not nccl.startswith("^") and set(names) <= {name for _, name in socket.if_nameindex()}:
-        note = (
+        notes.append(
             f"GLOO_SOCKET_IFNAME={','.join(names)} (NCCL_SOCKET_IFNAME's) for the ranks' gloo group"
         )
-        return replace(plan, notes=(*plan.notes, note)), {"GLOO_SOCKET_IFNAME": ",".join(names)}
-    note = (
+        return {"GLOO_SOCKET_IFNAME": ",".join(names)}
+    notes.append(
         f"NCCL_SOCKET_IFNAME={nccl} is set but GLOO_SOCKET_IFNAME is not: the ranks' gloo group "
         "uses the host name's address; set GLOO_SOCKET_IFNAME to the interface's exact name"
     )
-    return replace(plan, notes=(*plan.notes, note)), {}
+    return {}
 
 
 def _default_run_dir(name: str) -> str:
-    return str(Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return str(Path(DEFAULT_RUNS_DIR) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 # --- clusters: a SLURM allocation or a DeepSpeed hostfile decides the launch section ---------

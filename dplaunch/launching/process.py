@@ -28,7 +28,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
-from dplaunch.run_directory.layout import rank_error_file, rank_of, rank_stacks_file
+from dplaunch.run_directory.environment import SUPERVISOR_PID_ENV
+from dplaunch.run_directory.layout import (
+    STACKS_REQUEST_FILE,
+    rank_error_file,
+    rank_of,
+    rank_stacks_file,
+)
+from dplaunch.stop_signals import STACK_DUMP_SIGNAL, TIMEOUT_RE, exit_handle
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 # signals the launcher in between (accelerate → torchrun) handles itself by stopping the ranks
@@ -40,17 +47,13 @@ REFRESH_EVERY_POLLS = 4
 READER_JOIN_SECONDS = 5
 
 # hang dumps: on a collective timeout every rank writes its Python stack (faulthandler, armed by
-# dplaunch.train.rank_process) to RUN/errors/stacks-rank-N.txt; the ranks find the folder here
-ERRORS_DIR_ENV = "DPLAUNCH_ERRORS_DIR"
-STACK_DUMP_SIGNAL = signal.SIGUSR2
+# dplaunch.train.rank_process) to RUN/errors/stacks-rank-N.txt; the ranks find the folder in
+# ERRORS_DIR_ENV
 # written by the supervisor that saw the timeout; the other nodes' supervisors watch for it
-STACKS_REQUEST = "dump-stacks.request"
 # the ranks dplaunch starts run one of these modules (any launcher: accelerate, DeepSpeed's runner)
 RANK_MODULES = ("dplaunch.train", "dplaunch.train.script")
 
 _PR_SET_PDEATHSIG = 1
-# the ranks watch this process and stop when it is gone (dplaunch.train.rank_process)
-SUPERVISOR_PID_ENV = "DPLAUNCH_SUPERVISOR_PID"
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -128,15 +131,6 @@ def run_supervised(
             watch.drop_empty_stacks_files()
     code = process.returncode
     return code if code >= 0 else 128 - code
-
-
-def exit_handle(pid: int) -> int | None:
-    """A pidfd that becomes readable when ``pid`` exits; None where Linux or Python has none
-    (poll instead) or when the process is already gone."""
-    try:
-        return os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        return None
 
 
 def _wait_a_little(exited: int | None) -> None:
@@ -251,7 +245,6 @@ ELASTIC_FAILED_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)"
 LAUNCHER_EXCEPTION_RE = re.compile(
     r"^torch\.distributed\.elastic\.\S*(ChildFailedError|SignalException)\b"
 )
-TIMEOUT_RE = re.compile(r"timed out|timeout", re.IGNORECASE)
 WATCHDOG_TIMEOUT = "Watchdog caught collective operation timeout"
 MAX_BUFFERED_LINES = 400
 
@@ -384,7 +377,7 @@ class RankWatch:
         self.stacks_requested = True
         with contextlib.suppress(OSError):
             self.errors_dir.mkdir(parents=True, exist_ok=True)
-            (self.errors_dir / STACKS_REQUEST).write_text(f"{time.time()}\n")
+            (self.errors_dir / STACKS_REQUEST_FILE).write_text(f"{time.time()}\n")
         if self.on_timeout is not None:
             self.on_timeout()
 
@@ -393,7 +386,7 @@ class RankWatch:
         if self.stacks_requested:
             return
         with contextlib.suppress(OSError):
-            if (self.errors_dir / STACKS_REQUEST).stat().st_mtime >= self.started:
+            if (self.errors_dir / STACKS_REQUEST_FILE).stat().st_mtime >= self.started:
                 with self._lock:
                     self._request_stacks()
 

@@ -18,21 +18,22 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from dplaunch.launching.process import gist
 from dplaunch.run_directory.files import write_text_atomic
+from dplaunch.run_directory.layout import (
+    METRICS_FILE,
+    RESTART_DECISION_FILE,
+    RESTARTS_DIR,
+    node_failure_file,
+    restart_attempt_dir,
+)
 
-# the ranks of a restarted launch read how many restarts came before (the summary counts them)
-RESTARTS_ENV = "DPLAUNCH_RESTARTS"
-RESTARTS_DIR = "restarts"
-DECISION_FILE = "decision.json"
 # backoff before restart K: BACKOFF_SECONDS × 2^(K-1), at most BACKOFF_MAX_SECONDS
 BACKOFF_SECONDS = 2.0
 BACKOFF_MAX_SECONDS = 60.0
@@ -128,7 +129,7 @@ def backoff_seconds(restart: int) -> float:
 def metrics_size(run_dir: Path) -> int:
     """Bytes in RUN/metrics.jsonl now: what a launch about to start has not written."""
     try:
-        return (run_dir / "metrics.jsonl").stat().st_size
+        return (run_dir / METRICS_FILE).stat().st_size
     except OSError:
         return 0
 
@@ -137,7 +138,7 @@ def last_step_reached(run_dir: Path, since: int = 0) -> int | None:
     """The last step a launch logged in RUN/metrics.jsonl after byte ``since`` (where it began);
     None when it logged none (it failed before its first step)."""
     step = None
-    with contextlib.suppress(OSError), (run_dir / "metrics.jsonl").open("rb") as metrics:
+    with contextlib.suppress(OSError), (run_dir / METRICS_FILE).open("rb") as metrics:
         metrics.seek(since)
         for line in metrics.read().decode(errors="replace").splitlines():
             try:
@@ -159,7 +160,7 @@ def record_restart(run_dir: Path, number: int, verdict: Verdict, backoff_s: floa
         "checkpoint_step": verdict.checkpoint_step,
         "backoff_s": backoff_s,
     }
-    with (run_dir / "metrics.jsonl").open("a") as metrics:
+    with (run_dir / METRICS_FILE).open("a") as metrics:
         metrics.write(json.dumps(record) + "\n")
 
 
@@ -188,10 +189,10 @@ class NodeAgreement:
         say: Callable[[str], None],
     ) -> Verdict:
         """This node's failure in, the job's verdict out (node 0 writes it, the others read it)."""
-        folder = self.folder / f"attempt-{attempt}"
+        folder = self.folder / restart_attempt_dir(attempt)
         folder.mkdir(parents=True, exist_ok=True)
-        _write_atomic(folder / f"node-{self.node_rank}.json", failure.to_json())
-        decision = folder / DECISION_FILE
+        _write_atomic(folder / node_failure_file(self.node_rank), failure.to_json())
+        decision = folder / RESTART_DECISION_FILE
         if self.node_rank != 0:
             say(f"dplaunch: node {self.node_rank} failed; waiting for node 0's restart decision")
             text = _wait_for_file(decision, self.follow_s)
@@ -233,7 +234,7 @@ class NodeAgreement:
             found = []
             for rank in range(self.num_nodes):
                 with contextlib.suppress(OSError, ValueError, TypeError):
-                    found.append(Failure.from_json((folder / f"node-{rank}.json").read_text()))
+                    found.append(Failure.from_json((folder / node_failure_file(rank)).read_text()))
             if len(found) == self.num_nodes or time.monotonic() > deadline:
                 return found
             time.sleep(POLL_SECONDS)
@@ -250,12 +251,3 @@ def _wait_for_file(path: Path, limit_s: float) -> str | None:
 
 def _write_atomic(path: Path, text: str) -> None:
     write_text_atomic(path, text + "\n")
-
-
-def restarts_so_far(environ: Any | None = None) -> int:
-    """In a rank: how many automatic restarts came before this launch."""
-    environ = os.environ if environ is None else environ
-    try:
-        return int(environ.get(RESTARTS_ENV, "0"))
-    except ValueError:
-        return 0

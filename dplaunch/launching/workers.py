@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dplaunch.launching.process import GRACE_SECONDS, POLL_SECONDS, killed_line
-
-# the variable that makes dplaunch.train.script prefix a worker's traceback with "[rankN]: "
-TRACEBACK_PREFIX_ENV = "DPLAUNCH_TRACEBACK_PREFIX"
+from dplaunch.run_directory.environment import TRACEBACK_PREFIX_ENV
+from dplaunch.run_directory.layout import rank_error_file
 
 
 @dataclass
@@ -112,7 +111,7 @@ def _note_silent_failure(errors_dir: Path, rank: int, code: int) -> None:
     else:
         why = f"exited with status {code} (its output is above)"
     errors_dir.mkdir(parents=True, exist_ok=True)
-    (errors_dir / f"rank-{rank}.txt").write_text(why + "\n")
+    (errors_dir / rank_error_file(rank)).write_text(why + "\n")
 
 
 def _status(code: int) -> int:

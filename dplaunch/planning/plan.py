@@ -7,6 +7,7 @@ and every user mistake the plan can see becomes one UserError (one line, exit co
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -214,11 +215,13 @@ def make_plan(
     model: ModelFacts | None = None,
     task: str = "causal-lm",
     attn_implementation: str | None = None,
+    extra_notes: Sequence[str] = (),
 ) -> Plan:
     """Decide the whole layout of a run; raise UserError for anything that cannot work.
 
     ``task`` is the run file's model.task (the pipeline engine trains causal LMs only);
-    ``attn_implementation`` its model.attn_implementation (flash kernels need GPUs).
+    ``attn_implementation`` its model.attn_implementation (flash kernels need GPUs);
+    ``extra_notes`` what the checks before planning found, shown after the plan's own notes.
     """
     notes: list[str] = []
     target, total = _devices(launch, machine, notes)
@@ -306,7 +309,7 @@ def make_plan(
         micro_batch_size=micro,
         gradient_accumulation_steps=accumulation,
         timeout_minutes=launch.timeout_minutes,
-        notes=tuple(notes),
+        notes=(*notes, *extra_notes),
         stage_layers=stage_layers,
         fsdp=parallel.fsdp,
     )

@@ -19,6 +19,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
+from dplaunch.run_directory.environment import REQUEUE_MARK_ENV
 from dplaunch.run_directory.layout import REQUEUE_MARK_PREFIX
 
 # SLURM time limits: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (or "infinite"/"UNLIMITED")
@@ -30,8 +31,6 @@ _MODULE_RE = re.compile(r"^[\w./+@:=,-]+$")
 REQUEUE_EXIT_STATUS = 75
 # what SLURM's --signal=SIG@SECONDS accepts
 MAX_SIGNAL_SECONDS = 65535
-# the marker file a node's launcher touches instead of exiting 75 (set by the script for srun)
-REQUEUE_MARK_ENV = "DPLAUNCH_REQUEUE_MARK"
 # run on every node by srun when requeue is on: turns 75 into a marker file and exit 0, because
 # `srun --kill-on-bad-exit=1` takes any other status for a failure and kills the other nodes
 # (srun then returns 143, not 75: measured on SLURM 22.05). Bash ignores USR1, which SLURM sends

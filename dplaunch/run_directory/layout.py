@@ -65,6 +65,28 @@ LOGS_DIR = "logs"
 REQUEUE_MARK_PREFIX = ".requeue-"
 # files a finished or running training run leaves; their presence means "this is a run"
 RUN_MARKERS = (METRICS_FILE, CHECKPOINTS_DIR)
+# where runs go without --output-dir: runs/NAME-YYYYmmdd-HHMMSS (relative to the working directory)
+DEFAULT_RUNS_DIR = "runs"
+# `dplaunch verify`'s run directory: the plan's run and the pure-DDP one it is compared with
+VERIFY_PLAN_DIR = "plan"
+VERIFY_REFERENCE_DIR = "dp"
+# `dplaunch report`'s default folder (RUN/report/) and its text summary beside the plots
+REPORT_DIR = "report"
+REPORT_SUMMARY_FILE = "summary.txt"
+# train.report_to mlflow: the local tracking store in RUN/mlruns/
+MLFLOW_DIR = "mlruns"
+# `dplaunch launch` of TensorFlow/Horovod scripts: the workers this node's launcher starts
+WORKERS_FILE = "workers.json"
+# the nodes' automatic-restart agreement: RUN/restarts/attempt-N/node-R.json and decision.json
+RESTARTS_DIR = "restarts"
+RESTART_DECISION_FILE = "decision.json"
+# RUN/errors/: written by the supervisor that saw a collective time out; the other nodes'
+# supervisors watch for it and have their ranks dump their stacks too
+STACKS_REQUEST_FILE = "dump-stacks.request"
+# RUN/errors/: NCCL's flight recorder dumps of the last collectives (torch appends the rank)
+NCCL_TRACE_FILE_PREFIX = "nccl-trace-rank-"
+# `dplaunch doctor`'s write test in the run directory (+ host name and pid), removed after it
+DOCTOR_PROBE_PREFIX = ".doctor-write-"
 
 # inside RUN/checkpoints/
 LATEST_FILE = "latest"
@@ -95,6 +117,16 @@ def node_file(name: str, node_rank: int) -> str:
         return name
     stem, dot, suffix = name.partition(".")
     return f"{stem}-node{node_rank}{dot}{suffix}"
+
+
+def restart_attempt_dir(attempt: int) -> str:
+    """RUN/restarts/attempt-N: the nodes' failures and node 0's decision for restart N."""
+    return f"attempt-{attempt}"
+
+
+def node_failure_file(node_rank: int) -> str:
+    """What node R's launch failed of, in its restart attempt's folder."""
+    return f"node-{node_rank}.json"
 
 
 def step_dir(step: int) -> str:

@@ -17,7 +17,8 @@ import os
 import time
 from dataclasses import dataclass
 
-FAULT_ENV = "DPLAUNCH_TEST_CHECKPOINT_FAULT"
+from dplaunch.run_directory.environment import CHECKPOINT_FAULT_ENV
+
 _KINDS = ("sleep", "max_file_bytes")
 
 
@@ -43,13 +44,13 @@ class CheckpointFault:
 
 def fault_from_environment() -> CheckpointFault | None:
     """The fault the tests asked for, or None (always, outside the tests)."""
-    text = os.environ.get(FAULT_ENV, "")
+    text = os.environ.get(CHECKPOINT_FAULT_ENV, "")
     if not text:
         return None
     step, _, action = text.partition(":")
     kind, _, value = action.partition("=")
     if kind not in _KINDS:
         raise ValueError(
-            f"{FAULT_ENV}={text!r}: expected STEP:sleep=SECONDS or STEP:max_file_bytes=N"
+            f"{CHECKPOINT_FAULT_ENV}={text!r}: expected STEP:sleep=SECONDS or STEP:max_file_bytes=N"
         )
     return CheckpointFault(int(step), kind, float(value))

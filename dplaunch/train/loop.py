@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from dplaunch.config.schema import RunConfig
-from dplaunch.launching.restarts import restarts_so_far
 from dplaunch.planning.plan import Plan
+from dplaunch.run_directory.environment import restarts_so_far
 from dplaunch.run_directory.files import (
     read_deepspeed_file,
     read_plan_file,

@@ -14,11 +14,9 @@ import types
 from pathlib import Path
 from typing import IO, Any
 
+from dplaunch.run_directory.environment import PROGRESS_ENV
 from dplaunch.run_directory.layout import METRICS_FILE, TENSORBOARD_DIR
 
-# set by `dplaunch train` for its ranks when its own output is an interactive terminal: the
-# terminal's width in columns. Unset (a file, a pipe, a SLURM log): one line per logged step.
-PROGRESS_ENV = "DPLAUNCH_PROGRESS"
 # cursor to the line above, erased: the bar is redrawn as a whole line, so it passes through the
 # launcher's line-by-line relay of the ranks' output and still replaces itself on the terminal
 REDRAW = "\x1b[1A\x1b[2K"

@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dplaunch.run_directory.environment import NONFINITE_FAULT_ENV
 from dplaunch.stop_signals import EXIT_NONFINITE  # noqa: F401 — the guard's own exit status
 
 if TYPE_CHECKING:
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
 
 # test hook: "STEP:RANK" makes RANK's loss NaN at step STEP (1-based, as in metrics.jsonl);
 # "STEP:omit" leaves step STEP's batch out untrained (what a skipped step must equal)
-FAULT_ENV = "DPLAUNCH_TEST_NONFINITE"
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class NonFiniteGuard:
         self.skipped_total = 0
         # why the guard stopped the run (set by the loop), else None
         self.stop_reason: str | None = None
-        self._fault = _parse_fault(os.environ.get(FAULT_ENV, ""))
+        self._fault = _parse_fault(os.environ.get(NONFINITE_FAULT_ENV, ""))
 
     @property
     def enabled(self) -> bool:
@@ -163,5 +163,5 @@ def _parse_fault(text: str) -> tuple[int, str] | None:
         return None
     step, _, what = text.partition(":")
     if not step.isdigit() or not (what == "omit" or what.isdigit()):
-        raise ValueError(f"{FAULT_ENV}={text!r}: expected STEP:RANK or STEP:omit")
+        raise ValueError(f"{NONFINITE_FAULT_ENV}={text!r}: expected STEP:RANK or STEP:omit")
     return int(step), what

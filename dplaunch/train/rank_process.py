@@ -37,14 +37,9 @@ import threading
 import time
 from typing import NoReturn
 
-from dplaunch.launching.process import (
-    ERRORS_DIR_ENV,
-    STACK_DUMP_SIGNAL,
-    SUPERVISOR_PID_ENV,
-    TIMEOUT_RE,
-    exit_handle,
-)
+from dplaunch.run_directory.environment import ERRORS_DIR_ENV, SUPERVISOR_PID_ENV
 from dplaunch.run_directory.layout import rank_stacks_file
+from dplaunch.stop_signals import STACK_DUMP_SIGNAL, TIMEOUT_RE, exit_handle
 
 # without pidfd (Linux < 5.3) the supervisor is polled this often
 SUPERVISOR_POLL_S = 1.0

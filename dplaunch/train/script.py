@@ -12,7 +12,7 @@ import runpy
 import sys
 import traceback
 
-from dplaunch.launching.workers import TRACEBACK_PREFIX_ENV
+from dplaunch.run_directory.environment import TRACEBACK_PREFIX_ENV
 from dplaunch.train.rank_process import begin_rank, exit_rank, note_failure_stack, status_of
 
 

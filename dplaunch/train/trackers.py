@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dplaunch.config.trackers import EXTERNAL_TRACKERS
+from dplaunch.run_directory.layout import MLFLOW_DIR
 
 
 def open_trackers(report_to: list[str], run_dir: Path, config: dict[str, Any]) -> list[Any]:
@@ -50,7 +51,7 @@ def _tracker(kind: str, name: str, run_dir: Path) -> Any:
             import mlflow
 
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-            mlflow.set_tracking_uri((run_dir / "mlruns").absolute().as_uri())
+            mlflow.set_tracking_uri((run_dir / MLFLOW_DIR).absolute().as_uri())
         # MLFLOW_EXPERIMENT_NAME, MLFLOW_TAGS… are read by Accelerate's tracker
         return MLflowTracker(experiment_name="dplaunch", run_name=name)
     # trackio: the project from TRACKIO_PROJECT (else "dplaunch"), stored locally unless
