@@ -16,6 +16,7 @@ import yaml
 
 from dplaunch.launching.ports import free_port
 from dplaunch.planning.model_facts import ModelFacts
+from dplaunch.run_directory.environment import CHECKPOINT_FAULT_ENV
 from dplaunch.run_directory.layout import METRICS_FILE
 
 REPO = Path(__file__).resolve().parent.parent
@@ -413,7 +414,7 @@ def assert_forecast_collectives(run_dir: Path) -> None:
 # two CPU ranks of plain data parallelism
 DDP = ("--cpu", "--gpus", "2")
 # the checkpoint faults a rank injects (train/checkpoint_faults.py): "STEP:KIND=VALUE"
-FAULT = "DPLAUNCH_TEST_CHECKPOINT_FAULT"
+FAULT = CHECKPOINT_FAULT_ENV
 
 
 def losses_by_step(run_dir: Path) -> dict[int, float]:
