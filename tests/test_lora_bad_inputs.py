@@ -117,12 +117,13 @@ def test_qlora_without_bitsandbytes_names_the_extra_to_install():
     from dplaunch.errors import UserError
     from dplaunch.planning.lora_check import check_lora
     from dplaunch.planning.model_facts import ModelFacts
+    from dplaunch.planning.rules import ParallelDims
 
     model = ModelConfig(name_or_path="some/model", lora={"r": 8, "quantize": "4bit"})
     facts = ModelFacts.from_config_dict({"model_type": "llama", "hidden_size": 64})
-    check_lora(model, facts, 1, 1, installed=lambda: True)
+    check_lora(model, facts, ParallelDims(1, 1), installed=lambda: True)
     with pytest.raises(UserError) as refused:
-        check_lora(model, facts, 1, 1, installed=lambda: False)
+        check_lora(model, facts, ParallelDims(1, 1), installed=lambda: False)
     assert refused.value.field == "model.lora.quantize"
     assert "pip install 'dplaunch[qlora]'" in refused.value.fix
 

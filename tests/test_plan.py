@@ -12,6 +12,7 @@ from dplaunch.errors import UserError
 from dplaunch.planning.mesh import Mesh
 from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.planning.plan import Machine, batch_math, make_plan
+from dplaunch.planning.rules import ParallelDims
 from dplaunch.rendering.accelerate_config import accelerate_config_dict, render_accelerate_config
 from dplaunch.rendering.deepspeed_config import deepspeed_config_dict
 from tests.helpers import LLAMA, plan_for
@@ -86,8 +87,9 @@ def test_gpus_per_node_derives_the_node_count():
 
 
 def test_mesh_layout_tp_fastest_then_dp_then_pp():
-    mesh = Mesh.for_world(8, tp=2, pp=2)
-    assert mesh.data_parallel_size == 2
+    # (tp × pp is a rank layout the mesh lays out, though no engine composes the two)
+    mesh = Mesh(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert mesh.world_size == 8
     assert mesh.tensor_parallel_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert mesh.pipelines() == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert mesh.data_parallel_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
@@ -96,7 +98,7 @@ def test_mesh_layout_tp_fastest_then_dp_then_pp():
 
 def test_impossible_mesh_is_refused():
     with pytest.raises(UserError, match="does not divide 6 GPUs"):
-        Mesh.for_world(6, tp=4)
+        ParallelDims(6, 6, tp=4)
 
 
 LLAMA_6_LAYERS = ModelFacts.from_config_dict(

@@ -246,9 +246,9 @@ def test_sp_divides_the_attention_heads_and_the_kv_heads():
 
 
 def test_mesh_puts_each_sequence_parallel_group_on_consecutive_ranks():
-    from dplaunch.planning.mesh import Mesh
+    from dplaunch.planning.rules import ParallelDims
 
-    mesh = Mesh.for_world(8, sp=4)
+    mesh = ParallelDims(8, 8, sp=4).mesh
     assert (mesh.data_parallel_size, mesh.world_size) == (2, 8)
     assert mesh.sequence_parallel_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     # (stage, data-parallel rank, tensor-parallel rank) and the slice each rank holds

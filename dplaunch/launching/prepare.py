@@ -287,14 +287,7 @@ def plan_training_run(
     if config.model.lora is not None:
         from dplaunch.planning.lora_check import check_lora
 
-        check_lora(
-            config.model,
-            facts,
-            plan.tensor_parallel_size,
-            plan.pipeline_parallel_size,
-            sp=plan.sequence_parallel_size,
-            fsdp=plan.fsdp,
-        )
+        check_lora(config.model, facts, plan.dims)
     return config, plan
 
 
@@ -333,18 +326,7 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
     plan = make_plan(
         config.launch, config.parallel, config.train, machine, extra_notes=cluster_notes
     )
-    if plan.engine == "pipeline":
-        raise UserError(
-            "parallel.pp",
-            "pipeline parallelism needs dplaunch's own loop",
-            "use `dplaunch train` for pp > 1",
-        )
-    if plan.sequence_parallel_size > 1:
-        raise UserError(
-            "parallel.sp",
-            "sequence parallelism needs dplaunch's own loop (it shards each batch's sequence)",
-            "use `dplaunch train` for sp > 1",
-        )
+    plan.dims.check_script_launch()
     notes = []
     if plan.target == "cpu" and plan.uses_deepspeed:
         notes.append(

@@ -43,7 +43,6 @@ from dplaunch.planning.lora import LoraCount, LoraSpec, count_lora
 from dplaunch.planning.model_facts import ModelFacts, attention_implementation
 from dplaunch.planning.rules import (
     ParallelDims,
-    check_lora_layout,
     engine_name,
     sequence_parallel_kernel,
 )
@@ -218,15 +217,11 @@ def _layouts(
     only the layouts it trains on (data parallelism)."""
     for tp in TP_DEGREES:
         for pp in _powers_of_two(facts.num_layers):
-            if lora:
-                try:
-                    check_lora_layout(tp, pp)
-                except UserError:
-                    continue
-            if ParallelDims(gpus, gpus_per_node, tp, pp).allowed(facts, task):
+            dims = ParallelDims.if_allowed(gpus, gpus_per_node, tp, pp, model=facts, task=task)
+            if dims is not None and (not lora or dims.trains_lora):
                 yield tp, pp, 1
     for sp in SP_DEGREES if sequences and not lora else ():
-        if ParallelDims(gpus, gpus_per_node, sp=sp).allowed(facts, task):
+        if ParallelDims.if_allowed(gpus, gpus_per_node, sp=sp, model=facts, task=task):
             yield 1, 1, sp
 
 
@@ -241,7 +236,7 @@ def _stages_and_offloads(dims: ParallelDims):
             # ZeRO partitions over the sp ranks too (DeepSpeed sees them as data-parallel)
             if offload == "none" and stage > 0 and dims.dp * dims.sp == 1:
                 continue
-            if replace(dims, zero_stage=stage, offload=offload).allowed():
+            if ParallelDims.if_allowed(**{**asdict(dims), "zero_stage": stage, "offload": offload}):
                 yield stage, offload
 
 
@@ -380,7 +375,9 @@ def _fsdp_rows(
         kinds.append(("hybrid", gpus_per_node))
     rows = []
     for kind, shard in kinds:
-        if not ParallelDims(gpus, gpus_per_node, fsdp=kind).allowed(facts, workload.task):
+        if not ParallelDims.if_allowed(
+            gpus, gpus_per_node, fsdp=kind, model=facts, task=workload.task
+        ):
             continue
         steps = workload.accumulation_steps(gpus)
         for offload in ("none", "all"):

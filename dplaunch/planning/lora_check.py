@@ -13,7 +13,7 @@ from dplaunch.config.schema import ModelConfig
 from dplaunch.errors import UserError
 from dplaunch.planning.lora import model_modules
 from dplaunch.planning.model_facts import ModelFacts
-from dplaunch.planning.rules import check_lora_layout
+from dplaunch.planning.rules import ParallelDims
 
 _LLAMA_LIKE_OTHERS = (
     "model", "layers", "self_attn", "mlp", "act_fn", "norm", "input_layernorm",
@@ -59,19 +59,16 @@ def bitsandbytes_installed() -> bool:
 def check_lora(
     model: ModelConfig,
     facts: ModelFacts,
-    tp: int,
-    pp: int,
+    dims: ParallelDims,
     installed: Callable[[], bool] = bitsandbytes_installed,
-    *,
-    sp: int = 1,
-    fsdp: str | None = None,
 ) -> None:
-    """Raise the first thing about model.lora the ranks could not train (one UserError)."""
+    """Raise the first thing about model.lora the ranks could not train on the layout DIMS (one
+    UserError)."""
     lora = model.lora
     if lora is None:
         return
-    check_lora_layout(tp, pp, sp, fsdp)
-    if lora.quantize is not None and fsdp is not None:
+    dims.check_lora()
+    if lora.quantize is not None and dims.fsdp is not None:
         raise UserError(
             "model.lora.quantize",
             f"{lora.quantize} (QLoRA) with FSDP: fully_shard does not shard bitsandbytes' "

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dplaunch.planning.rules import check_mesh
-
 
 @dataclass(frozen=True)
 class Mesh:
@@ -32,11 +30,6 @@ class Mesh:
             * self.tensor_parallel_size
             * self.pipeline_parallel_size
         )
-
-    @classmethod
-    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, sp: int = 1) -> Mesh:
-        """Infer dp from the world size, refusing layouts that do not tile it."""
-        return cls(check_mesh(world_size, tp, pp, sp), tp, pp, sp)
 
     def coordinates(self, rank: int) -> tuple[int, int, int]:
         """(pipeline stage, data-parallel rank, tensor-parallel rank) of a global rank."""

@@ -17,8 +17,6 @@ from dplaunch.planning.mesh import Mesh, fsdp_groups
 from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.planning.rules import (
     ParallelDims,
-    check_fsdp_precision,
-    check_sequence_parallel_kernel,
     engine_name,
 )
 
@@ -55,6 +53,20 @@ class Plan:
     # "tensorflow": `dplaunch launch` of a TensorFlow script, whose strategy owns the collectives,
     # the batch and the precision (launching/frameworks.py)
     framework: Literal["pytorch", "tensorflow"] = "pytorch"
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The plan's layout, whose rules it passed (planning/rules.py)."""
+        return ParallelDims(
+            self.world_size,
+            self.processes_per_node,
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            self.zero_stage,
+            self.offload,
+            fsdp=self.fsdp,
+            sp=self.sequence_parallel_size,
+        )
 
     @property
     def data_parallel_size(self) -> int:
@@ -264,7 +276,7 @@ def make_plan(
         sp=parallel.sp,
     )
     dims.check(model, task)
-    mesh = Mesh(dims.dp, dims.tp, dims.pp, dims.sp)
+    mesh = dims.mesh
     if train.compile and (mesh.tensor_parallel_size > 1 or mesh.pipeline_parallel_size > 1):
         raise UserError(
             "train.compile",
@@ -272,10 +284,9 @@ def make_plan(
             "rebuild the model's layers after it would compile them",
             "drop train.compile, or use tp 1 and pp 1",
         )
-    check_sequence_parallel_kernel(mesh.sequence_parallel_size, attn_implementation)
+    dims.check_kernel(attn_implementation)
     mixed_precision = _mixed_precision(train.mixed_precision, target, machine)
-    check_fsdp_precision(parallel.fsdp, mesh.tensor_parallel_size, mixed_precision)
-    check_attention_kernel(attn_implementation, target, mixed_precision)
+    dims.check_precision(attn_implementation, target, mixed_precision)
     micro, accumulation = batch_math(
         train.global_batch_size, train.micro_batch_size, mesh.data_parallel_size
     )
@@ -409,31 +420,6 @@ def check_host_memory(
     if need > HOST_MEMORY_NOTE_FRACTION * host_memory_gb:
         return line
     return None
-
-
-def check_attention_kernel(attn_implementation: str | None, target: Target, precision: str) -> None:
-    """model.attn_implementation runs where the plan runs: flash kernels on CUDA GPUs in 16 bits
-    (fp32 queries fail at the first forward), flex_attention's backward on GPUs only."""
-    kernel = attn_implementation or ""
-    if target == "cpu" and kernel.startswith("flash_attention"):
-        raise UserError(
-            "model.attn_implementation",
-            f"{kernel} runs on CUDA GPUs only, and this plan runs CPU ranks",
-            "use sdpa (what transformers picks when the key is unset) or eager",
-        )
-    if target == "cpu" and kernel == "flex_attention":
-        raise UserError(
-            "model.attn_implementation",
-            "flex_attention has no backward on CPU (torch 2.13), and this plan runs CPU ranks",
-            "use sdpa (what transformers picks when the key is unset) or eager",
-        )
-    if kernel.startswith("flash_attention") and precision == "no":
-        raise UserError(
-            "train.mixed_precision",
-            f"{kernel} computes in bf16 or fp16 only, and mixed precision 'no' gives it fp32 "
-            "queries (every rank would fail at the first forward)",
-            "set train.mixed_precision: bf16 (or fp16 on GPUs older than Ampere), or use sdpa",
-        )
 
 
 # bf16 tensor cores (and bf16 in NCCL) start with Ampere; older GPUs emulate it slowly, or fail

@@ -42,10 +42,11 @@ The rules, and why:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dplaunch.config.schema import CAUSAL_TASKS
 from dplaunch.errors import UserError
+from dplaunch.planning.mesh import Mesh
 
 if TYPE_CHECKING:
     from dplaunch.planning.model_facts import ModelFacts
@@ -385,9 +386,40 @@ def check_lora_layout(tp: int, pp: int, sp: int = 1, fsdp: str | None = None) ->
         )
 
 
+def check_attention_kernel(attn_implementation: str | None, target: str, precision: str) -> None:
+    """model.attn_implementation runs where the plan runs: flash kernels on CUDA GPUs in 16 bits
+    (fp32 queries fail at the first forward), flex_attention's backward on GPUs only."""
+    kernel = attn_implementation or ""
+    if target == "cpu" and kernel.startswith("flash_attention"):
+        raise UserError(
+            "model.attn_implementation",
+            f"{kernel} runs on CUDA GPUs only, and this plan runs CPU ranks",
+            "use sdpa (what transformers picks when the key is unset) or eager",
+        )
+    if target == "cpu" and kernel == "flex_attention":
+        raise UserError(
+            "model.attn_implementation",
+            "flex_attention has no backward on CPU (torch 2.13), and this plan runs CPU ranks",
+            "use sdpa (what transformers picks when the key is unset) or eager",
+        )
+    if kernel.startswith("flash_attention") and precision == "no":
+        raise UserError(
+            "train.mixed_precision",
+            f"{kernel} computes in bf16 or fp16 only, and mixed precision 'no' gives it fp32 "
+            "queries (every rank would fail at the first forward)",
+            "set train.mixed_precision: bf16 (or fp16 on GPUs older than Ampere), or use sdpa",
+        )
+
+
 @dataclass(frozen=True)
 class ParallelDims:
-    """One layout: ``world_size`` ranks on nodes of ``gpus_per_node``, tp × pp (or sp), ZeRO and offload."""
+    """One layout, valid by construction: ``world_size`` ranks on nodes of ``gpus_per_node``,
+    tp × pp (or sp) × the data-parallel rest, a ZeRO stage or FSDP, and an offload.
+
+    Building one runs the layout's rules (a UserError naming the field and the fix for the first
+    it breaks); the rules that need more than the layout (the model, the task, the attention
+    kernel, LoRA, a script launch) are its ``check_*`` methods. ``mesh`` gives the ranks'
+    coordinates and groups (planning/mesh.py)."""
 
     world_size: int
     gpus_per_node: int
@@ -399,28 +431,88 @@ class ParallelDims:
     fsdp: str | None = None
     sp: int = 1
 
-    @property
-    def dp(self) -> int:
-        """The data-parallel degree (valid once ``check`` passed)."""
-        return self.world_size // (self.tp * self.pp * self.sp)
-
-    def check(self, model: ModelFacts | None = None, task: str = "causal-lm") -> None:
-        """Raise the first rule this layout breaks (for ``model`` and ``task`` when given)."""
+    def __post_init__(self) -> None:
         check_mesh(self.world_size, self.tp, self.pp, self.sp)
         check_fsdp(self.fsdp, self.zero_stage, self.tp, self.pp, self.offload)
         check_offload(self.zero_stage, self.offload, self.fsdp)
         check_sequence_parallel_layout(self.sp, self.tp, self.pp, self.fsdp)
         check_zero_with_model_parallel(self.zero_stage, self.tp, self.pp)
         check_tensor_parallel_in_node(self.tp, self.gpus_per_node)
+
+    @classmethod
+    def if_allowed(
+        cls, *args: Any, model: ModelFacts | None = None, task: str = "causal-lm", **kwargs: Any
+    ) -> ParallelDims | None:
+        """The layout of these degrees when every rule allows it (for ``model`` and ``task``
+        when given), else None: what the plan table enumerates layouts with."""
+        try:
+            dims = cls(*args, **kwargs)
+            dims.check(model, task)
+        except UserError:
+            return None
+        return dims
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel degree: the ranks left once tp × pp × sp is taken."""
+        return self.world_size // (self.tp * self.pp * self.sp)
+
+    @property
+    def engine(self) -> str:
+        """The engine that trains this layout (engine_name)."""
+        return engine_name(self.zero_stage, self.tp, self.pp, self.fsdp)
+
+    @property
+    def mesh(self) -> Mesh:
+        """The ranks' coordinates and groups: tp fastest, then sp, dp and pp."""
+        return Mesh(self.dp, self.tp, self.pp, self.sp)
+
+    def check(self, model: ModelFacts | None = None, task: str = "causal-lm") -> None:
+        """Raise the first rule ``model`` and ``task`` break with this layout (none without a model)."""
         if model is not None:
             check_tensor_parallel_model(self.tp, model, self.fsdp)
             check_pipeline_model(self.pp, model, task)
             check_sequence_parallel_model(self.sp, model, task)
 
-    def allowed(self, model: ModelFacts | None = None, task: str = "causal-lm") -> bool:
-        """Whether ``check`` passes: the predicate the plan table enumerates layouts with."""
+    def check_lora(self) -> None:
+        """LoRA adapters train on this layout (check_lora_layout)."""
+        check_lora_layout(self.tp, self.pp, self.sp, self.fsdp)
+
+    @property
+    def trains_lora(self) -> bool:
+        """Whether LoRA adapters train on this layout: check_lora as a predicate."""
         try:
-            self.check(model, task)
+            self.check_lora()
         except UserError:
             return False
         return True
+
+    def check_kernel(self, attn_implementation: str | None) -> None:
+        """Ulysses runs with the attention kernel (check_sequence_parallel_kernel)."""
+        check_sequence_parallel_kernel(self.sp, attn_implementation)
+
+    def check_precision(self, attn_implementation: str | None, target: str, precision: str) -> None:
+        """The ranks' precision suits FSDP × TP and the attention kernel on their device
+        (check_fsdp_precision, check_attention_kernel)."""
+        check_fsdp_precision(self.fsdp, self.tp, precision)
+        check_attention_kernel(attn_implementation, target, precision)
+
+    def check_sequence_length(self, max_length: int) -> None:
+        """Each rank of a sequence-parallel group holds an equal slice of a block."""
+        check_sequence_length_splits(self.sp, max_length)
+
+    def check_script_launch(self) -> None:
+        """A user's own script runs data parallelism, ZeRO, AutoTP or FSDP: the pipeline engine
+        and Ulysses need dplaunch's own loop."""
+        if self.pp > 1:
+            raise UserError(
+                "parallel.pp",
+                "pipeline parallelism needs dplaunch's own loop",
+                "use `dplaunch train` for pp > 1",
+            )
+        if self.sp > 1:
+            raise UserError(
+                "parallel.sp",
+                "sequence parallelism needs dplaunch's own loop (it shards each batch's sequence)",
+                "use `dplaunch train` for sp > 1",
+            )
