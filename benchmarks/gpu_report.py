@@ -22,6 +22,7 @@ from dplaunch.config.load import build_run_config
 from dplaunch.planning.auto import run_workload, workload_memory
 from dplaunch.planning.estimate import GIB, MemoryEstimate, count_parameters
 from dplaunch.planning.model_facts import ModelFacts
+from dplaunch.planning.rules import ParallelDims
 from dplaunch.run_directory.files import read_run_file
 from dplaunch.run_directory.layout import METRICS_FILE
 
@@ -73,12 +74,10 @@ def run_estimate(run: dict[str, Any]) -> MemoryEstimate:
     model.attn_implementation or transformers' pick) and the run's own ZeRO stage."""
     config = build_run_config(run)
     facts = ModelFacts.from_config_dict(config.model.config)
-    return workload_memory(
-        facts,
-        run_workload(config),
-        zero_stage=config.parallel.zero_stage,
-        offload=config.parallel.offload,
+    one_gpu = ParallelDims(
+        1, 1, zero_stage=config.parallel.zero_stage, offload=config.parallel.offload
     )
+    return workload_memory(facts, one_gpu, run_workload(config))
 
 
 def steady_tokens_per_s(times: dict[int, float], tokens_per_step: int) -> float:

@@ -65,14 +65,16 @@ def model_states_mb(render: Path) -> dict[str, float]:
     from dplaunch.config.schema import RunConfig
     from dplaunch.planning.auto import run_workload, workload_memory
     from dplaunch.planning.model_facts import ModelFacts
+    from dplaunch.planning.rules import ParallelDims
     from dplaunch.run_directory.files import read_run_file
 
     config = RunConfig.model_validate(read_run_file(render))
     facts = ModelFacts.from_config_dict(config.model.config or {})
     lora = run_workload(config)
     full = replace(lora, lora=None)
+    two_ranks = ParallelDims(2, 2)
     return {
-        name: round(workload_memory(facts, workload, dp=2).model_states_gb * 1024, 2)
+        name: round(workload_memory(facts, two_ranks, workload).model_states_gb * 1024, 2)
         for name, workload in ((DPLAUNCH_LORA, lora), (DPLAUNCH_FULL, full))
     }
 

@@ -600,6 +600,14 @@ def plan_for(gpus=None, visible=0, render_only=False, model=None, **kwargs):
     )
 
 
+def ranks(dp: int = 1, tp: int = 1, pp: int = 1, sp: int = 1, **layout: Any):
+    """The layout of dp × tp × pp (× sp) ranks on one node, as the estimate takes it."""
+    from dplaunch.planning.rules import ParallelDims
+
+    world = dp * tp * pp * sp
+    return ParallelDims(world, world, tp, pp, sp=sp, **layout)
+
+
 # a 7B Llama's config.json (never built: the planner reads shapes only)
 LLAMA_7B = dict(
     model_type="llama",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -25,7 +26,8 @@ from dplaunch.planning.estimate import (
     stage_shares,
 )
 from dplaunch.planning.model_facts import ModelFacts
-from tests.helpers import LLAMA_7B
+from dplaunch.planning.workload import Workload
+from tests.helpers import LLAMA_7B, ranks
 
 TINY_LLAMA = dict(
     model_type="llama",
@@ -197,12 +199,8 @@ def test_estimate_memory_for_7b_zero1_on_16_gpus_line_by_line():
     s, b, h, a, v = 2048, 1, 4096, 32, 32000
     memory = estimate_memory(
         llama,
-        dp=16,
-        zero_stage=1,
-        mixed_precision="bf16",
-        micro_batch=b,
-        seq_len=s,
-        attn_implementation="eager",
+        ranks(dp=16, zero_stage=1),
+        Workload(mixed_precision="bf16", micro_batch=b, seq_len=s, attn_implementation="eager"),
     )
     assert memory.model_states_gb == pytest.approx((4 + 12 / 16) * psi / GIB)
     # a llama layer in 16-bit: 24 + 8·i/h = 45.5 bytes per s·b·h; eager keeps the scores too:
@@ -228,14 +226,23 @@ def test_estimate_memory_for_7b_zero1_on_16_gpus_line_by_line():
 
 def test_ddp_in_bf16_holds_autocast_copies_of_every_matrix():
     psi = 6_738_415_616
-    ddp = estimate_memory(facts(**LLAMA_7B), dp=8, zero_stage=0, mixed_precision="bf16")
+    ddp = estimate_memory(
+        facts(**LLAMA_7B), ranks(dp=8, zero_stage=0), Workload(mixed_precision="bf16")
+    )
     # fp32 master weights stay; autocast caches a bf16 copy of all but the input embedding
     assert ddp.autocast_gb == pytest.approx(2 * (psi - 32000 * 4096) / GIB)
     assert (ddp.buckets_gb, ddp.step_gb) == (0, 0)  # gradient_as_bucket_view; torch's AdamW
-    assert estimate_memory(facts(**LLAMA_7B), dp=8, mixed_precision="no").autocast_gb == 0
-    assert estimate_memory(facts(**LLAMA_7B), dp=8, zero_stage=2).autocast_gb == 0
+    assert (
+        estimate_memory(facts(**LLAMA_7B), ranks(dp=8), Workload(mixed_precision="no")).autocast_gb
+        == 0
+    )
+    assert (
+        estimate_memory(facts(**LLAMA_7B), ranks(dp=8, zero_stage=2), Workload()).autocast_gb == 0
+    )
     tied = count_parameters(facts(**{**LLAMA_7B, "tie_word_embeddings": True}))
-    tied_ddp = estimate_memory(facts(**{**LLAMA_7B, "tie_word_embeddings": True}), dp=8)
+    tied_ddp = estimate_memory(
+        facts(**{**LLAMA_7B, "tie_word_embeddings": True}), ranks(dp=8), Workload()
+    )
     # the tied head's product casts the shared matrix too
     assert tied_ddp.autocast_gb == pytest.approx(2 * tied.total / GIB)
 
@@ -243,19 +250,21 @@ def test_ddp_in_bf16_holds_autocast_copies_of_every_matrix():
 def test_zero3_buckets_nccl_per_axis_and_the_step_peak():
     llama = facts(**LLAMA_7B)
     psi = 6_738_415_616
-    zero3 = estimate_memory(llama, dp=8, zero_stage=3, micro_batch=4)
+    zero3 = estimate_memory(llama, ranks(dp=8, zero_stage=3), Workload(micro_batch=4))
     # one reduce bucket + a prefetch bucket of BUCKET_SIZE/4, bf16
     assert zero3.buckets_gb == pytest.approx((200_000_000 + 50_000_000) * 2 / GIB)
     assert zero3.step_gb == pytest.approx(4 * psi / 8 / GIB)
     # one communicator per axis of degree > 1
-    assert estimate_memory(llama, dp=4, tp=2, zero_stage=1).nccl_gb == 1.0
-    assert estimate_memory(llama, dp=1).nccl_gb == 0
+    assert estimate_memory(llama, ranks(dp=4, tp=2, zero_stage=1), Workload()).nccl_gb == 1.0
+    assert estimate_memory(llama, ranks(dp=1), Workload()).nccl_gb == 0
     # offloaded, the fp32 gradient partition lives in host memory with the optimizer states
-    offloaded = estimate_memory(llama, dp=8, zero_stage=2, offload="optimizer")
+    offloaded = estimate_memory(llama, ranks(dp=8, zero_stage=2, offload="optimizer"), Workload())
     assert offloaded.step_gb == 0
     assert offloaded.cpu_gb == pytest.approx((12 + 4) * psi / 8 / GIB)
     # a tiny activation load: the step's fp32 partition is the peak, activations are freed by then
-    step_bound = estimate_memory(llama, dp=2, zero_stage=1, seq_len=8, micro_batch=1)
+    step_bound = estimate_memory(
+        llama, ranks(dp=2, zero_stage=1), Workload(seq_len=8, micro_batch=1)
+    )
     assert step_bound.step_gb > step_bound.forward_backward_gb
     assert step_bound.total_gb == pytest.approx(
         step_bound.model_states_gb + 1.5 + step_bound.step_gb
@@ -293,10 +302,12 @@ def test_activation_formula_with_tensor_parallel_checkpointing_and_fp32():
         )
         == s_b_h * 68
     )
-    eager = dict(seq_len=s, attn_implementation="eager")
-    plain = estimate_memory(facts(**LLAMA_7B), dp=16, zero_stage=3, **eager)
+    eager = Workload(seq_len=s, attn_implementation="eager")
+    plain = estimate_memory(facts(**LLAMA_7B), ranks(dp=16, zero_stage=3), eager)
     checkpointed = estimate_memory(
-        facts(**LLAMA_7B), dp=16, zero_stage=3, activation_checkpointing=True, **eager
+        facts(**LLAMA_7B),
+        ranks(dp=16, zero_stage=3),
+        replace(eager, activation_checkpointing=True),
     )
     expected = 32 * 2 * s * h + s * h * (24 + 8 * width) + scores
     assert checkpointed.activations_gb == pytest.approx(expected / GIB)
@@ -306,14 +317,14 @@ def test_activation_formula_with_tensor_parallel_checkpointing_and_fp32():
 def test_first_pipeline_stage_keeps_pp_micro_batches_in_flight():
     llama = facts(**LLAMA_7B)
     # the pipeline engine holds 16-bit weights, as DeepSpeed's ZeRO does (DDP: fp32 + autocast)
-    one_stage = estimate_memory(llama, dp=1, pp=1, zero_stage=1)
-    four_stages = estimate_memory(llama, dp=1, pp=4)
+    one_stage = estimate_memory(llama, ranks(dp=1, pp=1, zero_stage=1), Workload())
+    four_stages = estimate_memory(llama, ranks(dp=1, pp=4), Workload())
     # 1F1B: stage 0 holds 4 micro-batches of 8 layers = the activations of 32 layers
     assert four_stages.stage == 0 and four_stages.layers_per_gpu == 8
     assert four_stages.activations_gb == pytest.approx(one_stage.activations_gb)
     assert four_stages.logits_gb == 0  # the head is on the last stage
     # one micro-batch per step: nothing queues, the last stage (8 layers + logits) is the busiest
-    single = estimate_memory(llama, dp=1, pp=4, gradient_accumulation_steps=1)
+    single = estimate_memory(llama, ranks(dp=1, pp=4), Workload(global_batch_size=1))
     assert single.stage == 3
     assert single.activations_gb == pytest.approx(one_stage.activations_gb / 4)
     assert single.logits_gb == pytest.approx(one_stage.logits_gb)
@@ -322,18 +333,21 @@ def test_first_pipeline_stage_keeps_pp_micro_batches_in_flight():
 def test_communication_per_step():
     llama = facts(**LLAMA_7B)
     psi = 6_738_415_616
-    ddp = estimate_communication(llama, dp=16, zero_stage=0)
+    ddp = estimate_communication(llama, ranks(dp=16, zero_stage=0), Workload())
     assert ddp.network_bytes == pytest.approx(2 * psi * 2 * 15 / 16)
-    assert estimate_communication(llama, dp=16, zero_stage=2).network_bytes == ddp.network_bytes
-    zero3 = estimate_communication(llama, dp=16, zero_stage=3)
+    assert (
+        estimate_communication(llama, ranks(dp=16, zero_stage=2), Workload()).network_bytes
+        == ddp.network_bytes
+    )
+    zero3 = estimate_communication(llama, ranks(dp=16, zero_stage=3), Workload())
     assert zero3.network_bytes == pytest.approx(1.5 * ddp.network_bytes)
-    tp = estimate_communication(llama, dp=1, tp=2, seq_len=2048)
+    tp = estimate_communication(llama, ranks(dp=1, tp=2), Workload(seq_len=2048))
     layer_traffic = 32 * 4 * 2048 * 4096 * 2 * (2 * 1 / 2)
     logits_traffic = 2048 * 32000 * 2 * (2 * 1 / 2)
     assert tp.tensor_parallel_bytes == pytest.approx(layer_traffic + logits_traffic)
-    pipe = estimate_communication(llama, dp=1, pp=4, gradient_accumulation_steps=8)
+    pipe = estimate_communication(llama, ranks(dp=1, pp=4), Workload(global_batch_size=8))
     assert pipe.pipeline_bytes == 2 * 2048 * 4096 * 2 * 8
-    assert estimate_communication(llama, dp=1).network_bytes == 0
+    assert estimate_communication(llama, ranks(dp=1), Workload()).network_bytes == 0
 
 
 # -- the plan table -------------------------------------------------------------------------------
@@ -343,13 +357,10 @@ def plans_for_7b(gpu_memory_gb: float):
     # eager attention: the s×s scores make data parallelism alone too big on 24 GB GPUs
     return candidate_plans(
         facts(**LLAMA_7B),
+        Workload(micro_batch=1, seq_len=2048, mixed_precision="bf16", attn_implementation="eager"),
         gpus=16,
         gpus_per_node=4,
         gpu_memory_gb=gpu_memory_gb,
-        micro_batch=1,
-        seq_len=2048,
-        mixed_precision="bf16",
-        attn_implementation="eager",
     )
 
 
@@ -396,12 +407,10 @@ def test_layouts_respect_heads_nodes_and_zero_limits():
 def test_gqa_limits_tensor_parallel_to_the_kv_heads():
     cands = candidate_plans(
         facts(**{**LLAMA_7B, "num_key_value_heads": 2}),
+        Workload(micro_batch=1, seq_len=2048, mixed_precision="bf16"),
         gpus=8,
         gpus_per_node=8,
         gpu_memory_gb=80,
-        micro_batch=1,
-        seq_len=2048,
-        mixed_precision="bf16",
     )
     assert {c.tp for c in cands} == {1, 2}
 
@@ -409,13 +418,10 @@ def test_gqa_limits_tensor_parallel_to_the_kv_heads():
 def test_bert_gets_neither_tensor_nor_pipeline_parallel():
     cands = candidate_plans(
         facts(**TINY_CONFIGS["bert"]),
+        Workload(micro_batch=8, seq_len=48, mixed_precision="no", task="sequence-classification"),
         gpus=4,
         gpus_per_node=4,
         gpu_memory_gb=16,
-        micro_batch=8,
-        seq_len=48,
-        mixed_precision="no",
-        task="sequence-classification",
     )
     assert {(c.tp, c.pp) for c in cands} == {(1, 1)}
 
@@ -423,12 +429,10 @@ def test_bert_gets_neither_tensor_nor_pipeline_parallel():
 def test_a_tiny_model_gets_ddp():
     cands = candidate_plans(
         facts(**TINY_LLAMA),
+        Workload(micro_batch=4, seq_len=64, mixed_precision="no"),
         gpus=2,
         gpus_per_node=2,
         gpu_memory_gb=16,
-        micro_batch=4,
-        seq_len=64,
-        mixed_precision="no",
     )
     best = only_recommended(cands)
     assert best.name == "DDP"
@@ -439,12 +443,10 @@ def test_a_tiny_model_gets_ddp():
 def test_when_nothing_fits_nothing_is_recommended_and_the_line_says_what_to_do():
     cands = candidate_plans(
         facts(**LLAMA_7B),
+        Workload(micro_batch=8, seq_len=4096, mixed_precision="bf16"),
         gpus=2,
         gpus_per_node=2,
         gpu_memory_gb=16,
-        micro_batch=8,
-        seq_len=4096,
-        mixed_precision="bf16",
     )
     assert not any(c.recommended for c in cands)
     line = recommendation_line(cands)
@@ -482,20 +484,15 @@ def test_planning_modules_do_not_import_torch():
 
 def test_7b_on_8_x_80gb_micro_4_fits_with_sdpa_the_kernel_transformers_picks():
     # Llama-2-7B, bf16, micro batch 4 × 2048: eager's scores made it 115 GiB of activations
-    plans = dict(
-        gpus=8,
-        gpus_per_node=8,
-        gpu_memory_gb=80,
-        micro_batch=4,
-        seq_len=2048,
-        mixed_precision="bf16",
-    )
-    best = only_recommended(candidate_plans(facts(**LLAMA_7B), **plans))
+    gpus = dict(gpus=8, gpus_per_node=8, gpu_memory_gb=80)
+    workload = Workload(micro_batch=4, seq_len=2048, mixed_precision="bf16")
+    best = only_recommended(candidate_plans(facts(**LLAMA_7B), workload, **gpus))
     assert (best.tp, best.pp, best.offload) == (1, 1, "none")  # plain data parallelism fits
     assert best.memory.attn_implementation == "sdpa"
     sdpa_layers = 32 * 2048 * 4 * 4096 * 45.5  # llama's 24 + 8·i/h bytes per s·b·h
     assert best.activations_gb == pytest.approx(sdpa_layers / GIB)  # 45.5 GiB
-    eager = candidate_plans(facts(**LLAMA_7B), attn_implementation="eager", **plans)
+    eager_workload = replace(workload, attn_implementation="eager")
+    eager = candidate_plans(facts(**LLAMA_7B), eager_workload, **gpus)
     same = next(c for c in eager if (c.name, c.tp, c.pp) == (best.name, 1, 1))
     scores = 32 * 32 * 2048 * 2048 * 4 * 6
     assert same.activations_gb == pytest.approx((sdpa_layers + scores) / GIB)  # eager: 141.5 GiB
@@ -649,7 +646,7 @@ def test_hf_loss_peaks_at_the_bytes_per_logit_the_estimate_counts(mixed_precisio
     # the head's copies and gradient add hidden·(2 or 4)/(batch·seq) ≤ 0.13 bytes per logit
     assert per_logit == pytest.approx(LOSS_BYTES_PER_LOGIT, abs=0.2)
     count = count_parameters(facts(**TINY_LLAMA))
-    memory = estimate_memory(facts(**TINY_LLAMA), micro_batch=batch, seq_len=seq)
+    memory = estimate_memory(facts(**TINY_LLAMA), ranks(), Workload(micro_batch=batch, seq_len=seq))
     assert memory.logits_gb * GIB == batch * seq * count.vocab_size * LOSS_BYTES_PER_LOGIT
 
 
@@ -735,22 +732,22 @@ def test_lora_keeps_the_base_frozen_and_zero_partitions_only_the_adapter_states(
     llama, psi = facts(**LLAMA_7B), 6_738_415_616
     lora = count_lora(llama, LoraSpec(r=16))
     a = lora.trainable
-    ddp = estimate_memory(llama, dp=8, lora=lora)
+    ddp = estimate_memory(llama, ranks(dp=8), Workload(), lora=lora)
     # DDP: fp32 base (Accelerate's autocast keeps it), fp32 adapters + gradients + Adam
     assert ddp.weights_gb * GIB == 4 * psi + 4 * a
     assert (ddp.gradients_gb * GIB, ddp.optimizer_gb * GIB) == (4 * a, 8 * a)
     assert ddp.trainable_params == a and ddp.params_per_gpu == psi
-    full = estimate_memory(llama, dp=8)
+    full = estimate_memory(llama, ranks(dp=8), Workload())
     assert ddp.model_states_gb < full.model_states_gb / 3.5  # 16 → 4 bytes per parameter
-    zero2 = estimate_memory(llama, dp=8, zero_stage=2, lora=lora)
+    zero2 = estimate_memory(llama, ranks(dp=8, zero_stage=2), Workload(), lora=lora)
     assert zero2.weights_gb * GIB == 2 * psi + 2 * a  # DeepSpeed's bf16 base, whole
     assert zero2.gradients_gb * GIB == pytest.approx(2 * a / 8)
     assert zero2.optimizer_gb * GIB == pytest.approx(12 * a / 8)
     assert zero2.step_gb * GIB == pytest.approx(4 * a / 8)  # the fp32 gradient partition
-    zero3 = estimate_memory(llama, dp=8, zero_stage=3, lora=lora)
+    zero3 = estimate_memory(llama, ranks(dp=8, zero_stage=3), Workload(), lora=lora)
     assert zero3.weights_gb * GIB == pytest.approx((2 * psi + 2 * a) / 8)  # the base too
     qlora = count_lora(llama, LoraSpec(r=16, quantize="4bit"))
-    four_bit = estimate_memory(llama, dp=8, lora=qlora)
+    four_bit = estimate_memory(llama, ranks(dp=8), Workload(), lora=qlora)
     linears = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
     # the linears in nf4 (+ an fp32 absmax per 64), the rest fp32 under DDP (as the ranks hold it)
     assert four_bit.weights_gb * GIB == pytest.approx(
@@ -766,9 +763,9 @@ def test_lora_moves_only_adapter_gradients_between_data_parallel_ranks():
 
     llama, psi = facts(**LLAMA_7B), 6_738_415_616
     a = count_lora(llama, LoraSpec(r=16))
-    ddp = estimate_communication(llama, dp=16, lora=a)
+    ddp = estimate_communication(llama, ranks(dp=16), Workload(), lora=a)
     assert ddp.network_bytes == pytest.approx(2 * a.trainable * 2 * 15 / 16)
-    zero3 = estimate_communication(llama, dp=16, zero_stage=3, lora=a)
+    zero3 = estimate_communication(llama, ranks(dp=16, zero_stage=3), Workload(), lora=a)
     # ZeRO-3 still gathers the frozen base for forward and backward
     assert zero3.network_bytes == pytest.approx((2 * psi + a.trainable) * 2 * 15 / 16)
 
@@ -837,7 +834,10 @@ def test_lora_bytes_held_after_an_adam_step_are_within_10_percent_of_the_estimat
     held = held_bytes(model, optimizer)
     lora = count_lora(facts(**LORA_PROBE), spec)
     estimate = estimate_memory(
-        facts(**LORA_PROBE), mixed_precision=mixed_precision, seq_len=16, lora=lora
+        facts(**LORA_PROBE),
+        ranks(),
+        Workload(mixed_precision=mixed_precision, seq_len=16),
+        lora=lora,
     )
     expected = {
         "parameters": estimate.weights_gb * GIB,

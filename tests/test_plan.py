@@ -13,6 +13,7 @@ from dplaunch.planning.mesh import Mesh
 from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.planning.plan import Machine, batch_math, make_plan
 from dplaunch.planning.rules import ParallelDims
+from dplaunch.planning.workload import Workload
 from dplaunch.rendering.accelerate_config import accelerate_config_dict, render_accelerate_config
 from dplaunch.rendering.deepspeed_config import deepspeed_config_dict
 from tests.helpers import LLAMA, plan_for
@@ -124,13 +125,10 @@ def test_the_plan_and_the_plan_table_allow_the_same_tp_and_pp(gpus, nodes, task)
 
     table = candidate_plans(
         LLAMA_6_LAYERS,
+        Workload(micro_batch=1, seq_len=64, mixed_precision="bf16", task=task),
         gpus=gpus,
         gpus_per_node=gpus // nodes,
         gpu_memory_gb=80,
-        micro_batch=1,
-        seq_len=64,
-        mixed_precision="bf16",
-        task=task,
     )
     listed = {(c.tp, c.pp) for c in table}
     for tp in (1, 2, 4, 8):
@@ -330,9 +328,7 @@ def test_sequence_parallel_rows_are_not_listed_for_flex_attention():
     from dplaunch.planning.candidates import candidate_plans
 
     def sp_rows(kernel):
-        rows = candidate_plans(LLAMA, gpus=2, gpus_per_node=2, gpu_memory_gb=80, micro_batch=1,
-                               seq_len=256, mixed_precision="bf16", attn_implementation=kernel,
-                               sequence_parallel=True)  # fmt: skip
+        rows = candidate_plans(LLAMA, Workload(micro_batch=1, seq_len=256, mixed_precision="bf16", attn_implementation=kernel, sequence_parallel=True), gpus=2, gpus_per_node=2, gpu_memory_gb=80)  # fmt: skip
         return [row for row in rows if row.sp > 1]
 
     assert sp_rows("sdpa") and not sp_rows("flex_attention")
@@ -405,12 +401,10 @@ def test_plan_json_rows_name_their_engine_and_fsdp_kind():
     rows = to_json_rows(
         candidate_plans(
             LLAMA,
+            Workload(micro_batch=1, seq_len=256, mixed_precision="bf16"),
             gpus=4,
             gpus_per_node=2,
             gpu_memory_gb=80,
-            micro_batch=1,
-            seq_len=256,
-            mixed_precision="bf16",
             fsdp="full",
         )  # fmt: skip
     )

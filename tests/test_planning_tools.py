@@ -18,6 +18,7 @@ from dplaunch.planning.auto import resolve_auto_parallel
 from dplaunch.planning.estimate import GIB, estimate_memory, model_state_bytes
 from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.planning.plan import Machine
+from dplaunch.planning.workload import Workload
 from tests.conftest import COMPARISON_FLAGS
 from tests.helpers import (
     LLAMA_7B,
@@ -359,11 +360,8 @@ def test_bytes_each_rank_holds_are_within_10_percent_of_the_estimate(tmp_path, s
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     estimate = estimate_memory(
         ModelFacts.from_config_dict(PROBE_CONFIG),
-        dp=2,
-        zero_stage=stage,
-        mixed_precision="no",
-        micro_batch=2,
-        seq_len=SEQ_LEN,
+        ranks(dp=2, zero_stage=stage),
+        Workload(mixed_precision="no", micro_batch=2, seq_len=SEQ_LEN),
     )
     expected = {
         "parameters": estimate.weights_gb * GIB,
@@ -400,7 +398,10 @@ def test_lora_bytes_each_zero_3_rank_holds_are_within_10_percent_of_the_estimate
     facts = ModelFacts.from_config_dict(PROBE_CONFIG)
     lora = count_lora(facts, LoraSpec(r=8))
     estimate = estimate_memory(
-        facts, dp=2, zero_stage=3, mixed_precision="no", micro_batch=2, seq_len=SEQ_LEN, lora=lora
+        facts,
+        ranks(dp=2, zero_stage=3),
+        Workload(mixed_precision="no", micro_batch=2, seq_len=SEQ_LEN),
+        lora=lora,
     )
     expected = {
         "parameters": estimate.weights_gb * GIB,

@@ -348,11 +348,13 @@ def test_sp2_halves_the_activations_a_rank_keeps_as_the_estimate_says(tmp_path):
 def test_the_estimate_splits_activations_and_logits_by_sp_and_zero_states_by_dp_times_sp():
     from dplaunch.planning.estimate import estimate_memory
     from dplaunch.planning.model_facts import ModelFacts
+    from dplaunch.planning.workload import Workload
+    from tests.helpers import ranks
 
     facts = ModelFacts.from_config_dict(LLAMA_7B)
-    shape = dict(zero_stage=3, mixed_precision="bf16", seq_len=32768)
-    whole = estimate_memory(facts, dp=8, **shape)
-    split = estimate_memory(facts, dp=4, sp=2, **shape)
+    workload = Workload(mixed_precision="bf16", seq_len=32768)
+    whole = estimate_memory(facts, ranks(dp=8, zero_stage=3), workload)
+    split = estimate_memory(facts, ranks(dp=4, sp=2, zero_stage=3), workload)
     assert split.activations_gb == pytest.approx(whole.activations_gb / 2)
     assert split.logits_gb == pytest.approx(whole.logits_gb / 2)
     # ZeRO-3 over 4 dp × 2 sp ranks holds what it holds over 8 dp ranks
@@ -408,15 +410,15 @@ def test_plan_with_seq_len_lists_the_sequence_parallel_rows(tmp_path):
 
 def test_zero3_builds_each_ranks_partition_over_dp_times_sp_in_host_memory():
     # the host-RAM check before launch: ZeRO-3's zero.Init builds 1/(dp × sp) of the model a rank
-    from dplaunch.config.schema import ParallelConfig
-    from dplaunch.planning.mesh import Mesh
     from dplaunch.planning.model_facts import ModelFacts
     from dplaunch.planning.plan import check_host_memory
+    from dplaunch.planning.rules import ParallelDims
 
     facts = ModelFacts.from_config_dict(LLAMA_7B)
-    parallel = ParallelConfig(zero_stage=3)
+    # 8 ranks a node: dp 8, dp 4 × sp 2, dp 4
+    layouts = (ParallelDims(8, 8, zero_stage=3), ParallelDims(8, 8, zero_stage=3, sp=2))
+    layouts += (ParallelDims(4, 8, zero_stage=3),)
     lines = [
-        check_host_memory(facts, parallel, mesh, 8, "bf16", "causal-lm", 10.0, refuse=False)
-        for mesh in (Mesh(8), Mesh(4, sequence_parallel_size=2), Mesh(4))
+        check_host_memory(facts, dims, "bf16", "causal-lm", 10.0, refuse=False) for dims in layouts
     ]
     assert lines[0] == lines[1] != lines[2]

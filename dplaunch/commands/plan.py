@@ -23,10 +23,10 @@ from dplaunch.config.flags import (
 from dplaunch.errors import UserError
 
 if TYPE_CHECKING:
-    from dplaunch.planning.auto import Workload
     from dplaunch.planning.candidates import Candidate
     from dplaunch.planning.estimate import MemoryEstimate
     from dplaunch.planning.model_facts import ModelFacts
+    from dplaunch.planning.workload import Workload
 
 # what a bare `--model` plans for, when no run file says otherwise
 DEFAULT_SEQ_LEN = 2048
@@ -226,9 +226,8 @@ def _model_config(model: str) -> dict[str, Any]:
 
 
 def _from_model(options: PlanOptions) -> tuple[ModelFacts, str, Workload]:
-    from dplaunch.planning.auto import Workload
-    from dplaunch.planning.lora import LoraSpec
     from dplaunch.planning.model_facts import ModelFacts
+    from dplaunch.planning.workload import LoraSpec, Workload
 
     if options.assignments:
         raise UserError("--set", "overrides a run file's keys", "give a run file, or drop --set")

@@ -31,14 +31,13 @@ from dplaunch.config.schema import ParallelConfig, RunConfig, TrainConfig
 from dplaunch.errors import UserError
 from dplaunch.planning.candidates import (
     Candidate,
-    Workload,
     candidate_plans,
     recommendation_line,
     workload_memory,
 )
-from dplaunch.planning.lora import LoraSpec
 from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.planning.plan import DEFAULT_MAX_MICRO_BATCH, Machine, _devices, _nodes, batch_math
+from dplaunch.planning.workload import LoraSpec, Workload
 
 
 @dataclass(frozen=True)
@@ -110,22 +109,13 @@ def plan_candidates(
     a run whose data the pipeline cannot take, are not picked."""
     return candidate_plans(
         facts,
+        workload,
         gpus=gpus,
         gpus_per_node=gpus_per_node,
         gpu_memory_gb=gpu_memory_gb,
-        micro_batch=workload.micro_batch,
-        seq_len=workload.seq_len,
-        mixed_precision=workload.mixed_precision,
-        activation_checkpointing=workload.activation_checkpointing,
         safety_margin=safety_margin,
-        task=workload.task,
-        num_labels=workload.num_labels,
-        global_batch_size=workload.global_batch_size,
         feasible=_runs_as_configured(workload),
-        attn_implementation=workload.attn_implementation,
         fsdp=fsdp,
-        sequence_parallel=workload.sequence_parallel,
-        lora=workload.lora,
     )
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any
 
 from dplaunch.errors import UserError
 from dplaunch.planning.estimate import (
@@ -39,13 +38,14 @@ from dplaunch.planning.estimate import (
     estimate_communication,
     estimate_memory,
 )
-from dplaunch.planning.lora import LoraCount, LoraSpec, count_lora
+from dplaunch.planning.lora import LoraCount, count_lora
 from dplaunch.planning.model_facts import ModelFacts, attention_implementation
 from dplaunch.planning.rules import (
     ParallelDims,
     engine_name,
     sequence_parallel_kernel,
 )
+from dplaunch.planning.workload import Workload
 
 TP_DEGREES = (1, 2, 4, 8)
 # sequence-parallel degrees the table lists (where they divide the GPUs and the model's heads)
@@ -129,76 +129,20 @@ class Candidate:
         return self.name + (" with " + " and ".join(degrees) if degrees else "")
 
 
-@dataclass(frozen=True)
-class Workload:
-    """What one GPU computes per micro-batch: the inputs of the activation and traffic estimates."""
-
-    micro_batch: int
-    seq_len: int
-    mixed_precision: str
-    activation_checkpointing: bool = False
-    task: str = "causal-lm"
-    num_labels: int | None = None
-    # samples per optimizer step; None = unknown (one micro-batch per step for traffic)
-    global_batch_size: int | None = None
-    # the configured micro batch (None = derived per layout): decides which layouts can split the batch
-    fixed_micro_batch: int | None = None
-    # model.attn_implementation; None = what transformers picks (attention_implementation)
-    attn_implementation: str | None = None
-    # False: the run's data rules out the pipeline engine (data/sft_checks.py refuses packed SFT examples and
-    # sample prompts with pp > 1), so no pp layout is recommended for it
-    pipeline: bool = True
-    # list sequence-parallel layouts (sp 2/4/8) too: `plan --seq-len`, `parallel: auto`
-    sequence_parallel: bool = False
-    # model.lora: only adapters are trained (None: every weight)
-    lora: LoraSpec | None = None
-
-    def accumulation_steps(self, dp: int) -> int | None:
-        """Micro-batches per optimizer step on dp data-parallel ranks (rounded up); None: unknown."""
-        if self.global_batch_size is None:
-            return None
-        return max(1, -(-self.global_batch_size // (self.micro_batch * dp)))
-
-
 def workload_memory(
     facts: ModelFacts,
+    dims: ParallelDims,
     workload: Workload,
     *,
-    dp: int = 1,
-    tp: int = 1,
-    pp: int = 1,
-    zero_stage: int = 0,
-    offload: str = "none",
     count: ParameterCount | None = None,
-    sp: int = 1,
     lora: LoraCount | None = None,
-    batch_dp: int | None = None,
 ) -> MemoryEstimate:
-    """The memory estimate the plan table makes for one layout of this workload (the benchmark
-    compares it with the peaks a run measured: one estimate for both). ``batch_dp``: the ranks
-    the global batch is split over when they are not the ``dp`` states are sharded over (HSDP)."""
-    steps = workload.accumulation_steps(batch_dp or dp)
+    """The memory estimate the plan table makes for one layout of this workload, its LoRA counted
+    from ``workload.lora`` unless given (the benchmark compares it with the peaks a run measured:
+    one estimate for both)."""
     if lora is None and workload.lora is not None:
         lora = count_lora(facts, workload.lora, workload.task, workload.num_labels)
-    return estimate_memory(
-        facts,
-        dp=dp,
-        tp=tp,
-        pp=pp,
-        zero_stage=zero_stage,
-        offload=offload,
-        mixed_precision=workload.mixed_precision,
-        micro_batch=workload.micro_batch,
-        seq_len=workload.seq_len,
-        activation_checkpointing=workload.activation_checkpointing,
-        task=workload.task,
-        num_labels=workload.num_labels,
-        gradient_accumulation_steps=steps,
-        attn_implementation=workload.attn_implementation,
-        count=count,
-        sp=sp,
-        lora=lora,
-    )
+    return estimate_memory(facts, dims, workload, count=count, lora=lora)
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -226,7 +170,7 @@ def _layouts(
 
 
 def _stages_and_offloads(dims: ParallelDims):
-    """ZeRO stage / offload pairs the rules allow with this layout (PP with ZeRO ≤ 1, TP with ≤ 2).
+    """The layout with each ZeRO stage / offload pair the rules allow (PP with ZeRO ≤ 1, TP with ≤ 2).
 
     With a single data-parallel rank ZeRO partitions nothing, so its rows without offload would
     repeat stage 0's numbers; they are left out.
@@ -236,41 +180,35 @@ def _stages_and_offloads(dims: ParallelDims):
             # ZeRO partitions over the sp ranks too (DeepSpeed sees them as data-parallel)
             if offload == "none" and stage > 0 and dims.dp * dims.sp == 1:
                 continue
-            if ParallelDims.if_allowed(**{**asdict(dims), "zero_stage": stage, "offload": offload}):
-                yield stage, offload
+            changed = ParallelDims.if_allowed(
+                **{**asdict(dims), "zero_stage": stage, "offload": offload}
+            )
+            if changed is not None:
+                yield changed
 
 
 def candidate_plans(
     facts: ModelFacts,
+    workload: Workload,
     *,
     gpus: int,
     gpus_per_node: int,
     gpu_memory_gb: float,
-    micro_batch: int,
-    seq_len: int,
-    mixed_precision: str,
-    activation_checkpointing: bool = False,
     safety_margin: float = 0.1,
-    task: str = "causal-lm",
-    num_labels: int | None = None,
-    global_batch_size: int | None = None,
     feasible: Callable[[Candidate], bool] | None = None,
-    attn_implementation: str | None = None,
     fsdp: str | None = None,
-    sequence_parallel: bool = False,
-    lora: LoraSpec | None = None,
 ) -> list[Candidate]:
     """Every layout for ``gpus`` GPUs with its memory per GPU and traffic per step; one recommended.
 
     ``gpu_memory_gb`` is GiB per GPU; a plan fits when total ≤ gpu_memory_gb × (1 − safety_margin).
-    ``global_batch_size`` (optional) sets the micro-batches per step, which scale TP/PP traffic
-    and cap the pipeline's in-flight micro-batches; unset = one micro-batch per step for traffic,
-    pp in flight for memory. ``feasible`` (optional) rules plans out of the recommendation that
-    fit but cannot run as configured (e.g. a global batch that dp does not divide); they stay
-    in the table. ``attn_implementation``: the run's model.attn_implementation (unset = what
-    transformers picks for the model; only eager keeps the attention scores). ``fsdp``: the run
-    asks for FSDP of that kind; the recommendation is then among its rows (else never them).
-    ``sequence_parallel``: list sp 2/4/8 rows too (Ulysses; not with eager attention).
+    The workload's ``global_batch_size`` (optional) sets the micro-batches per step, which scale
+    TP/PP traffic and cap the pipeline's in-flight micro-batches; unset = one micro-batch per step
+    for traffic, pp in flight for memory. ``feasible`` (optional) rules plans out of the
+    recommendation that fit but cannot run as configured (e.g. a global batch that dp does not
+    divide); they stay in the table. Its ``attn_implementation``: unset = what transformers picks
+    for the model; only eager keeps the attention scores. ``fsdp``: the run asks for FSDP of that
+    kind; the recommendation is then among its rows (else never them). The workload's
+    ``sequence_parallel``: list sp 2/4/8 rows too (Ulysses; not with eager attention); its
     ``lora``: a LoRA run (only adapters trained; :mod:`dplaunch.planning.lora`).
     """
     if gpus < 1:
@@ -279,77 +217,25 @@ def candidate_plans(
         raise UserError("launch.gpus_per_node", f"{gpus_per_node} GPUs per node", "use at least 1")
     if not 0 <= safety_margin < 1:
         raise UserError("safety_margin", f"{safety_margin} is not in [0, 1)")
-    count = count_parameters(facts, task, num_labels)
-    lora_count = count_lora(facts, lora, task, num_labels) if lora is not None else None
+    count = count_parameters(facts, workload.task, workload.num_labels)
+    lora = workload.lora
+    lora_count = count_lora(facts, lora, workload.task, workload.num_labels) if lora else None
     usable = gpu_memory_gb * (1 - safety_margin)
-    workload = Workload(
-        micro_batch=micro_batch,
-        seq_len=seq_len,
-        mixed_precision=mixed_precision,
-        activation_checkpointing=activation_checkpointing,
-        task=task,
-        num_labels=num_labels,
-        global_batch_size=global_batch_size,
-        attn_implementation=attn_implementation,
-        lora=lora,
-    )
     candidates: list[Candidate] = []
-    sequences = sequence_parallel and sequence_parallel_kernel(
-        attention_implementation(facts.model_type, attn_implementation)
+    sequences = workload.sequence_parallel and sequence_parallel_kernel(
+        attention_implementation(facts.model_type, workload.attn_implementation)
     )
-    for tp, pp, sp in _layouts(facts, gpus, gpus_per_node, task, sequences, lora is not None):
-        if seq_len % sp:  # each rank holds an equal slice (rules.check_sequence_length_splits)
+    layouts = _layouts(facts, gpus, gpus_per_node, workload.task, sequences, lora is not None)
+    for tp, pp, sp in layouts:
+        if (
+            workload.seq_len % sp
+        ):  # each rank holds an equal slice (ParallelDims.check_sequence_length)
             continue
-        dims = ParallelDims(gpus, gpus_per_node, tp, pp, sp=sp)
-        dp = dims.dp
-        steps = workload.accumulation_steps(dp)
-        for stage, offload in _stages_and_offloads(dims):
-            shape = dict(
-                dp=dp,
-                tp=tp,
-                pp=pp,
-                zero_stage=stage,
-                offload=offload,
-                mixed_precision=mixed_precision,
-                micro_batch=micro_batch,
-                seq_len=seq_len,
-                task=task,
-                num_labels=num_labels,
-                count=count,
-            )
-            memory = workload_memory(
-                facts,
-                workload,
-                dp=dp,
-                tp=tp,
-                pp=pp,
-                zero_stage=stage,
-                offload=offload,
-                count=count,
-                sp=sp,
-                lora=lora_count,
-            )
-            # DeepSpeed averages gradients over the sp ranks too (Ulysses' all-to-alls not counted)
-            traffic = estimate_communication(
-                facts,
-                gradient_accumulation_steps=steps or 1,
-                lora=lora_count,
-                **{**shape, "dp": dp * sp},
-            )
-            candidate = _row(
-                memory,
-                traffic.network_bytes,
-                traffic.offload_bytes,
-                gpu_memory_gb,
-                usable,
-                zero_stage=stage,
-                offload=offload,
-                tp=tp,
-                pp=pp,
-                dp=dp,
-                sp=sp,
-            )
-            candidates.append(candidate)
+        for dims in _stages_and_offloads(ParallelDims(gpus, gpus_per_node, tp, pp, sp=sp)):
+            memory = workload_memory(facts, dims, workload, count=count, lora=lora_count)
+            traffic = estimate_communication(facts, dims, workload, count=count, lora=lora_count)
+            network, offload = traffic.network_bytes, traffic.offload_bytes
+            candidates.append(_row(memory, network, offload, gpu_memory_gb, usable, dims))
     if lora is None or lora.quantize is None:  # no QLoRA under FSDP (lora_check.check_lora)
         candidates += _fsdp_rows(
             facts, workload, gpus, gpus_per_node, gpu_memory_gb, usable, count, lora_count
@@ -370,44 +256,20 @@ def _fsdp_rows(
 ) -> list[Candidate]:
     """FSDP full (and HSDP on several nodes) rows, with and without CPU offload (see the module
     docstring for their memory and traffic); a LoRA run's (``lora``) counted as ZeRO-3's are."""
-    kinds = [("full", gpus)]
-    if gpus_per_node < gpus and gpus_per_node > 1:
-        kinds.append(("hybrid", gpus_per_node))
+    kinds = ["full", "hybrid"] if 1 < gpus_per_node < gpus else ["full"]
     rows = []
-    for kind, shard in kinds:
-        if not ParallelDims.if_allowed(
-            gpus, gpus_per_node, fsdp=kind, model=facts, task=workload.task
-        ):
+    for kind in kinds:
+        task = workload.task
+        if not ParallelDims.if_allowed(gpus, gpus_per_node, fsdp=kind, model=facts, task=task):
             continue
-        steps = workload.accumulation_steps(gpus)
         for offload in ("none", "all"):
-            memory = workload_memory(
-                facts,
-                workload,
-                dp=shard,
-                zero_stage=3,
-                offload=offload,
-                count=count,
-                lora=lora,
-                batch_dp=gpus,
-            )
+            dims = ParallelDims(gpus, gpus_per_node, offload=offload, fsdp=kind)
+            shard = dims.fsdp_shard_size
+            memory = workload_memory(facts, dims, workload, count=count, lora=lora)
             if lora is not None:
                 frozen = count.total - lora.trainable
                 memory = _fp32_frozen_shards(memory, frozen, shard, offload, workload)
-            traffic = estimate_communication(
-                facts,
-                dp=shard,
-                zero_stage=3,
-                offload=offload,
-                mixed_precision=workload.mixed_precision,
-                micro_batch=workload.micro_batch,
-                seq_len=workload.seq_len,
-                gradient_accumulation_steps=steps or 1,
-                task=workload.task,
-                num_labels=workload.num_labels,
-                count=count,
-                lora=lora,
-            )
+            traffic = estimate_communication(facts, dims, workload, count=count, lora=lora)
             network = traffic.network_bytes
             replicas = gpus // shard
             if replicas > 1:
@@ -415,21 +277,8 @@ def _fsdp_rows(
                 b = 2 if workload.mixed_precision in ("bf16", "fp16") else 4
                 trained = count.total if lora is None else lora.trainable
                 network += 2 * (trained / shard) * b * (replicas - 1) / replicas
-            rows.append(
-                _row(
-                    memory,
-                    network,
-                    traffic.offload_bytes,
-                    gpu_memory_gb,
-                    usable,
-                    zero_stage=0,
-                    offload=offload,
-                    tp=1,
-                    pp=1,
-                    dp=gpus,
-                    fsdp=kind,
-                )
-            )
+            row = _row(memory, network, traffic.offload_bytes, gpu_memory_gb, usable, dims)
+            rows.append(row)
     return rows
 
 
@@ -439,12 +288,17 @@ def _row(
     offload_bytes: float,
     gpu_memory_gb: float,
     usable: float,
-    **layout: Any,
+    dims: ParallelDims,
 ) -> Candidate:
-    """One row of the table: a layout (``layout``: zero_stage, offload, tp, pp, dp, …), its
-    memory estimate and its traffic per step."""
+    """One row of the table: the layout DIMS, its memory estimate and its traffic per step."""
     return Candidate(
-        **layout,
+        zero_stage=dims.zero_stage,
+        offload=dims.offload,
+        tp=dims.tp,
+        pp=dims.pp,
+        dp=dims.dp,
+        sp=dims.sp,
+        fsdp=dims.fsdp,
         params_per_gpu=memory.params_per_gpu,
         weights_gb=memory.weights_gb,
         gradients_gb=memory.gradients_gb,

@@ -23,7 +23,8 @@ from typing import Any, Protocol
 
 from dplaunch.errors import UserError
 from dplaunch.planning.model_facts import ModelFacts, attention_implementation
-from dplaunch.planning.rules import check_offload, check_pipeline_depth
+from dplaunch.planning.rules import ParallelDims, check_offload, check_pipeline_depth
+from dplaunch.planning.workload import Workload
 
 # DeepSpeed's reduce and all-gather buckets, in elements, as deepspeed.json sets them (rendering)
 # and the estimate counts them: 200M keeps all-reduces efficient and fits a 24 GB card
@@ -610,37 +611,80 @@ def activation_bytes_per_layer(
     return layer
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """A layout as the estimate counts it: FSDP is ZeRO-3 over its shard group, ZeRO partitions
+    over dp × sp (DeepSpeed sees the sp ranks as data-parallel ones), a rank holds seq_len / sp
+    tokens of each sequence."""
+
+    zero_stage: int
+    offload: str
+    # the ranks states are partitioned over, and the data-parallel degree of NCCL's communicators
+    state_ranks: int
+    comm_dp: int
+    tp: int
+    pp: int
+    sp: int
+    # micro-batches per optimizer step (None: unknown)
+    steps: int | None
+    # DDP keeps fp32 weights and computes under autocast; DeepSpeed and FSDP hold 16-bit ones
+    ddp: bool
+
+    @classmethod
+    def of(cls, dims: ParallelDims, workload: Workload) -> _Layout:
+        zero_stage = 3 if dims.fsdp else dims.zero_stage
+        dp = dims.fsdp_shard_size if dims.fsdp else dims.dp
+        return cls(
+            zero_stage=zero_stage,
+            offload=dims.offload,
+            state_ranks=dp * dims.sp,
+            comm_dp=dp,
+            tp=dims.tp,
+            pp=dims.pp,
+            sp=dims.sp,
+            steps=workload.accumulation_steps(dims.dp),
+            ddp=zero_stage == 0 and dims.tp == 1 and dims.pp == 1,
+        )
+
+
+@dataclass(frozen=True)
+class _StageFixed:
+    """Bytes every pipeline stage of a layout shares (see estimate_memory)."""
+
+    layer_full: float
+    checkpoint: float
+    logits: float
+    largest_unit: int
+    autocast: float
+    buckets: float
+    nccl: float
+    host_load: float
+    element: int
+    implementation: str
+
+
 def estimate_memory(
     facts: ModelFacts,
+    dims: ParallelDims,
+    workload: Workload,
     *,
-    dp: int = 1,
-    tp: int = 1,
-    pp: int = 1,
-    zero_stage: int = 0,
-    offload: str = "none",
-    mixed_precision: str = "bf16",
-    micro_batch: int = 1,
-    seq_len: int = 2048,
-    activation_checkpointing: bool = False,
-    task: str = "causal-lm",
-    num_labels: int | None = None,
-    gradient_accumulation_steps: int | None = None,
-    attn_implementation: str | None = None,
     count: ParameterCount | None = None,
-    sp: int = 1,
     lora: AdapterCount | None = None,
 ) -> MemoryEstimate:
-    """Memory on the busiest GPU of a dp × tp × pp (or dp × sp) plan, as the ranks will run it on GPUs.
+    """Memory on the busiest GPU of the layout DIMS running WORKLOAD, as the ranks will run it on GPUs.
 
-    Sequence parallelism (``sp``, Ulysses): a rank keeps 1/sp of every sequence, and between its
-    all-to-alls attention runs on whole sequences of heads/sp heads, as many bytes: every
+    ``count``: the model's parameter count when already made; ``lora``
+    (:func:`dplaunch.planning.lora.count_lora` of ``workload.lora``): a LoRA run's adapters.
+
+    Sequence parallelism (``dims.sp``, Ulysses): a rank keeps 1/sp of every sequence, and between
+    its all-to-alls attention runs on whole sequences of heads/sp heads, as many bytes: every
     activation and the logits are those of ``seq_len / sp`` tokens. DeepSpeed sees the sp ranks
-    as data-parallel ones, so ZeRO partitions over dp × sp.
+    as data-parallel ones, so ZeRO partitions over dp × sp. FSDP (``dims.fsdp``) holds what
+    ZeRO-3 holds over its shard group (every rank, or a node's).
 
-    ``lora`` (:func:`dplaunch.planning.lora.count_lora`): only the adapters (and modules_to_save
-    copies) have gradients and optimizer states, ZeRO partitions those; the frozen base weights
-    are held whole (partitioned under ZeRO-3), quantized under QLoRA
-    (``LoraCount.state_bytes``). Activations are counted as for full
+    ``lora``: only the adapters (and modules_to_save copies) have gradients and optimizer states,
+    ZeRO partitions those; the frozen base weights are held whole (partitioned under ZeRO-3),
+    quantized under QLoRA (``LoraCount.state_bytes``). Activations are counted as for full
     fine-tuning (the adapters' own, s·b·r per adapter, are left out).
 
     Model states: :func:`model_state_bytes` of the parameters this GPU holds (:func:`stage_shares`).
@@ -651,11 +695,10 @@ def estimate_memory(
     micro-batches; the score matrices count only for eager attention (``attn_implementation``,
     unset = transformers' pick, :func:`attention_implementation`). With activation checkpointing
     a layer keeps only its input, 2·s·b·h bytes (4 in fp32 or under DDP's autocast; not split by
-    TP), plus one layer's full
-    activations while it is recomputed. Pipeline stage k of DeepSpeed's 1F1B schedule holds
-    min(pp − k, micro-batches) micro-batches in flight (``gradient_accumulation_steps``; unset =
-    pp), so stage 0 holds as many activations as the whole unsplit model: PP does not shrink
-    activation memory on the first stage.
+    TP), plus one layer's full activations while it is recomputed. Pipeline stage k of
+    DeepSpeed's 1F1B schedule holds min(pp − k, micro-batches) micro-batches in flight (the
+    workload's accumulation steps; unknown = pp), so stage 0 holds as many activations as the
+    whole unsplit model: PP does not shrink activation memory on the first stage.
 
     The rest, each a line of :meth:`MemoryEstimate.breakdown`:
 
@@ -674,107 +717,127 @@ def estimate_memory(
     model (4 bytes × all parameters: TP and PP cut it afterwards) — except ZeRO-3, where
     ``zero.Init`` builds each rank's partition only (4·Ψ/Nd).
     """
-    if dp < 1 or tp < 1 or pp < 1 or sp < 1:
-        raise UserError("parallel", f"dp={dp}, tp={tp}, pp={pp}: every degree must be at least 1")
-    # the tokens of each sequence this rank holds, and the ranks ZeRO partitions over
-    nccl_axes = (dp, tp, pp, sp)
-    seq_len, dp = seq_len / sp, dp * sp
-    count = count or count_parameters(facts, task, num_labels)
-    check_pipeline_depth(pp, count.num_layers)
-    implementation = attention_implementation(facts.model_type, attn_implementation)
-    in_flight_cap = gradient_accumulation_steps if gradient_accumulation_steps else pp
-    sixteen_bit = mixed_precision in ("bf16", "fp16")
-    # DDP keeps fp32 weights and computes under autocast; DeepSpeed holds 16-bit weights
-    ddp = zero_stage == 0 and tp == 1 and pp == 1
+    layout = _Layout.of(dims, workload)
+    count = count or count_parameters(facts, workload.task, workload.num_labels)
+    check_pipeline_depth(layout.pp, count.num_layers)
+    fixed = _stage_fixed(facts, count, layout, workload, lora)
+    stages = [
+        _stage_memory(share, count, layout, fixed, workload, lora)
+        for share in stage_shares(count, tp=layout.tp, pp=layout.pp)
+    ]
+    return max(stages, key=lambda estimate: estimate.total_gb)  # the first of equal totals
+
+
+def _stage_fixed(
+    facts: ModelFacts,
+    count: ParameterCount,
+    layout: _Layout,
+    workload: Workload,
+    lora: AdapterCount | None,
+) -> _StageFixed:
+    # what every stage of the layout shares: one layer's activations, the logits, the buffers
+    seq_len, micro_batch = workload.seq_len / layout.sp, workload.micro_batch
+    implementation = attention_implementation(facts.model_type, workload.attn_implementation)
+    sixteen_bit = workload.mixed_precision in ("bf16", "fp16")
     layer_full = activation_bytes_per_layer(
         count,
         micro_batch=micro_batch,
         seq_len=seq_len,
-        tp=tp,
-        mixed_precision=mixed_precision,
+        tp=layout.tp,
+        mixed_precision=workload.mixed_precision,
         attention_scores=implementation == "eager",
-        autocast=ddp and sixteen_bit,
+        autocast=layout.ddp and sixteen_bit,
     )
     element = 2 if sixteen_bit else 4
     # a checkpointed layer keeps its input: the residual stream, fp32 under DDP's autocast
-    checkpoint = (4 if ddp else element) * seq_len * micro_batch * count.hidden_size
-    if task == "sequence-classification":
-        labels = int(num_labels if num_labels is not None else facts.raw.get("num_labels") or 2)
+    checkpoint = (4 if layout.ddp else element) * seq_len * micro_batch * count.hidden_size
+    if workload.task == "sequence-classification":
+        labels = workload.num_labels
+        labels = int(labels if labels is not None else facts.raw.get("num_labels") or 2)
         logits = micro_batch * labels * LOSS_BYTES_PER_LOGIT
     else:
         logits = micro_batch * seq_len * count.vocab_size * LOSS_BYTES_PER_LOGIT
+    tp = layout.tp
     layer_params = count.per_layer - count.per_layer_sharded + count.per_layer_sharded // tp
     head_params = count.head - count.head_sharded + count.head_sharded // tp
-    largest_unit = max(layer_params, count.embedding, head_params)
-    autocast = 2 * (count.total - count.embedding + count.tied_params) if ddp and sixteen_bit else 0
+    autocast = 2 * (count.total - count.embedding + count.tied_params)
+    autocast = autocast if layout.ddp and sixteen_bit else 0
     if lora is not None and autocast:
         # QLoRA's quantized layers dequantize inside their own kernels: no autocast copy of them
         autocast -= 2 * lora.stage(count.num_layers, True, True)[1]
-    buckets = 0
-    if zero_stage in (1, 2):
-        buckets = 2 * BUCKET_SIZE * element
-    elif zero_stage == 3:
-        buckets = BUCKET_SIZE * element + BUCKET_SIZE // 4 * element
-    nccl = NCCL_BYTES_PER_COMMUNICATOR * sum(degree > 1 for degree in nccl_axes)
-    if zero_stage == 3:
-        host_load = 4 * count.total / dp
-    else:
-        host_load = 4 * count.total
+    buckets = {1: 2 * BUCKET_SIZE, 2: 2 * BUCKET_SIZE, 3: BUCKET_SIZE + BUCKET_SIZE // 4}
+    axes = (layout.comm_dp, layout.tp, layout.pp, layout.sp)
+    return _StageFixed(
+        layer_full=layer_full,
+        checkpoint=checkpoint,
+        logits=logits,
+        largest_unit=max(layer_params, count.embedding, head_params),
+        autocast=autocast,
+        buckets=buckets.get(layout.zero_stage, 0) * element,
+        nccl=NCCL_BYTES_PER_COMMUNICATOR * sum(degree > 1 for degree in axes),
+        host_load=4 * count.total / (layout.state_ranks if layout.zero_stage == 3 else 1),
+        element=element,
+        implementation=implementation,
+    )
 
-    best: MemoryEstimate | None = None
-    for share in stage_shares(count, tp=tp, pp=pp):
-        in_flight = min(pp - share.stage, in_flight_cap)
-        if activation_checkpointing:
-            activations = share.layers * checkpoint * in_flight + (
-                layer_full if share.layers else 0
-            )
-        else:
-            activations = share.layers * layer_full * in_flight
-        stage_logits = logits if share.holds_head else 0
-        state_shape = dict(
-            dp=dp, zero_stage=zero_stage, offload=offload, mixed_precision=mixed_precision
+
+def _stage_memory(
+    share: StageShare,
+    count: ParameterCount,
+    layout: _Layout,
+    fixed: _StageFixed,
+    workload: Workload,
+    lora: AdapterCount | None,
+) -> MemoryEstimate:
+    # the estimate of one GPU of pipeline stage SHARE
+    in_flight = min(layout.pp - share.stage, layout.steps or layout.pp)
+    if workload.activation_checkpointing:
+        recomputed = fixed.layer_full if share.layers else 0
+        activations = share.layers * fixed.checkpoint * in_flight + recomputed
+    else:
+        activations = share.layers * fixed.layer_full * in_flight
+    stage_logits = fixed.logits if share.holds_head else 0
+    dp, zero_stage, offload = layout.state_ranks, layout.zero_stage, layout.offload
+    state_shape = dict(
+        dp=dp, zero_stage=zero_stage, offload=offload, mixed_precision=workload.mixed_precision
+    )
+    if lora is None:
+        trainable = share.params
+        weights, gradients, optimizer, cpu = model_state_bytes(share.params, **state_shape)
+    else:
+        trainable, (weights, gradients, optimizer, cpu) = lora.state_bytes(
+            share, ddp=layout.ddp, tp=layout.tp, **state_shape
         )
-        if lora is None:
-            trainable = share.params
-            weights, gradients, optimizer, cpu = model_state_bytes(share.params, **state_shape)
-        else:
-            trainable, (weights, gradients, optimizer, cpu) = lora.state_bytes(
-                share, ddp=ddp, tp=tp, **state_shape
-            )
-        fp32_partition = 4 * trainable / dp if zero_stage >= 1 else 0
-        step = fp32_partition if offload == "none" else 0
-        cpu += fp32_partition if offload != "none" else 0
-        gathered = element * largest_unit if zero_stage == 3 else 0
-        states = weights + gradients + optimizer
-        forward_backward = activations + stage_logits + autocast + gathered + buckets
-        total = states + CUDA_CONTEXT_BYTES + nccl + max(forward_backward, step)
-        estimate = MemoryEstimate(
-            params_per_gpu=share.params,
-            stage=share.stage,
-            layers_per_gpu=share.layers,
-            weights_gb=weights / GIB,
-            gradients_gb=gradients / GIB,
-            optimizer_gb=optimizer / GIB,
-            model_states_gb=states / GIB,
-            activations_gb=activations / GIB,
-            gathered_gb=gathered / GIB,
-            total_gb=total / GIB,
-            cpu_gb=cpu / GIB,
-            exact_parameters=count.exact,
-            attn_implementation=implementation,
-            logits_gb=stage_logits / GIB,
-            autocast_gb=autocast / GIB,
-            buckets_gb=buckets / GIB,
-            step_gb=step / GIB,
-            nccl_gb=nccl / GIB,
-            cuda_context_gb=CUDA_CONTEXT_BYTES / GIB,
-            host_load_gb=host_load / GIB,
-            trainable_params=trainable,
-        )
-        if best is None or estimate.total_gb > best.total_gb:
-            best = estimate
-    assert best is not None
-    return best
+    fp32_partition = 4 * trainable / dp if zero_stage >= 1 else 0
+    step = fp32_partition if offload == "none" else 0
+    cpu += fp32_partition if offload != "none" else 0
+    gathered = fixed.element * fixed.largest_unit if zero_stage == 3 else 0
+    states = weights + gradients + optimizer
+    forward_backward = activations + stage_logits + fixed.autocast + gathered + fixed.buckets
+    total = states + CUDA_CONTEXT_BYTES + fixed.nccl + max(forward_backward, step)
+    return MemoryEstimate(
+        params_per_gpu=share.params,
+        stage=share.stage,
+        layers_per_gpu=share.layers,
+        weights_gb=weights / GIB,
+        gradients_gb=gradients / GIB,
+        optimizer_gb=optimizer / GIB,
+        model_states_gb=states / GIB,
+        activations_gb=activations / GIB,
+        gathered_gb=gathered / GIB,
+        total_gb=total / GIB,
+        cpu_gb=cpu / GIB,
+        exact_parameters=count.exact,
+        attn_implementation=fixed.implementation,
+        logits_gb=stage_logits / GIB,
+        autocast_gb=fixed.autocast / GIB,
+        buckets_gb=fixed.buckets / GIB,
+        step_gb=step / GIB,
+        nccl_gb=fixed.nccl / GIB,
+        cuda_context_gb=CUDA_CONTEXT_BYTES / GIB,
+        host_load_gb=fixed.host_load / GIB,
+        trainable_params=trainable,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -803,25 +866,19 @@ class CommunicationEstimate:
 
 def estimate_communication(
     facts: ModelFacts,
+    dims: ParallelDims,
+    workload: Workload,
     *,
-    dp: int = 1,
-    tp: int = 1,
-    pp: int = 1,
-    zero_stage: int = 0,
-    offload: str = "none",
-    mixed_precision: str = "bf16",
-    micro_batch: int = 1,
-    seq_len: int = 2048,
-    gradient_accumulation_steps: int = 1,
-    task: str = "causal-lm",
-    num_labels: int | None = None,
     count: ParameterCount | None = None,
     lora: AdapterCount | None = None,
 ) -> CommunicationEstimate:
-    """Bytes sent per GPU per optimizer step; a ring all-reduce of n bytes over p ranks sends 2n(p−1)/p.
+    """Bytes sent per GPU per optimizer step of the layout DIMS running WORKLOAD; a ring
+    all-reduce of n bytes over p ranks sends 2n(p−1)/p.
 
     Ψ = parameters this GPU holds (busiest stage, after TP), b = 2 bytes (16-bit) or 4 (fp32),
-    m = micro-batches per step (gradient accumulation), s·mb·h = one layer's output activations.
+    m = micro-batches per step (gradient accumulation; unknown = 1), s·mb·h = one layer's output
+    activations. DeepSpeed averages gradients over the sp ranks too (Ulysses' all-to-alls are not
+    counted); FSDP is counted as ZeRO-3 over its shard group.
 
     - DDP, ZeRO-1, ZeRO-2: one gradient all-reduce (or reduce-scatter + all-gather of the updated
       weights), 2Ψ·b·(dp−1)/dp — once per step (DDP skips sync on accumulation micro-steps).
@@ -838,10 +895,12 @@ def estimate_communication(
     - Offload (PCIe): gradients down and updated 16-bit weights up, (b + 2)·Ψ/Nd per step;
       offload="all" also fetches the weight partition for forward and backward, + 2·2Ψ/Nd.
     """
-    count = count or count_parameters(facts, task, num_labels)
+    layout = _Layout.of(dims, workload)
+    dp, tp, pp = layout.state_ranks, layout.tp, layout.pp
+    count = count or count_parameters(facts, workload.task, workload.num_labels)
     psi = max(share.params for share in stage_shares(count, tp=tp, pp=pp))
-    b = 2 if mixed_precision in ("bf16", "fp16") else 4
-    m = max(1, gradient_accumulation_steps)
+    b = 2 if workload.mixed_precision in ("bf16", "fp16") else 4
+    m = max(1, layout.steps or 1)
     ring = lambda ranks: 2 * (ranks - 1) / ranks  # noqa: E731
     trained = psi
     if lora is not None:
@@ -851,23 +910,22 @@ def estimate_communication(
             for stage, layers in enumerate(stages)
         )
     # ZeRO-3 gathers every weight in forward and in backward, then reduce-scatters the gradients
-    sent = 2 * psi + trained if zero_stage == 3 else 2 * trained
+    sent = 2 * psi + trained if layout.zero_stage == 3 else 2 * trained
     data_parallel = sent * b * (dp - 1) / dp
-    activation = seq_len * micro_batch * count.hidden_size * b
+    tokens = workload.seq_len * workload.micro_batch
+    activation = tokens * count.hidden_size * b
     layers = max(layers_per_stage(count.num_layers, pp))
     tensor_parallel = 0.0
     if tp > 1:
         tensor_parallel = 4 * layers * activation * ring(tp) * m
         if count.head_sharded:
-            tensor_parallel += seq_len * micro_batch * count.vocab_size * b * ring(tp) * m
-    pipeline = 0.0
-    if pp > 1:
-        pipeline = (2 if pp > 2 else 1) * activation * m
+            tensor_parallel += tokens * count.vocab_size * b * ring(tp) * m
+    pipeline = (2 if pp > 2 else 1) * activation * m if pp > 1 else 0.0
     offload_bytes = 0.0
-    partition = 1 / (dp if zero_stage >= 1 else 1)
-    if offload in ("optimizer", "all"):
+    partition = 1 / (dp if layout.zero_stage >= 1 else 1)
+    if layout.offload in ("optimizer", "all"):
         offload_bytes += (b + 2) * trained * partition
-    if offload == "all":
+    if layout.offload == "all":
         offload_bytes += 2 * 2 * psi * partition
     return CommunicationEstimate(data_parallel, tensor_parallel, pipeline, offload_bytes)
 

@@ -522,7 +522,7 @@ def step_collectives(
     clip: bool = True,
 ) -> list[Collective]:
     """Every collective rank 0 issues in one optimizer step of this layout, in groups of more
-    than one rank (a one-rank group moves nothing). ``workload``: candidates.Workload;
+    than one rank (a one-rank group moves nothing). ``workload``: workload.Workload;
     ``guard``: train.on_nonfinite is not off (one small all-reduce a step); ``clip``:
     train.max_grad_norm > 0.
 
@@ -907,7 +907,7 @@ def forecast_step(
     guard: bool = True,
     clip: bool = True,
 ) -> Forecast:
-    """The forecast of one optimizer step of DIMS for WORKLOAD (candidates.Workload) on PROFILE."""
+    """The forecast of one optimizer step of DIMS for WORKLOAD (workload.Workload) on PROFILE."""
     count = count_parameters(facts, workload.task, workload.num_labels)
     dtype = DTYPES.get(workload.mixed_precision, "fp32")
     kernel = attention_implementation(facts.model_type, workload.attn_implementation)

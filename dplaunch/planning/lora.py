@@ -24,42 +24,12 @@ from typing import Any
 
 from dplaunch.planning.estimate import LLAMA_LIKE, StageShare, config_field, model_state_bytes
 from dplaunch.planning.model_facts import ModelFacts
+from dplaunch.planning.workload import ALL_LINEAR, LoraSpec
 
-ALL_LINEAR = "all-linear"
 # bitsandbytes' nf4 block: one fp32 absmax per 64 weights (without double quantization; with it,
 # and on CPU after bitsandbytes repacks the weights, the constants take less)
 NF4_BLOCK = 64
 QUANTIZED_BYTES = {"4bit": 0.5, "8bit": 1.0}
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    """The LoRA settings the estimate needs (model.lora, or `dplaunch plan --lora R`)."""
-
-    r: int = 16
-    target_modules: str | tuple[str, ...] = ALL_LINEAR
-    modules_to_save: tuple[str, ...] = ()
-    quantize: str | None = None
-
-    @classmethod
-    def from_config(cls, lora: Any) -> LoraSpec | None:
-        """From the run file's ``model.lora`` section (None: full fine-tuning)."""
-        if lora is None:
-            return None
-        targets = lora.target_modules
-        return cls(
-            r=lora.r,
-            target_modules=targets if isinstance(targets, str) else tuple(targets),
-            modules_to_save=tuple(lora.modules_to_save or ()),
-            quantize=lora.quantize,
-        )
-
-    @property
-    def targets_label(self) -> str:
-        """The targeted layers in words."""
-        if isinstance(self.target_modules, str):
-            return self.target_modules
-        return ", ".join(self.target_modules)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from dplaunch.planning.rules import (
     ParallelDims,
     engine_name,
 )
+from dplaunch.planning.workload import Workload
 
 Target = Literal["gpu", "cpu"]
 Engine = Literal["ddp", "deepspeed", "pipeline", "fsdp"]
@@ -111,9 +112,7 @@ class Plan:
     @property
     def fsdp_shard_size(self) -> int:
         """Ranks that split FSDP's parameters: every data-parallel rank (full), a node's (hybrid)."""
-        if self.fsdp == "hybrid":
-            return min(self.processes_per_node, self.data_parallel_size)
-        return self.data_parallel_size
+        return self.dims.fsdp_shard_size
 
     def fsdp_lines(self) -> list[str]:
         """The FSDP mesh: its shape, shard groups and replicate groups."""
@@ -293,14 +292,7 @@ def make_plan(
     stage_layers = tuple(pipeline_stage_names(model, mesh.pipeline_parallel_size)) if model else ()
     if model is not None and machine.host_memory_gb is not None and not machine.render_only:
         note = check_host_memory(
-            model,
-            parallel,
-            mesh,
-            per_node,
-            mixed_precision,
-            task,
-            machine.host_memory_gb,
-            refuse=target == "gpu",
+            model, dims, mixed_precision, task, machine.host_memory_gb, refuse=target == "gpu"
         )
         if note:
             notes.append(note)
@@ -374,9 +366,7 @@ HOST_MEMORY_NOTE_FRACTION = 0.8
 
 def check_host_memory(
     model: ModelFacts,
-    parallel: ParallelConfig,
-    mesh: Mesh,
-    per_node: int,
+    dims: ParallelDims,
     mixed_precision: str,
     task: str,
     host_memory_gb: float,
@@ -394,23 +384,16 @@ def check_host_memory(
     """
     from dplaunch.planning.estimate import estimate_memory
 
-    memory = estimate_memory(
-        model,
-        dp=mesh.data_parallel_size,
-        tp=mesh.tensor_parallel_size,
-        pp=mesh.pipeline_parallel_size,
-        sp=mesh.sequence_parallel_size,
-        zero_stage=parallel.zero_stage,
-        # FSDP: every rank builds the whole model, then shards it (what ZeRO-0 holds at load)
-        offload="none" if parallel.fsdp else parallel.offload,
-        mixed_precision=mixed_precision,
-        task=task,
-    )
+    # FSDP: every rank builds the whole model, then shards it (what ZeRO-0 holds at load)
+    if dims.fsdp is not None:
+        dims = dataclasses.replace(dims, fsdp=None, offload="none")
+    memory = estimate_memory(model, dims, Workload(mixed_precision=mixed_precision, task=task))
+    per_node = dims.gpus_per_node
     need = per_node * memory.host_gb
     line = f"host RAM: {memory.host_line(per_node)} of this node's {host_memory_gb:.1f} GiB"
     if need > host_memory_gb and refuse:
         fix = "use fewer ranks per node (--gpus-per-node) or a node with more memory"
-        if parallel.zero_stage != 3:
+        if dims.zero_stage != 3:
             fix = "use ZeRO-3 (each rank then builds only its partition), fewer ranks per " + (
                 "node (--gpus-per-node) or a node with more memory"
             )

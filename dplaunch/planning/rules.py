@@ -1,9 +1,13 @@
 """Which parallel layouts dplaunch runs: the one place plan, candidates, estimate and the pipeline ask.
 
-Like torchtitan's ``ParallelDims``: a ``ParallelDims`` states a layout (world = dp × tp × pp ranks on
-nodes of ``gpus_per_node``, a ZeRO stage, an offload), ``check`` raises the first rule it breaks as
-one UserError naming the field and the fix, and ``allowed`` is the same rules as a predicate for
-the plan table. Pure Python: no torch, no transformers.
+Like torchtitan's ``ParallelDims``: a ``ParallelDims`` is a layout (world = dp × tp × pp × sp ranks
+on nodes of ``gpus_per_node``, a ZeRO stage or FSDP, an offload) that is valid by construction:
+building one raises the first rule it breaks as one UserError naming the field and the fix. Its
+``check_*`` methods hold the rules that need more than the layout (the model and task, LoRA, the
+attention kernel, the sequence length, a script launch); ``if_allowed`` is the same rules as the
+plan table's filter; ``mesh`` gives the ranks' coordinates and groups (planning/mesh.py). The
+estimate and the plan table take (model facts, ParallelDims, Workload). Pure Python: no torch,
+no transformers.
 
 The rules, and why:
 
@@ -456,6 +460,13 @@ class ParallelDims:
     def dp(self) -> int:
         """The data-parallel degree: the ranks left once tp × pp × sp is taken."""
         return self.world_size // (self.tp * self.pp * self.sp)
+
+    @property
+    def fsdp_shard_size(self) -> int:
+        """Ranks that split FSDP's parameters: every data-parallel rank (full), a node's (hybrid)."""
+        if self.fsdp == "hybrid":
+            return min(self.gpus_per_node, self.dp)
+        return self.dp
 
     @property
     def engine(self) -> str:

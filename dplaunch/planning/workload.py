@@ -1,0 +1,73 @@
+"""What a plan is estimated for besides its layout: the workload of one GPU, and its LoRA.
+
+The estimate (estimate.py) and the plan table (candidates.py) take (model facts, ParallelDims,
+Workload): the model's shape, the layout of the ranks, and what each computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+ALL_LINEAR = "all-linear"
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """The LoRA settings the estimate needs (model.lora, or `dplaunch plan --lora R`)."""
+
+    r: int = 16
+    target_modules: str | tuple[str, ...] = ALL_LINEAR
+    modules_to_save: tuple[str, ...] = ()
+    quantize: str | None = None
+
+    @classmethod
+    def from_config(cls, lora: Any) -> LoraSpec | None:
+        """From the run file's ``model.lora`` section (None: full fine-tuning)."""
+        if lora is None:
+            return None
+        targets = lora.target_modules
+        return cls(
+            r=lora.r,
+            target_modules=targets if isinstance(targets, str) else tuple(targets),
+            modules_to_save=tuple(lora.modules_to_save or ()),
+            quantize=lora.quantize,
+        )
+
+    @property
+    def targets_label(self) -> str:
+        """The targeted layers in words."""
+        if isinstance(self.target_modules, str):
+            return self.target_modules
+        return ", ".join(self.target_modules)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one GPU computes per micro-batch: the inputs of the activation and traffic estimates."""
+
+    micro_batch: int = 1
+    seq_len: int = 2048
+    mixed_precision: str = "bf16"
+    activation_checkpointing: bool = False
+    task: str = "causal-lm"
+    num_labels: int | None = None
+    # samples per optimizer step; None = unknown (one micro-batch per step for traffic)
+    global_batch_size: int | None = None
+    # the configured micro batch (None = derived per layout): decides which layouts can split the batch
+    fixed_micro_batch: int | None = None
+    # model.attn_implementation; None = what transformers picks (attention_implementation)
+    attn_implementation: str | None = None
+    # False: the run's data rules out the pipeline engine (data/sft_checks.py refuses packed SFT examples and
+    # sample prompts with pp > 1), so no pp layout is recommended for it
+    pipeline: bool = True
+    # list sequence-parallel layouts (sp 2/4/8) too: `plan --seq-len`, `parallel: auto`
+    sequence_parallel: bool = False
+    # model.lora: only adapters are trained (None: every weight)
+    lora: LoraSpec | None = None
+
+    def accumulation_steps(self, dp: int) -> int | None:
+        """Micro-batches per optimizer step on dp data-parallel ranks (rounded up); None: unknown."""
+        if self.global_batch_size is None:
+            return None
+        return max(1, -(-self.global_batch_size // (self.micro_batch * dp)))
