@@ -29,6 +29,7 @@ from tests.helpers import (
     heavy_imports,
     llama_7b_run_file,
     option_choices,
+    ranks,
     refusal_line,
     run_cli,
     run_config,
@@ -356,8 +357,8 @@ def test_bytes_each_rank_holds_are_within_10_percent_of_the_estimate(tmp_path, s
         tmp_path / "run",
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    ranks = [json.loads(m) for m in re.findall(r"MEMORY (\{.*?\})", result.stdout)]
-    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    held_by_rank = [json.loads(m) for m in re.findall(r"MEMORY (\{.*?\})", result.stdout)]
+    assert sorted(r["rank"] for r in held_by_rank) == [0, 1]
     estimate = estimate_memory(
         ModelFacts.from_config_dict(PROBE_CONFIG),
         ranks(dp=2, zero_stage=stage),
@@ -368,8 +369,8 @@ def test_bytes_each_rank_holds_are_within_10_percent_of_the_estimate(tmp_path, s
         "gradients": estimate.gradients_gb * GIB,
         "optimizer": estimate.optimizer_gb * GIB,
     }
-    assert estimate.params_per_gpu == ranks[0]["parameters_total"]  # the count is exact
-    for held in ranks:
+    assert estimate.params_per_gpu == held_by_rank[0]["parameters_total"]  # the count is exact
+    for held in held_by_rank:
         print(f"ZeRO-{stage} rank {held['rank']}: held {held}, estimated {expected}")
         for kind, estimated in expected.items():
             assert held[kind] == pytest.approx(estimated, rel=0.10), kind
@@ -393,8 +394,8 @@ def test_lora_bytes_each_zero_3_rank_holds_are_within_10_percent_of_the_estimate
         env=child_environment(PROBE_LORA_RANK="8"),
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    ranks = [json.loads(m) for m in re.findall(r"MEMORY (\{.*?\})", result.stdout)]
-    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    held_by_rank = [json.loads(m) for m in re.findall(r"MEMORY (\{.*?\})", result.stdout)]
+    assert sorted(r["rank"] for r in held_by_rank) == [0, 1]
     facts = ModelFacts.from_config_dict(PROBE_CONFIG)
     lora = count_lora(facts, LoraSpec(r=8))
     estimate = estimate_memory(
@@ -408,7 +409,7 @@ def test_lora_bytes_each_zero_3_rank_holds_are_within_10_percent_of_the_estimate
         "gradients": estimate.gradients_gb * GIB,
         "optimizer": estimate.optimizer_gb * GIB,
     }
-    for held in ranks:
+    for held in held_by_rank:
         print(f"LoRA ZeRO-3 rank {held['rank']}: held {held}, estimated {expected}")
         for kind, estimated in expected.items():
             assert held[kind] == pytest.approx(estimated, rel=0.10), kind
