@@ -24,6 +24,19 @@ def test_without_a_terminal_each_logged_step_is_one_line_as_before():
     assert out.getvalue() == "step 5/20  loss 1.2346  lr 1.00e-04  tokens/s 1234\neval  step 5\n"
 
 
+def test_a_logged_step_shows_the_tokens_read_and_the_data_loaders_share_of_the_time():
+    out = io.StringIO()
+    RankPrinter(True, stream=out).train_step(
+        5, 20, {**record(1.0, 2000.0, 5.0), "tokens": 1_234_567, "data_share": 0.234}, 0
+    )
+    assert out.getvalue().endswith("tokens/s 2000  tokens 1.2M  data 23%\n")
+    bar = io.StringIO()
+    RankPrinter(True, stream=bar, width=160).train_step(
+        5, 20, {**record(1.0, 2000.0, 5.0), "tokens": 5_000, "data_share": 0.5}, 0
+    )
+    assert "tokens 5.0k  data 50%  ETA" in bar.getvalue()
+
+
 def test_on_a_terminal_the_bar_shows_step_loss_tokens_and_eta_and_redraws_in_place():
     out = io.StringIO()
     say = RankPrinter(True, stream=out, width=120)

@@ -23,6 +23,8 @@ from dplaunch.config.flags import RunFlags
 from dplaunch.errors import UserError
 
 IGNORE_INDEX = -100
+# records of a stream (data.streaming) the report reads, from its first files
+STREAM_SAMPLE = 2000
 
 
 @command()
@@ -88,7 +90,16 @@ def run_data(
 
     tokenizer = load_tokenizer(config.model)
     attach_chat_template(tokenizer, config.data, task)
-    training, _ = load_splits(config.data, config.train.seed)
+    if config.data.streaming:  # a stream is never read whole: its first records
+        from datasets import Dataset
+
+        from dplaunch.data.streams import first_records
+
+        training = Dataset.from_list(first_records(config.data, STREAM_SAMPLE))
+        if not as_json:
+            typer.echo(f"data.streaming: the first {len(training):,} records of the stream")
+    else:
+        training, _ = load_splits(config.data, config.train.seed)
     if data_task == "sft":
         report = _SftReport.build(config, tokenizer, training, range(start, start + show), blocks)
     else:

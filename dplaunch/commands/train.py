@@ -360,8 +360,11 @@ def _print_resume(point: ResumePoint | None, resume: str | None) -> None:
         typer.echo("resume: no complete checkpoint in this run directory: starting from step 0")
         return
     info = point.checkpoint
+    # a stream's checkpoint has no epoch: its position is each lane's (data-position-N.json)
+    epoch = info.meta.get("epoch")
+    where = f"epoch {epoch}" if epoch is not None else "the stream's position"
     typer.echo(
-        f"resume: {info.path} (step {info.step}, epoch {info.meta.get('epoch')}); "
+        f"resume: {info.path} (step {info.step}, {where}); "
         f"training continues with step {info.step + 1}"
     )
     for note in point.notes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import glob
 import re
 from importlib import resources
 from pathlib import Path
@@ -20,9 +21,9 @@ DEFAULT_CONFIG_NAME = "default.yaml"
 _HF_CONFIG_KEYS = ("model_type", "architectures")
 # fixes for keys whose generic "fix the value" says too little
 _FIXES = {
-    "data.dataset": "give a hub dataset id or local file(s) (.json/.jsonl/.csv/.txt/.parquet), "
-    "a list of them, or a folder written by save_to_disk",
-    "data.eval_dataset": "give local file(s) (.json/.jsonl/.csv/.txt/.parquet), or a list of them",
+    "data.dataset": "give a hub dataset id or local file(s) (.json/.jsonl/.csv/.txt/.parquet/.arrow, "
+    "a glob, .gz compressed or not), a list of them, or a folder written by save_to_disk",
+    "data.eval_dataset": "give local file(s) (.json/.jsonl/.csv/.txt/.parquet/.arrow), or a list of them",
     "model.num_labels": "give the number of classes, 2 or more (regression is not supported)",
 }
 # the branch pydantic appends to the location of an error in a union (str | list[str]): not a key
@@ -245,12 +246,12 @@ def _resolve_relative_paths(config: RunConfig, base_dir: Path | None) -> None:
             return resolve_package_path(value)
         if value.startswith(("/", "~")):
             return value
-        if Path(value).exists():
+        if _exists(Path(value)):
             return str(Path(value).absolute())
         if base_dir is None:
             return value
         candidate = base_dir / value
-        return str(candidate) if candidate.exists() else value
+        return str(candidate) if _exists(candidate) else value
 
     data = config.data
     if isinstance(data.dataset, list):
@@ -273,6 +274,13 @@ def _resolve_relative_paths(config: RunConfig, base_dir: Path | None) -> None:
         data.chat_template = resolve(template)
     if config.train.sample_prompts:
         config.train.sample_prompts = resolve(config.train.sample_prompts)
+
+
+def _exists(path: Path) -> bool:
+    # a data pattern (data/part-*.jsonl.gz) exists when it matches a file
+    if glob.has_magic(str(path)):
+        return any(Path(match).is_file() for match in glob.iglob(str(path)))
+    return path.exists()
 
 
 def _validation_error(exc: ValidationError) -> UserError:

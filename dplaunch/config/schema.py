@@ -190,7 +190,24 @@ class DataConfig(Section):
     num_workers: int = Field(
         0,
         ge=0,
-        description="Processes that tokenise the data when it is not cached yet (0: the rank itself); the tokens are the same for any count.",
+        description="Processes that tokenise the data when it is not cached yet, or with `data.streaming` the data loader's worker processes of each rank (0: the rank itself); the tokens are the same for any count.",
+    )
+    shuffle: bool = Field(
+        True,
+        description="Shuffle the training samples, seeded by `train.seed`: a new permutation each epoch (streaming: each window of `data.shuffle_buffer` records, and the files' order each pass). `false`: the files' order, the same every epoch.",
+    )
+    streaming: bool = Field(
+        False,
+        description="Read the training data while training instead of tokenising and caching it whole first: the first step comes in seconds and memory stays flat on data of any size. Local JSON lines, Parquet, Arrow or text files (a glob; `.gz`/`.bz2`/`.xz` or not), or a hub dataset in `datasets`' streaming mode. Needs `train.max_steps` (or `data.count_stream`); evaluation reads `data.eval_dataset` or `data.eval_split` whole. See Training › Streaming.",
+    )
+    shuffle_buffer: int = Field(
+        10_000,
+        ge=1,
+        description="Streaming with `data.shuffle`: records shuffled together (rounded up to whole rounds of a file group's lanes: a multiple of the global batch for one file); a worker holds their raw text.",
+    )
+    count_stream: bool = Field(
+        False,
+        description="Streaming: count the records before launch (one pass over the files, no tokenising) so that `train.epochs` sets the run's length; packed data's steps per pass are then estimated from the first records' tokens.",
     )
 
     @field_validator("label_names")
@@ -479,6 +496,39 @@ class RunConfig(Section):
                 given[0],
                 f"is for supervised fine-tuning, but model.task is {self.model.task}",
                 "remove it, or set model.task: sft",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _stream_keys(self) -> RunConfig:
+        data, train = self.data, self.train
+        if not data.streaming:
+            given = [
+                f"data.{key}"
+                for key in ("shuffle_buffer", "count_stream")
+                if getattr(data, key) != DataConfig.model_fields[key].default
+            ]
+            if given:
+                raise FieldProblem(
+                    given[0],
+                    "is for streaming, but data.streaming is false",
+                    "remove it, or set data.streaming: true",
+                )
+            return self
+        if data.eval_fraction is not None:
+            raise FieldProblem(
+                "data.eval_fraction",
+                "holds out a fraction of the whole data, which a stream never holds",
+                "give a bounded evaluation set (data.eval_dataset, or data.eval_split of a hub "
+                "dataset), or set data.streaming: false",
+            )
+        if train.max_steps is None and not data.count_stream:
+            raise FieldProblem(
+                "train.max_steps",
+                "is unset, and a stream's length is unknown"
+                + (f" (train.epochs {train.epochs} cannot be counted)" if train.epochs else ""),
+                "set train.max_steps, or data.count_stream: true to count the records before "
+                "launch (then train.epochs sets the length)",
             )
         return self
 

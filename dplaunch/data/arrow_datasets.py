@@ -94,6 +94,14 @@ def saved_folder(dataset: str | list[str]) -> Path | None:
     return None
 
 
+def hub_layout_folder(dataset: str | list[str]) -> bool:
+    """A folder of data files in the Hub's layout (data/train-*.jsonl, …), not one written by
+    save_to_disk: `datasets` reads it as it reads a hub dataset (data.streaming streams it)."""
+    if isinstance(dataset, list):
+        return False
+    return Path(dataset).expanduser().is_dir() and saved_folder(dataset) is None
+
+
 def saved_dataset(folder: Path, field: str) -> PreparedDataset:
     """What `load_from_disk(FOLDER)` will read: its splits, their features and Arrow files."""
     fix = "save it again with save_to_disk, or give data files"

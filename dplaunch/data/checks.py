@@ -26,6 +26,7 @@ from dplaunch.data.arrow_datasets import (
     CONFIG_FIELD,
     PreparedDataset,
     check_hub_dataset,
+    hub_layout_folder,
     saved_dataset,
     saved_folder,
 )
@@ -33,9 +34,11 @@ from dplaunch.data.formats import (
     CSV_MISSING,
     class_number,
     eval_fraction_split,
+    expand_files,
     is_local,
     label_ids,
     local_format,
+    open_text,
 )
 from dplaunch.errors import UserError
 from dplaunch.run_directory.environment import DATA_CHECK_MB_ENV
@@ -54,9 +57,13 @@ def check_data(
     num_labels: int | None = None,
     *,
     classes_named: bool = True,
+    notes: list[str] | None = None,
 ) -> tuple[str, ...] | None:
     """Raise UserError when files, records, columns or rows the run needs are missing, or (with
     NUM_LABELS, for sequence classification) a label is not one of its class numbers.
+
+    With data.streaming the training data is checked on a bounded sample, the first records of
+    each file (its length is not known here); NOTES gets a line saying so.
 
     Returns the class names of a prepared dataset's label column (a ClassLabel) when the run
     names no classes itself (CLASSES_NAMED false: neither data.label_names nor model.num_labels
@@ -77,6 +84,10 @@ def check_data(
         ("data.eval_dataset", data.eval_dataset),
     ):
         if dataset is None:
+            continue
+        streamed = data.streaming and field == "data.dataset"
+        if streamed and hub_layout_folder(dataset):
+            _check_stream_folder(dataset, data, needs, notes)
             continue
         if not is_local(dataset):
             if field == "data.eval_dataset":
@@ -101,7 +112,7 @@ def check_data(
                 needs, dataset_classes = _classes_of(prepared, data, needs, classes_named)
                 training = _read_prepared(prepared, data, needs, packing, budget)
             continue
-        files = dataset if isinstance(dataset, list) else [dataset]
+        files = expand_files(dataset, field)
         for item in files:
             path = Path(item).expanduser()
             if path.is_dir():
@@ -117,6 +128,9 @@ def check_data(
                     "check the path (relative paths are relative to the run file)",
                 )
         fmt = local_format(files, field)
+        if streamed:
+            _check_stream_files(files, fmt, field, needs, notes)
+            continue
         summary = _Summary(count_bytes=packing and field == "data.dataset", bytes_left=budget)
         for item in files:
             _read_file(Path(item).expanduser(), fmt, field, needs, summary)
@@ -133,6 +147,7 @@ def check_data(
     if (
         is_local(data.dataset)
         and saved_folder(data.dataset) is None
+        and not (data.streaming and hub_layout_folder(data.dataset))
         and data.eval_split is not None
         and data.eval_split != data.split
     ):
@@ -294,6 +309,82 @@ def _read_prepared_split(
     return summary
 
 
+# data.streaming: bytes of each training file read before launch (its first records), within
+# FULL_CHECK_BYTES over all files, but never less than STREAM_FILE_MIN_BYTES a file
+STREAM_FILE_BYTES = 2**20
+STREAM_FILE_MIN_BYTES = 64 * 2**10
+
+
+def _check_stream_files(
+    files: list[str], fmt: str, field: str, needs: _Needs, notes: list[str] | None
+) -> None:
+    """A stream's files, each on its first records: readable, JSON lines (not one document),
+    with the columns and values the run needs."""
+    from dplaunch.data.streams import STREAM_FORMATS
+
+    if fmt not in STREAM_FORMATS:
+        raise UserError(
+            field,
+            f"a stream reads JSON lines, Parquet, Arrow or text files, not {fmt} ({files[0]})",
+            "convert the files (to JSON lines or Parquet), or set data.streaming: false",
+        )
+    per_file = max(STREAM_FILE_MIN_BYTES, min(STREAM_FILE_BYTES, FULL_CHECK_BYTES // len(files)))
+    rows = 0
+    for item in files:
+        summary = _Summary(bytes_left=per_file)
+        _read_file(Path(item).expanduser(), fmt, field, needs, summary, lines_only=True)
+        rows += summary.rows
+    if rows == 0:
+        raise UserError(field, f"{', '.join(files[:3])} hold(s) no records", "give files with data")
+    if notes is not None:
+        notes.append(
+            f"data.streaming: the data check read the first records of each of {len(files)} "
+            f"file(s) (up to {per_file // 2**10:,} KiB a file), not the whole data; the ranks "
+            "read the rest while training, and a bad record past these stops the run there"
+        )
+
+
+# records of each shard of a hub-layout folder read before launch, and shards read at most
+STREAM_SHARD_RECORDS = 100
+STREAM_SHARDS_CHECKED = 64
+
+
+def _check_stream_folder(
+    folder: str, data: DataConfig, needs: _Needs, notes: list[str] | None
+) -> None:
+    """A hub-layout folder streamed by `datasets`: the first records of its shards."""
+    from dplaunch.data.streams import hub_shards, parse_raw, read_raw
+
+    try:
+        shards = hub_shards(str(Path(folder).expanduser()), data.dataset_config, data.split)
+    except Exception as exc:  # noqa: BLE001 — `datasets` says what it cannot read
+        raise UserError(
+            "data.dataset",
+            f"`datasets` cannot stream the folder {folder} ({type(exc).__name__}: {exc})",
+            "give data files, or a folder in the Hub's layout (data/train-*.jsonl, …)",
+        ) from None
+    for shard in shards[:STREAM_SHARDS_CHECKED]:
+        seen: set[str] = set()
+        records = _Summary()
+        problems: list[tuple[str, str, str]] = []
+        for number, (raw, _) in enumerate(read_raw(shard, 0, 0)):
+            if number == STREAM_SHARD_RECORDS:
+                break
+            record = parse_raw(shard, raw, number)
+            seen.update(record)
+            records.rows += 1
+            _check_record(
+                record, f"record {number + 1}", Path(shard.name), needs, records, problems
+            )
+        _finish_records(Path(shard.name), needs, seen, records, problems, _Summary())
+    if notes is not None:
+        notes.append(
+            f"data.streaming: the data check read the first {STREAM_SHARD_RECORDS} records of "
+            f"{min(len(shards), STREAM_SHARDS_CHECKED)} of {len(shards)} shard(s) of {folder}, "
+            "not the whole data; the ranks read the rest while training"
+        )
+
+
 @dataclass
 class _Summary:
     """What the check learnt from a dataset's files."""
@@ -405,14 +496,18 @@ class _Needs:
         )
 
 
-def _read_file(path: Path, fmt: str, field: str, needs: _Needs, summary: _Summary) -> None:
+def _read_file(
+    path: Path, fmt: str, field: str, needs: _Needs, summary: _Summary, lines_only: bool = False
+) -> None:
     try:
         if fmt == "text":
             _read_text(path, needs, summary)
         elif fmt == "csv":
             _read_csv(path, needs, summary)
         elif fmt == "json":
-            _read_json(path, field, needs, summary)
+            _read_json(path, field, needs, summary, lines_only)
+        elif fmt == "arrow":
+            _read_arrow(path, needs, summary)
         else:
             _read_parquet(path, needs, summary)
     except UserError:
@@ -439,7 +534,7 @@ def _read_text(path: Path, needs: _Needs, summary: _Summary) -> None:
     for field, column in needs.columns:
         if column != "text":
             raise _missing_column(field, column, path, ["text"])
-    with path.open(encoding="utf-8") as handle:
+    with open_text(path) as handle:
         for line in handle:
             summary.rows += 1
             summary.text_bytes += len(line.rstrip("\n").encode())
@@ -452,7 +547,7 @@ def _read_csv(path: Path, needs: _Needs, summary: _Summary) -> None:
     # lines are skipped (before the header too), and the cells in CSV_MISSING are missing
     # pandas takes cells of any length; the csv module's default limit is 128 KiB
     csv.field_size_limit(2**31 - 1)
-    with path.open(encoding="utf-8-sig", newline="") as handle:
+    with open_text(path, encoding="utf-8-sig", newline="") as handle:
         reader = csv.reader(handle)
         header: list[str] | None = None
         positions: list[tuple[str, str, int]] = []
@@ -489,23 +584,30 @@ def _read_csv(path: Path, needs: _Needs, summary: _Summary) -> None:
 _WHITESPACE = re.compile(r"\s*")
 
 
-def _read_json(path: Path, field: str, needs: _Needs, summary: _Summary) -> None:
+def _read_json(
+    path: Path, field: str, needs: _Needs, summary: _Summary, lines_only: bool = False
+) -> None:
     """JSON lines, one record at a time; a file that is one JSON document (an array of records,
-    or one object spread over lines) is read whole, as `datasets` falls back to."""
+    or one object spread over lines) is read whole, as `datasets` falls back to, unless
+    LINES_ONLY (a stream reads one object per line)."""
     decoder = json.JSONDecoder()
     seen: set[str] = set()
     records = _Summary()
     problems: list[tuple[str, str, str]] = []  # (field, problem, fix) of the first bad record
-    with path.open(encoding="utf-8-sig") as handle:
+    with open_text(path, encoding="utf-8-sig") as handle:
         for number, line in enumerate(handle, 1):
             position = _WHITESPACE.match(line).end()
             while position < len(line):
                 try:
                     record, position = decoder.raw_decode(line, position)
                 except ValueError as exc:
+                    if lines_only:
+                        raise _not_a_json_line(field, path, number, exc.msg) from None
                     return _read_json_document(path, field, needs, summary, number, exc)
                 position = _WHITESPACE.match(line, position).end()
                 if not isinstance(record, dict):
+                    if lines_only:
+                        raise _not_a_json_line(field, path, number, "not an object")
                     return _read_json_document(path, field, needs, summary, number, None)
                 seen.update(record)
                 records.rows += 1
@@ -513,6 +615,14 @@ def _read_json(path: Path, field: str, needs: _Needs, summary: _Summary) -> None
             if summary.spend(len(line)):
                 break
     _finish_records(path, needs, seen, records, problems, summary)
+
+
+def _not_a_json_line(field: str, path: Path, line: int, problem: str) -> UserError:
+    return UserError(
+        field,
+        f"line {line} of {path} is no JSON object ({problem}): a stream reads JSON lines",
+        "write one JSON object per line, or set data.streaming: false",
+    )
 
 
 def _read_json_document(
@@ -526,7 +636,8 @@ def _read_json_document(
     if path.stat().st_size > summary.bytes_left:
         summary.partial = True  # not one record per line, and too big to read whole here
         return
-    text = path.read_text(encoding="utf-8-sig")
+    with open_text(path, encoding="utf-8-sig") as handle:
+        text = handle.read()
     try:
         document = json.loads(text)
     except ValueError:
@@ -648,6 +759,42 @@ def _read_parquet(path: Path, needs: _Needs, summary: _Summary) -> None:
         raise
     except Exception as exc:  # pyarrow's ArrowInvalid is a ValueError, but not all its errors are
         raise ValueError(f"not a readable Parquet file ({exc})") from None
+
+
+def _read_arrow(path: Path, needs: _Needs, summary: _Summary) -> None:
+    # an Arrow IPC stream (what `datasets` writes) or file: columns, then records in the budget
+    import pyarrow as pa
+
+    try:
+        with pa.memory_map(str(path)) as source:
+            try:
+                reader = pa.ipc.open_stream(source)
+                batches = iter(reader)
+                schema = reader.schema
+            except pa.ArrowInvalid:
+                opened = pa.ipc.open_file(source)
+                batches = (opened.get_batch(i) for i in range(opened.num_record_batches))
+                schema = opened.schema
+            for field, column in needs.columns:
+                if column not in schema.names:
+                    raise _missing_column(field, column, path, schema.names)
+            first_row = 1
+            for batch in batches:
+                summary.rows += batch.num_rows
+                if summary.partial:
+                    continue
+                table = pa.Table.from_batches([batch])
+                _check_table_rows(
+                    table, lambda index, first=first_row: f"row {first + index} of {path}", needs
+                )
+                if summary.count_bytes:
+                    summary.text_bytes += sum(_text_bytes(table.column(c)) for _, c in needs.texts)
+                summary.spend(table.nbytes)
+                first_row += batch.num_rows
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 — pyarrow's errors are not all ValueErrors
+        raise ValueError(f"not a readable Arrow file ({exc})") from None
 
 
 def _columns_with_nulls(metadata, needs: _Needs) -> tuple[set[str], set[str]]:

@@ -1,11 +1,14 @@
-"""The data formats the ranks read and the launch check reads alike: local file kinds, CSV's
-missing cells, class numbers of labels, and the eval split `datasets` makes."""
+"""The data formats the ranks read and the launch check reads alike: local file kinds (a glob names
+several; .gz, .bz2 and .xz files are read decompressed), CSV's missing cells, class numbers of
+labels, and the eval split `datasets` makes."""
 
 from __future__ import annotations
 
+import glob
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
 from dplaunch.errors import UserError
 
@@ -16,7 +19,10 @@ LOCAL_FORMATS = {
     ".txt": "text",
     ".text": "text",
     ".parquet": "parquet",
+    ".arrow": "arrow",
 }
+# compressed files are named FILE.jsonl.gz…: `datasets` and these readers decompress them
+COMPRESSIONS = (".gz", ".bz2", ".xz")
 
 # cells pandas (the CSV reader of `datasets`) reads as missing by default: these texts become None
 CSV_MISSING = frozenset(
@@ -25,20 +31,91 @@ CSV_MISSING = frozenset(
 )
 
 
+def data_suffix(path: str | Path) -> str:
+    """The suffix that says a file's format: ".jsonl" of both data.jsonl and data.jsonl.gz."""
+    path = Path(path)
+    if path.suffix in COMPRESSIONS:
+        path = path.with_suffix("")
+    return path.suffix
+
+
+def is_glob(item: str) -> bool:
+    """Whether a data path is a pattern (data/part-*.jsonl) rather than one file."""
+    return glob.has_magic(item)
+
+
 def is_local(dataset: str | list[str]) -> bool:
     """True when the dataset names local files rather than a hub id."""
     items = dataset if isinstance(dataset, list) else [dataset]
-    return any(Path(item).suffix in LOCAL_FORMATS or Path(item).exists() for item in items)
+    return any(data_suffix(item) in LOCAL_FORMATS or Path(item).exists() for item in items)
+
+
+def expand_files(dataset: str | list[str], field: str) -> list[str]:
+    """The local files DATASET names, in order: a list's in its order, a glob's sorted (as
+    `datasets` resolves one). A glob that matches nothing is refused by name."""
+    files = []
+    for item in dataset if isinstance(dataset, list) else [dataset]:
+        if not is_glob(item):
+            files.append(item)
+            continue
+        matches = sorted(
+            path for path in glob.glob(str(Path(item).expanduser())) if Path(path).is_file()
+        )
+        if not matches:
+            raise UserError(
+                field,
+                f"the pattern {item} matches no file",
+                "check the pattern (relative paths are relative to the run file)",
+            )
+        files.extend(matches)
+    return files
+
+
+def open_text(path: Path, encoding: str = "utf-8", newline: str | None = None) -> IO[str]:
+    """A data file opened as text, decompressed when it is .gz, .bz2 or .xz."""
+    opener = _opener(path)
+    if opener is None:
+        return path.open(encoding=encoding, newline=newline)
+    return opener(path, "rt", encoding=encoding, newline=newline)
+
+
+def open_binary(path: Path) -> IO[bytes]:
+    """A data file opened for reading bytes, decompressed when it is .gz, .bz2 or .xz."""
+    opener = _opener(path)
+    return path.open("rb") if opener is None else opener(path, "rb")
+
+
+def is_compressed(path: str | Path) -> bool:
+    """Whether a data file is read through a decompressor (no seeking into it)."""
+    return Path(path).suffix in COMPRESSIONS
+
+
+def _opener(path: Path):
+    suffix = Path(path).suffix
+    if suffix == ".gz":
+        import gzip
+
+        return gzip.open
+    if suffix == ".bz2":
+        import bz2
+
+        return bz2.open
+    if suffix == ".xz":
+        import lzma
+
+        return lzma.open
+    return None
 
 
 def local_format(files: list[str], field: str) -> str:
-    """The `datasets` builder name for local files (json, csv, text, parquet)."""
-    formats = {LOCAL_FORMATS.get(Path(item).suffix) for item in files}
+    """The `datasets` builder name for local files (json, csv, text, parquet, arrow)."""
+    formats = {LOCAL_FORMATS.get(data_suffix(item)) for item in files}
     if None in formats or len(formats) != 1:
         raise UserError(
             field,
             f"cannot tell the format of {files}",
-            f"use one of {', '.join(sorted(LOCAL_FORMATS))} files (all of one kind)",
+            f"use one of {', '.join(sorted(LOCAL_FORMATS))} files (all of one kind; "
+            f"{', '.join(COMPRESSIONS)} compressed or not)",
         )
     return formats.pop()
 

@@ -21,11 +21,22 @@ from typing import Any
 from dplaunch.config.schema import BYTE_LEVEL, RunConfig
 from dplaunch.data import conversations
 from dplaunch.data.answer_spans import Example, Renderer, TemplateError
-from dplaunch.data.arrow_datasets import check_hub_dataset, saved_dataset, saved_folder
-from dplaunch.data.checks import _check_budget
+from dplaunch.data.arrow_datasets import (
+    check_hub_dataset,
+    hub_layout_folder,
+    saved_dataset,
+    saved_folder,
+)
+from dplaunch.data.checks import STREAM_FILE_BYTES, STREAM_FILE_MIN_BYTES, _check_budget
 from dplaunch.data.conversations import CONVERSATIONAL, PROMPT_COMPLETION, TEXT
 from dplaunch.data.example_tokens import Encoded, leading_special_ids, pack_runs, pitfalls
-from dplaunch.data.formats import eval_fraction_split, is_local, local_format
+from dplaunch.data.formats import (
+    eval_fraction_split,
+    expand_files,
+    is_local,
+    local_format,
+    open_text,
+)
 from dplaunch.data.sft_examples import SftExamples, TokenizerView, chat_templates
 from dplaunch.errors import UserError
 from dplaunch.hub import find_model_file
@@ -242,9 +253,16 @@ def _first_columns(config: RunConfig) -> tuple[str, ...] | None:
 def _records(
     source: str | list[str], split: str, data: Any, budget: list[int]
 ) -> Iterator[tuple[str, dict]]:
-    """(where, record) of a dataset, as far as the budget (BUDGET[0] bytes, shared) goes."""
+    """(where, record) of a dataset, as far as the budget (BUDGET[0] bytes, shared) goes. A
+    stream's training data (data.streaming) is read on the first records of each file (each its
+    own share of the budget), and the budget then counts as spent: what was read is a sample."""
+    streamed = data.streaming and source == data.dataset
     folder = saved_folder(source)
     prepared = None
+    if streamed and hub_layout_folder(source):
+        yield from _stream_folder_records(source, data, split)
+        budget[0] = 0
+        return
     if folder is not None:
         prepared = saved_dataset(folder, "data.dataset")
     elif not is_local(source):
@@ -254,15 +272,20 @@ def _records(
     if prepared is not None:
         yield from _prepared_records(prepared, split, budget)
         return
-    files = [Path(item).expanduser() for item in (source if isinstance(source, list) else [source])]
+    files = [Path(item).expanduser() for item in expand_files(source, "data.dataset")]
     fmt = local_format([str(f) for f in files], "data.dataset")
+    shared = budget
     for path in files:
-        if fmt == "json":
+        if streamed:
+            budget = [max(STREAM_FILE_MIN_BYTES, min(STREAM_FILE_BYTES, shared[0] // len(files)))]
+        if fmt == "arrow":
+            yield from _arrow_records(path, budget)
+        elif fmt == "json":
             yield from _json_records(path, budget)
         elif fmt == "parquet":
             yield from _parquet_records(path, budget)
         elif fmt == "csv":
-            with path.open(encoding="utf-8-sig", newline="") as handle:
+            with open_text(path, encoding="utf-8-sig", newline="") as handle:
                 reader = csv.DictReader(handle)
                 for record in reader:
                     yield f"line {reader.line_num} of {path}", record
@@ -270,16 +293,44 @@ def _records(
                     if budget[0] <= 0:
                         return
         else:
-            with path.open(encoding="utf-8") as handle:
+            with open_text(path) as handle:
                 for number, line in enumerate(handle, 1):
                     yield f"line {number} of {path}", {"text": line.rstrip("\n")}
                     budget[0] -= len(line)
                     if budget[0] <= 0:
-                        return
+                        break
+            if budget[0] <= 0 and not streamed:
+                return
+    if streamed:
+        shared[0] = 0
+
+
+def _arrow_records(path: Path, budget: list[int]) -> Iterator[tuple[str, dict]]:
+    from dplaunch.data.streams import Shard, parse_raw, read_raw
+
+    shard = Shard(str(path), "arrow")
+    for number, (raw, _) in enumerate(read_raw(shard, 0, 0)):
+        record = parse_raw(shard, raw, number)
+        yield f"row {number + 1} of {path}", record
+        budget[0] -= len(json.dumps(record, default=str))
+        if budget[0] <= 0:
+            return
+
+
+def _stream_folder_records(folder: str, data: Any, split: str) -> Iterator[tuple[str, dict]]:
+    """The first records of each shard of a hub-layout folder, as `datasets` streams them."""
+    from dplaunch.data.checks import STREAM_SHARD_RECORDS, STREAM_SHARDS_CHECKED
+    from dplaunch.data.streams import hub_shards, parse_raw, read_raw
+
+    for shard in hub_shards(folder, data.dataset_config, split)[:STREAM_SHARDS_CHECKED]:
+        for number, (raw, _) in enumerate(read_raw(shard, 0, 0)):
+            if number == STREAM_SHARD_RECORDS:
+                break
+            yield f"record {number + 1} of {shard.name}", parse_raw(shard, raw, number)
 
 
 def _json_records(path: Path, budget: list[int]) -> Iterator[tuple[str, dict]]:
-    with path.open(encoding="utf-8-sig") as handle:
+    with open_text(path, encoding="utf-8-sig") as handle:
         first = handle.readline()
         try:
             record = json.loads(first) if first.strip() else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import shutil
 import socket
@@ -244,11 +245,14 @@ def check_training_run(
         config.train.global_batch_size,
         num_labels=config.model.num_labels,
         classes_named="num_labels" in config.model.model_fields_set,
+        notes=notes,
     )
     if data_task == "sft":
         from dplaunch.data.sft_checks import check_sft_examples
 
         notes.extend(check_sft_examples(config))
+    if config.data.streaming and config.data.count_stream:
+        config = _count_stream(config, data_task, notes)
     if dataset_classes is not None:
         # as HF's run_glue: the dataset's ClassLabel names the classes (and counts them)
         data = config.data.model_copy(update={"label_names": list(dataset_classes)})
@@ -289,6 +293,26 @@ def plan_training_run(
 
         check_lora(config.model, facts, plan.dims)
     return config, plan
+
+
+def _count_stream(config: RunConfig, data_task: str, notes: list[str]) -> RunConfig:
+    """data.count_stream: count the stream's records; train.epochs (unset: 1) then sets
+    train.max_steps, which run.yaml gives the ranks (a stream's length is its max_steps)."""
+    from dplaunch.data.stream_length import stream_length
+
+    data = config.data
+    packing = (data_task == "causal-lm" and data.packing is not False) or (
+        data_task == "sft" and bool(data.packing)
+    )
+    steps, note = stream_length(config, data_task, packing)
+    if config.train.max_steps is None:
+        epochs = config.train.epochs or 1
+        max_steps = max(1, math.ceil(epochs * steps))
+        note += f"; {epochs:g} epoch(s) → train.max_steps {max_steps:,}"
+        train = config.train.model_copy(update={"max_steps": max_steps})
+        config = config.model_copy(update={"train": train})
+    notes.append(note)
+    return config
 
 
 def load_script_config(flags: RunFlags) -> ScriptRunConfig:

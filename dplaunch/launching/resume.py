@@ -6,7 +6,9 @@ layout the new plan can load (the same one, or a DDP/ZeRO one re-sharded for ano
 data-parallel size: dplaunch.launching.reshard). The answer goes to the ranks as resume.json.
 
 The data order is a function of (seed, epoch, step) (dplaunch/train/data.py), so the data position
-is the global step: a resumed run continues with exactly the next batch, also in later epochs.
+is the global step: a resumed run continues with exactly the next batch, also in later epochs. A
+stream's (data.streaming) is each lane's place in its files, which the checkpoint holds
+(data-position-N.json) for any rank count to continue from (dplaunch/data/streams.py).
 Torch-free.
 """
 

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from dplaunch.run_directory.layout import (
+    DATA_POSITION_PREFIX,
     DEEPSPEED_FILE,
     LATEST_FILE,
     META_FILE,
@@ -26,6 +27,7 @@ from dplaunch.run_directory.layout import (
     RUN_FILE,
     STOP_FILE,
     TEMP_PREFIX,
+    data_position_file,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -248,3 +250,21 @@ def read_latest(checkpoints_dir: Path) -> str:
 def write_latest(checkpoints_dir: Path, name: str) -> None:
     """Point `latest` at a complete checkpoint, durably."""
     write_text_atomic(checkpoints_dir / LATEST_FILE, name + "\n", durable=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# a stream's position in a checkpoint (data.streaming)
+
+
+def write_data_position(checkpoint: Path, data_parallel_rank: int, position: dict) -> None:
+    """data-position-N.json: where data-parallel rank N's lanes stand (dplaunch/data/streams.py)."""
+    path = checkpoint / data_position_file(data_parallel_rank)
+    write_text_atomic(path, json.dumps(position) + "\n", durable=True)
+
+
+def read_data_positions(checkpoint: Path) -> list[dict]:
+    """Every data-parallel rank's stream position in a checkpoint (none for a cached run's)."""
+    return [
+        json.loads(path.read_text())
+        for path in sorted(checkpoint.glob(f"{DATA_POSITION_PREFIX}*.json"))
+    ]

@@ -24,6 +24,7 @@
         hf/                 the model's HF config files and tokenizer (`dplaunch export` needs no Hub)
         pytorch_model/      DeepSpeed's checkpoint under ZeRO/TP (pipeline/ for the pipeline engine)
         rng-rank-N.pt       every rank's RNG, for engines whose own save has none
+        data-position-N.json  data.streaming: where data-parallel rank N's lanes stand
       latest                "step-4": the newest complete checkpoint
       .tmp-step-6/          a save in progress (or killed): never read, removed by the next save
       universal-step-4/     step-4 re-sharded for another data-parallel size; `done` when finished
@@ -157,6 +158,14 @@ def rank_of(file_name: str, name_of: Callable[[int | str], str]) -> int | None:
         return None
     rank = file_name[len(prefix) : len(file_name) - len(suffix)]
     return int(rank) if rank.isdigit() else None
+
+
+def data_position_file(data_parallel_rank: int) -> str:
+    """A stream's position inside a checkpoint: where one data-parallel rank's lanes stand."""
+    return f"{DATA_POSITION_PREFIX}{data_parallel_rank}.json"
+
+
+DATA_POSITION_PREFIX = "data-position-"
 
 
 def rng_state_file(rank: int) -> str:

@@ -60,8 +60,12 @@ class Checkpointer:
         meta: dict[str, Any],
         say: Any,
         write_model_files: Any = None,
+        save_data_position: Any = None,
     ):
         self.write_model_files = write_model_files
+        # each rank's hook that writes where its data stands (a stream's lanes), None: the
+        # position is the step (the cached path's order is a function of it)
+        self.save_data_position = save_data_position
         self.run_dir = run_dir
         self.directory = run_dir / CHECKPOINTS_DIR
         self.engine = engine
@@ -77,7 +81,7 @@ class Checkpointer:
         # TEST ONLY: None in every real run (dplaunch/train/checkpoint_faults.py)
         self._fault = fault_from_environment()
 
-    def save(self, step: int, steps_per_epoch: int, reason: str) -> Path:
+    def save(self, step: int, steps_per_epoch: int | None, reason: str) -> Path:
         """Write checkpoint step-N atomically; raise CheckpointError (previous one intact) on failure."""
         started = time.perf_counter()
         final = self.directory / step_dir(step)
@@ -107,6 +111,8 @@ class Checkpointer:
             self.engine.save(str(temp))
             if not getattr(self.engine, "saves_rng", False):
                 save_rng_state(temp, self.rank)
+            if self.save_data_position is not None:
+                self.save_data_position(temp)
             self._inject_fault(step, "sleep")
         except Exception as error:  # noqa: BLE001 — reported with what is still valid
             raise CheckpointError(
@@ -148,7 +154,13 @@ class Checkpointer:
         return final
 
     def _commit(
-        self, temp: Path, final: Path, step: int, steps_per_epoch: int, reason: str, started: float
+        self,
+        temp: Path,
+        final: Path,
+        step: int,
+        steps_per_epoch: int | None,
+        reason: str,
+        started: float,
     ) -> None:
         for name in (RUN_FILE, PLAN_FILE):
             shutil.copy2(self.run_dir / name, temp / name)
@@ -158,8 +170,9 @@ class Checkpointer:
             sync_to_disk(temp / MODEL_FILES_DIR, 0, 1)
         meta = {
             "step": step,
-            "epoch": step // steps_per_epoch,
-            "step_in_epoch": step % steps_per_epoch,
+            # a stream's epoch is unknown: its position is in data-position-N.json
+            "epoch": step // steps_per_epoch if steps_per_epoch else None,
+            "step_in_epoch": step % steps_per_epoch if steps_per_epoch else None,
             "steps_per_epoch": steps_per_epoch,
             "reason": reason,
             **self.meta,

@@ -29,15 +29,16 @@ import torch
 from dplaunch.config.schema import DataConfig
 from dplaunch.data import answer_spans, conversations, example_tokens, sft_examples
 from dplaunch.data.answer_spans import Renderer, TemplateError
-from dplaunch.data.arrow_datasets import saved_folder
+from dplaunch.data.arrow_datasets import hub_layout_folder, saved_folder
 from dplaunch.data.conversations import TEXT
 from dplaunch.data.example_tokens import IGNORE_INDEX, leading_special_ids, pack_runs
-from dplaunch.data.formats import class_number, is_local, label_ids, local_format
+from dplaunch.data.formats import class_number, expand_files, is_local, label_ids, local_format
 from dplaunch.data.sft_examples import SftExamples, TokenizerView, make_renderer
 
 
-def load_splits(data: DataConfig, seed: int) -> tuple[Any, Any | None]:
-    """(train, eval or None) as `datasets.Dataset`s."""
+def load_splits(data: DataConfig, seed: int) -> tuple[Any | None, Any | None]:
+    """(train, eval or None) as `datasets.Dataset`s; train is None with data.streaming (read
+    while training: dplaunch/train/streaming.py), whose evaluation set is read whole here."""
     from datasets import DatasetDict, load_dataset, load_from_disk
 
     def load(source: str | list[str], split: str) -> Any:
@@ -45,15 +46,14 @@ def load_splits(data: DataConfig, seed: int) -> tuple[Any, Any | None]:
         if folder is not None:  # written by save_to_disk: a Dataset, or a DatasetDict's split
             saved = load_from_disk(str(folder))
             return saved[split] if isinstance(saved, DatasetDict) else saved
-        if is_local(source):
-            files = source if isinstance(source, list) else [source]
-            files = [str(Path(item).expanduser()) for item in files]
+        if is_local(source) and not hub_layout_folder(source):
+            files = [str(Path(item).expanduser()) for item in expand_files(source, "data.dataset")]
             return load_dataset(
                 local_format(files, "data.dataset"), data_files=files, split="train"
             )
         return load_dataset(source, data.dataset_config, split=split)
 
-    train = load(data.dataset, data.split)
+    train = None if data.streaming else load(data.dataset, data.split)
     evaluation = None
     if data.eval_dataset is not None:
         evaluation = load(data.eval_dataset, "train")
@@ -129,6 +129,7 @@ def _tokenize_source() -> str:
     try:
         return (
             inspect.getsource(tokenize)
+            + inspect.getsource(row_encoder)
             + inspect.getsource(class_number)
             + inspect.getsource(_sft_rows)
             + inspect.getsource(tokenizer_view)
@@ -159,38 +160,9 @@ def tokenize(
         return Dataset.from_file(str(cache_file))
     workers = data.num_workers if data.num_workers > 1 else None
     task = data_task(task, data, dataset.column_names)
-    packing = task == "causal-lm" and (data.packing if data.packing is not None else True)
+    packing = packs_texts(task, data)
     packing_examples = task == "sft" and bool(data.packing)
-    eos = tokenizer.eos_token_id
-    ids = label_ids(data.label_names)
-
-    def label(value: Any) -> int:
-        number = class_number(value, ids)
-        if number is None:  # past the launch check's budget (DPLAUNCH_DATA_CHECK_MB)
-            named = " nor one of data.label_names" if ids else ""
-            raise ValueError(
-                f"{value!r} in column {data.label_column!r} is not a class number{named}"
-            )
-        return number
-
-    if task == "sft":
-        encode_sft = _sft_rows(tokenizer, data, dataset.column_names)
-
-    def encode(batch: dict[str, list]) -> dict[str, list]:
-        if task == "sft":
-            return encode_sft(batch)
-        if task == "sequence-classification":
-            pair = batch[data.text_pair_column] if data.text_pair_column else None
-            out = tokenizer(
-                batch[data.text_column], pair, truncation=True, max_length=data.max_length
-            )
-            return {
-                "input_ids": out["input_ids"],
-                "labels": [label(x) for x in batch[data.label_column]],
-            }
-        ids = tokenizer(batch[data.text_column], add_special_tokens=False)["input_ids"]
-        ids = [row + [eos] if eos is not None else row for row in ids]
-        return {"input_ids": ids if packing else [row[: data.max_length] for row in ids]}
+    encode = row_encoder(tokenizer, data, task, dataset.column_names)
 
     def pack(batch: Any) -> dict[str, Any]:
         # one flat int32 array of the rows' tokens cut into full blocks (no Python int per token)
@@ -249,6 +221,48 @@ def tokenize(
                 path = Path(entry["filename"])
                 if path.name.startswith(rows_file.stem):
                     path.unlink(missing_ok=True)
+
+
+def packs_texts(task: str, data: DataConfig) -> bool:
+    """Whether causal-LM texts are concatenated into full max_length blocks (unset: yes)."""
+    return task == "causal-lm" and (data.packing if data.packing is not None else True)
+
+
+def row_encoder(tokenizer: Any, data: DataConfig, task: str, columns: list[str]) -> Any:
+    """The row pass: a batch of records (column → values, as `datasets.map` gives it) → their
+    input_ids (and labels). sft leaves out the examples it drops; the other tasks keep one row
+    per record. The cached path maps the whole dataset with it, a stream each worker's records."""
+    task = data_task(task, data, columns)
+    if task == "sft":
+        return _sft_rows(tokenizer, data, columns)
+    packing = packs_texts(task, data)
+    eos = tokenizer.eos_token_id
+    ids = label_ids(data.label_names)
+
+    def label(value: Any) -> int:
+        number = class_number(value, ids)
+        if number is None:  # past the launch check's budget (DPLAUNCH_DATA_CHECK_MB)
+            named = " nor one of data.label_names" if ids else ""
+            raise ValueError(
+                f"{value!r} in column {data.label_column!r} is not a class number{named}"
+            )
+        return number
+
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        if task == "sequence-classification":
+            pair = batch[data.text_pair_column] if data.text_pair_column else None
+            out = tokenizer(
+                batch[data.text_column], pair, truncation=True, max_length=data.max_length
+            )
+            return {
+                "input_ids": out["input_ids"],
+                "labels": [label(x) for x in batch[data.label_column]],
+            }
+        rows = tokenizer(batch[data.text_column], add_special_tokens=False)["input_ids"]
+        rows = [row + [eos] if eos is not None else row for row in rows]
+        return {"input_ids": rows if packing else [row[: data.max_length] for row in rows]}
+
+    return encode
 
 
 def data_task(task: str, data: DataConfig, columns: list[str]) -> str:
@@ -368,6 +382,78 @@ def batch_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int((last + 1).sum())
 
 
+def set_loss_scales(
+    batches: list[dict[str, torch.Tensor]], tokens: list[int], total: int, sharding: Sharding
+) -> None:
+    """Give each micro-batch its loss_scale n·accum·dp / N: n its TOKENS, N the TOTAL of the
+    whole step over every data-parallel rank (Batcher._weight_by_tokens says why)."""
+    copies = sharding.gradient_accumulation_steps * sharding.data_parallel_size
+    total = max(total, 1)
+    for batch, count in zip(batches, tokens, strict=True):
+        # integer numerator: exactly 1.0 when every micro-batch holds as many tokens
+        batch["loss_scale"] = torch.tensor(count * copies / total, dtype=torch.float32)
+
+
+def collate_blocks(blocks: np.ndarray) -> dict[str, torch.Tensor]:
+    """Equal-length causal-LM blocks [rows, length]: no padding, every token a label."""
+    input_ids = torch.from_numpy(np.ascontiguousarray(blocks).astype(np.int64))
+    attention = torch.ones_like(input_ids)
+    return {"input_ids": input_ids, "attention_mask": attention, "labels": input_ids.clone()}
+
+
+def collate_rows(
+    rows: list[dict[str, Any]], *, pad_id: int, task: str, own_labels: bool, flatten_packed: bool
+) -> dict[str, torch.Tensor]:
+    """Right-pad a micro-batch of rows (input_ids, and labels/position_ids where they have them);
+    causal-LM labels are the inputs with padding ignored."""
+    if own_labels:
+        return _collate_sft(rows, pad_id, flatten_packed)
+    width = max(len(row["input_ids"]) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
+        input_ids[r, : len(ids)] = ids
+        attention[r, : len(ids)] = 1
+    batch = {"input_ids": input_ids, "attention_mask": attention}
+    if task == "sequence-classification":
+        batch["labels"] = torch.tensor([int(row["labels"]) for row in rows], dtype=torch.long)
+    else:
+        batch["labels"] = input_ids.masked_fill(attention == 0, IGNORE_INDEX)
+    return batch
+
+
+def _collate_sft(
+    rows: list[dict[str, Any]], pad_id: int, flatten_packed: bool
+) -> dict[str, torch.Tensor]:
+    """sft rows with their own labels. Packed rows (position ids) get no attention mask, so
+    transformers isolates the examples: SDPA/eager build a block-diagonal causal mask from the
+    restarting position ids; flash-attention goes varlen from them, which needs one row, so
+    there the micro-batch is flattened into one row without padding."""
+    packed = "position_ids" in rows[0]
+    if packed and flatten_packed:
+        rows = [{key: [v for row in rows for v in row[key]] for key in rows[0]}]
+    width = max(len(row["input_ids"]) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    # padding of packed rows: position 0 each (one-token segments that attend to themselves)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        length = len(row["input_ids"])
+        input_ids[r, :length] = torch.as_tensor(row["input_ids"], dtype=torch.long)
+        labels[r, :length] = torch.as_tensor(row["labels"], dtype=torch.long)
+        attention[r, :length] = 1
+        if packed:
+            positions[r, :length] = torch.as_tensor(row["position_ids"], dtype=torch.long)
+    batch = {"input_ids": input_ids, "labels": labels}
+    if packed:
+        batch["position_ids"] = positions
+    else:
+        batch["attention_mask"] = attention
+    return batch
+
+
 @dataclass(frozen=True)
 class Sharding:
     """This rank's place in the data: which data-parallel shard it reads."""
@@ -385,13 +471,24 @@ class Sharding:
 class Batcher:
     """Deterministic batches for training and evaluation on one rank."""
 
-    def __init__(self, dataset: Any, sharding: Sharding, *, pad_id: int, task: str, seed: int):
+    def __init__(
+        self,
+        dataset: Any,
+        sharding: Sharding,
+        *,
+        pad_id: int,
+        task: str,
+        seed: int,
+        shuffle: bool = True,
+    ):
         self.dataset = dataset
         self.sharding = sharding
         self.pad_id = pad_id
         self.task = task
         self.seed = seed
+        self.shuffle = shuffle
         self.steps_per_epoch = len(dataset) // sharding.global_batch_size
+        self._order_epoch, self._order = -1, np.arange(0)
         # sft examples carry their own labels (the answers); packed ones their position ids
         self.own_labels = task == "sft" and "labels" in (dataset.column_names or ())
         # flash-attention keeps packed examples apart only in one flattened row (varlen from the
@@ -400,9 +497,27 @@ class Batcher:
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The sample order of an epoch: a permutation seeded by (seed, epoch), as one int64
-        array (8 bytes a sample; a list of Python ints would take about 36)."""
+        array (8 bytes a sample; a list of Python ints would take about 36); the dataset's own
+        order every epoch without data.shuffle."""
+        if not self.shuffle:
+            return np.arange(len(self.dataset), dtype=np.int64)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(len(self.dataset), generator=generator).numpy()
+
+    def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro-batches of the optimizer step after STEP steps (any step, in any
+        order: the position in the data is the step)."""
+        epoch, in_epoch = divmod(step, self.steps_per_epoch)
+        if epoch != self._order_epoch:
+            self._order_epoch, self._order = epoch, self.epoch_order(epoch)
+        return self.step_micro_batches(self._order, in_epoch)
+
+    def epoch_at(self, step: int) -> float:
+        """How many epochs STEP steps make (for the log)."""
+        return round(step / self.steps_per_epoch, 4)
+
+    def save_position(self, checkpoint: Path) -> None:
+        """Nothing to write: the position in the data is the step (checkpoint.json has it)."""
 
     def step_micro_batches(
         self, order: np.ndarray, step_in_epoch: int
@@ -436,14 +551,9 @@ class Batcher:
         rank count and micro-batch size (HF Trainer's num_items_in_batch). Equal-length rows
         (packed blocks) need none: every micro-batch then holds the same number of tokens."""
         tokens = self._trained_tokens if self.own_labels else self._predicted_tokens
-        shard = self.sharding
-        total = max(int(tokens[step].sum()), 1)
-        copies = shard.gradient_accumulation_steps * shard.data_parallel_size
-        for i, batch in enumerate(batches):
-            rows = mine[i * shard.micro_batch_size : (i + 1) * shard.micro_batch_size]
-            # integer numerator: exactly 1.0 when every micro-batch holds as many tokens
-            share = int(tokens[rows].sum()) * copies / total
-            batch["loss_scale"] = torch.tensor(share, dtype=torch.float32)
+        micro = self.sharding.micro_batch_size
+        counts = [int(tokens[mine[i * micro : (i + 1) * micro]].sum()) for i in range(len(batches))]
+        set_loss_scales(batches, counts, int(tokens[step].sum()), self.sharding)
 
     @cached_property
     def _predicted_tokens(self) -> np.ndarray:
@@ -465,61 +575,18 @@ class Batcher:
         values = pc.list_flatten(column).to_numpy(zero_copy_only=False)
         return np.bincount(parents[values != IGNORE_INDEX], minlength=len(column)).astype(np.int64)
 
-    def _collate_sft(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        """sft rows with their own labels. Packed rows (position ids) get no attention mask, so
-        transformers isolates the examples: SDPA/eager build a block-diagonal causal mask from the
-        restarting position ids; flash-attention goes varlen from them, which needs one row, so
-        there the micro-batch is flattened into one row without padding."""
-        rows = [self.dataset[i] for i in indices]
-        packed = "position_ids" in rows[0]
-        if packed and self.flatten_packed:
-            rows = [{key: [v for row in rows for v in row[key]] for key in rows[0]}]
-        width = max(len(row["input_ids"]) for row in rows)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-        # padding of packed rows: position 0 each (one-token segments that attend to themselves)
-        positions = torch.zeros((len(rows), width), dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, row in enumerate(rows):
-            length = len(row["input_ids"])
-            input_ids[r, :length] = torch.tensor(row["input_ids"], dtype=torch.long)
-            labels[r, :length] = torch.tensor(row["labels"], dtype=torch.long)
-            attention[r, :length] = 1
-            if packed:
-                positions[r, :length] = torch.tensor(row["position_ids"], dtype=torch.long)
-        batch = {"input_ids": input_ids, "labels": labels}
-        if packed:
-            batch["position_ids"] = positions
-        else:
-            batch["attention_mask"] = attention
-        return batch
-
     def collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        """Right-pad a micro-batch; causal-LM labels are the inputs with padding ignored."""
-        if self.own_labels:
-            return self._collate_sft(indices)
-        blocks = self._packed_blocks
+        """The micro-batch of these samples (collate_rows; equal-length blocks in one gather)."""
+        blocks = None if self.own_labels else self._packed_blocks
         if blocks is not None:
-            # equal-length rows: one gather, no padding
-            input_ids = torch.from_numpy(blocks[indices].astype(np.int64))
-            attention = torch.ones_like(input_ids)
-            rows = None
-        else:
-            rows = [self.dataset[i] for i in indices]
-            width = max(len(row["input_ids"]) for row in rows)
-            input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-            attention = torch.zeros((len(rows), width), dtype=torch.long)
-            for r, row in enumerate(rows):
-                ids = torch.tensor(row["input_ids"], dtype=torch.long)
-                input_ids[r, : len(ids)] = ids
-                attention[r, : len(ids)] = 1
-        batch = {"input_ids": input_ids, "attention_mask": attention}
-        if self.task == "sequence-classification":
-            assert rows is not None
-            batch["labels"] = torch.tensor([row["labels"] for row in rows], dtype=torch.long)
-        else:
-            batch["labels"] = input_ids.masked_fill(attention == 0, IGNORE_INDEX)
-        return batch
+            return collate_blocks(blocks[indices])
+        return collate_rows(
+            [self.dataset[i] for i in indices],
+            pad_id=self.pad_id,
+            task=self.task,
+            own_labels=self.own_labels,
+            flatten_packed=self.flatten_packed,
+        )
 
     @cached_property
     def _packed_blocks(self) -> np.ndarray | None:

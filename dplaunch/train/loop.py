@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -56,6 +56,9 @@ from dplaunch.train.modeling import load_model, load_tokenizer
 from dplaunch.train.nonfinite import EXIT_NONFINITE, NonFiniteGuard
 from dplaunch.train.sequence_parallel import LongSequenceEngine, prepare_long_sequences
 from dplaunch.train.trackers import open_trackers
+
+if TYPE_CHECKING:
+    from dplaunch.train.streaming import StreamBatcher
 
 # the stop reason of train.stop_after_steps (exit 0); signals give their name (exit 75)
 STOP_AFTER_STEPS = "train.stop_after_steps"
@@ -180,7 +183,7 @@ class RankRun:
     place: RankPlace
     say: Callable[[str], None]
     engine: StepEngine
-    batcher: Batcher
+    batcher: Batcher | StreamBatcher
     eval_batcher: Batcher | None
     total_steps: int
     metrics: MetricsWriter
@@ -211,6 +214,8 @@ def train(run_dir: Path) -> int:
     batcher, eval_batcher, total_steps = _batchers(
         train_set, eval_set, tokenizer, config, plan, place
     )
+    if train_set is None:  # data.streaming: the workers start reading now, beside the model
+        batcher = _stream_batcher(accelerator, tokenizer, config, plan, place, resume)
 
     # under ZeRO-3 built partitioned from construction (transformers' zero.Init), random weights too
     model = load_model(
@@ -254,6 +259,7 @@ def train(run_dir: Path) -> int:
         meta={**plan.header(), "engine": plan.engine, "total_steps": total_steps},
         say=say,
         write_model_files=_model_files_writer(model, tokenizer),
+        save_data_position=batcher.save_position,
     )
     start_step = _resume(checkpointer, resume, batcher, say)
     metrics = MetricsWriter(
@@ -270,16 +276,21 @@ def train(run_dir: Path) -> int:
         "header",
         **plan.header(),
         total_steps=total_steps,
-        train_samples=len(train_set),
+        train_samples=len(train_set) if train_set is not None else None,
         eval_samples=len(eval_set) if eval_set is not None else 0,
         steps_per_epoch=batcher.steps_per_epoch,
         parameters=parameters,
         task=config.model.task,
         resumed_from_step=start_step if resume is not None else None,
     )
+    data_line = (
+        f"{batcher.steps_per_epoch} per epoch, {len(train_set)} training samples"
+        if train_set is not None
+        else batcher.layout.describe()
+    )
     say(
-        f"[dplaunch] {plan.batch_line()}; {total_steps} steps, {batcher.steps_per_epoch} per epoch, "
-        f"{len(train_set)} training samples, {parameters / 1e6:.1f}M parameters"
+        f"[dplaunch] {plan.batch_line()}; {total_steps} steps, {data_line}, "
+        f"{parameters / 1e6:.1f}M parameters"
     )
     sampler = None
     if config.train.sample_prompts:
@@ -341,7 +352,12 @@ def _load_data(
     # rank 0 first: loading may download and writes the datasets cache, which the others then read
     with accelerator.main_process_first():
         train_raw, eval_raw = load_splits(config.data, config.train.seed)
-    train_set = _tokenized(accelerator, train_raw, tokenizer, config, "training", say)
+    # data.streaming: the training set is read while training (_stream_batcher)
+    train_set = (
+        _tokenized(accelerator, train_raw, tokenizer, config, "training", say)
+        if train_raw is not None
+        else None
+    )
     # sft evaluation sets are never packed (data.for_evaluation)
     eval_config = config.model_copy(update={"data": for_evaluation(config.data, config.model.task)})
     eval_set = (
@@ -352,32 +368,41 @@ def _load_data(
     return train_set, eval_set
 
 
-def _batchers(
-    train_set: Any,
-    eval_set: Any | None,
-    tokenizer: Any,
-    config: RunConfig,
-    plan: Plan,
-    place: RankPlace,
-) -> tuple[Batcher, Batcher | None, int]:
-    """This rank's training and evaluation batchers, and the run's number of steps."""
-    sharding = Sharding(
+def _sharding(plan: Plan, place: RankPlace) -> Sharding:
+    return Sharding(
         place.data_parallel_rank,
         plan.data_parallel_size,
         plan.micro_batch_size,
         plan.gradient_accumulation_steps,
     )
-    batcher = Batcher(
-        train_set,
-        sharding,
-        pad_id=tokenizer.pad_token_id,
-        task=config.model.task,
-        seed=config.train.seed,
-    )
-    if batcher.steps_per_epoch == 0:
-        raise ValueError(
-            f"the training set has {len(train_set)} samples, fewer than one global batch of {plan.global_batch_size}"
+
+
+def _batchers(
+    train_set: Any | None,
+    eval_set: Any | None,
+    tokenizer: Any,
+    config: RunConfig,
+    plan: Plan,
+    place: RankPlace,
+) -> tuple[Batcher | None, Batcher | None, int]:
+    """This rank's training and evaluation batchers, and the run's number of steps (a stream's
+    training batcher is made by _stream_batcher: None here)."""
+    sharding = _sharding(plan, place)
+    batcher = None
+    if train_set is not None:
+        batcher = Batcher(
+            train_set,
+            sharding,
+            pad_id=tokenizer.pad_token_id,
+            task=config.model.task,
+            seed=config.train.seed,
+            shuffle=config.data.shuffle,
         )
+        if batcher.steps_per_epoch == 0:
+            raise ValueError(
+                f"the training set has {len(train_set)} samples, fewer than one global batch of {plan.global_batch_size}"
+            )
+    # a stream's length is train.max_steps (the launch check refuses a stream without it)
     total_steps = config.train.max_steps or math.ceil(
         (config.train.epochs or 1) * batcher.steps_per_epoch
     )
@@ -395,19 +420,58 @@ def _batchers(
     return batcher, eval_batcher, total_steps
 
 
+def _stream_batcher(
+    accelerator: Any,
+    tokenizer: Any,
+    config: RunConfig,
+    plan: Plan,
+    place: RankPlace,
+    resume: dict[str, Any] | None,
+) -> StreamBatcher:
+    """data.streaming: this rank's lanes of the stream, from the resumed checkpoint's position."""
+    from dplaunch.train.streaming import StreamBatcher
+
+    def total_over_ranks(tokens: int) -> int:
+        # one rank of each data-parallel group counts (its tp/pp/sp peers hold the same rows)
+        mine = torch.tensor([tokens if place.counts_tokens else 0], device=accelerator.device)
+        return int(accelerator.reduce(mine, reduction="sum").item())
+
+    batcher = StreamBatcher(
+        config.data,
+        config.model.task,
+        tokenizer,
+        _sharding(plan, place),
+        seed=config.train.seed,
+        pad_id=tokenizer.pad_token_id,
+        total_over_ranks=total_over_ranks,
+        writes_position=place.counts_tokens,
+        resume_from=Path(resume["checkpoint"]) if resume is not None else None,
+        start_step=int(resume["step"]) if resume is not None else 0,
+    )
+    return batcher
+
+
 def _resume(
-    checkpointer: Checkpointer, resume: dict[str, Any] | None, batcher: Batcher, say: Any
+    checkpointer: Checkpointer,
+    resume: dict[str, Any] | None,
+    batcher: Batcher | StreamBatcher,
+    say: Any,
 ) -> int:
     """Load the checkpoint resume.json names; the step training continues after (0: a fresh start)."""
     if resume is None:
         return 0
     started = time.perf_counter()
     start_step = checkpointer.load(resume)
-    epoch, in_epoch = divmod(start_step, batcher.steps_per_epoch)
+    where = (
+        "epoch {}, step {} of {}".format(
+            *divmod(start_step, batcher.steps_per_epoch), batcher.steps_per_epoch
+        )
+        if batcher.steps_per_epoch
+        else "the stream continues where its lanes stood"
+    )
     say(
         f"[dplaunch] resumed from {resume['checkpoint']} in {time.perf_counter() - started:.2f} s: "
-        f"step {start_step} (epoch {epoch}, step {in_epoch} of {batcher.steps_per_epoch}); "
-        f"the next batch is step {start_step + 1}"
+        f"step {start_step} ({where}); the next batch is step {start_step + 1}"
     )
     return start_step
 
@@ -549,9 +613,10 @@ def _run_steps(run: RankRun, start_step: int) -> tuple[int, str | None]:
     train = run.config.train
     device = accelerator.device
     # losses and token counts stay on the device between log steps: no host sync per micro-step
-    interval = torch.zeros(2, device=device)
+    # loss, tokens, and seconds waiting for the data loader since the last log line
+    interval = torch.zeros(3, device=device)
     interval_steps = 0
-    order_epoch, order = -1, None
+    tokens_read = 0
     last_log = time.perf_counter()
     # seconds of evaluation and checkpointing since the last log line: not training time
     paused = 0.0
@@ -569,13 +634,12 @@ def _run_steps(run: RankRun, start_step: int) -> tuple[int, str | None]:
         if step == stop_after:
             stop_reason = STOP_AFTER_STEPS
             break
-        epoch, in_epoch = divmod(step, batcher.steps_per_epoch)
-        if epoch != order_epoch:
-            order_epoch, order = epoch, batcher.epoch_order(epoch)
+        waited = time.perf_counter()
+        micro_batches = batcher.micro_batches(step)
+        interval[2] += time.perf_counter() - waited
         if guard.omits(step + 1):  # the test hook's reference run
             step += 1
             continue
-        micro_batches = batcher.step_micro_batches(order, in_epoch)
         step_lr = engine.current_lr()  # the step's own (the scheduler then moves to the next)
         guard.begin(step + 1)
         with watched(spy, step + 1):
@@ -598,12 +662,18 @@ def _run_steps(run: RankRun, start_step: int) -> tuple[int, str | None]:
         if interval_steps and (step % train.log_every == 0 or step == total_steps):
             totals = accelerator.reduce(interval.clone(), reduction="sum")
             now = time.perf_counter()
+            tokens_read += int(totals[1])
+            spent = max(now - last_log - paused, 1e-9)
             record = {
                 "step": step,
-                "epoch": round(step / batcher.steps_per_epoch, 4),
+                "epoch": batcher.epoch_at(step),
                 "loss": float(totals[0]) / place.world_size / interval_steps,
                 "lr": step_lr,
-                "tokens_per_s": float(totals[1]) / max(now - last_log - paused, 1e-9),
+                "tokens_per_s": float(totals[1]) / spent,
+                # tokens trained on so far in this launch, and the share of the time the ranks
+                # waited for their data loader (a slow loader shows here, not as a slow model)
+                "tokens": tokens_read,
+                "data_share": round(min(float(totals[2]) / place.world_size / spent, 1.0), 4),
                 "elapsed_s": round(time.time() - metrics.start, 3),
                 **memory_fields(device),
             }

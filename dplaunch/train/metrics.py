@@ -54,15 +54,22 @@ class RankPrinter:
         if not self.enabled:
             return
         if self.width is None:
+            data = data_fields(record)
             self._write(
                 f"step {step}/{total_steps}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-                f"tokens/s {record['tokens_per_s']:.0f}\n"
+                f"tokens/s {record['tokens_per_s']:.0f}{'  ' + data if data else ''}\n"
             )
             return
         done = step - start_step
         eta = record["elapsed_s"] / done * (total_steps - step) if done > 0 else 0.0
         bar = progress_bar(
-            step, total_steps, record["loss"], record["tokens_per_s"], eta, self.width
+            step,
+            total_steps,
+            record["loss"],
+            record["tokens_per_s"],
+            eta,
+            self.width,
+            data_fields(record),
         )
         self._write((REDRAW if self._bar else "") + bar + "\n")
         # the last step's bar stays where it is: what follows (evaluation, export) goes below
@@ -125,10 +132,31 @@ class RedrawnLines(io.TextIOBase):
         return False
 
 
+def data_fields(record: dict[str, Any]) -> str:
+    """The log's data part: the tokens read so far and the data loader's share of the time."""
+    if "tokens" not in record:
+        return ""
+    return f"tokens {_count(record['tokens'])}  data {100 * record['data_share']:.0f}%"
+
+
+def _count(number: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if number >= size:
+            return f"{number / size:.1f}{unit}"
+    return f"{number:.0f}"
+
+
 def progress_bar(
-    step: int, total_steps: int, loss: float, tokens_per_s: float, eta_s: float, width: int
+    step: int,
+    total_steps: int,
+    loss: float,
+    tokens_per_s: float,
+    eta_s: float,
+    width: int,
+    data: str = "",
 ) -> str:
-    """One terminal line (ANSI colours, at most WIDTH cells): step/total, bar, loss, tokens/s, ETA."""
+    """One terminal line (ANSI colours, at most WIDTH cells): step/total, bar, loss, tokens/s,
+    the data part (data_fields), ETA."""
     from rich.console import Console
     from rich.text import Text
 
@@ -139,7 +167,7 @@ def progress_bar(
         ("━" * filled, "green"),
         ("━" * (BAR_CELLS - filled), "bright_black"),
         f" {100 * step / max(total_steps, 1):3.0f}%  loss {loss:.4f}  "
-        f"tokens/s {tokens_per_s:,.0f}  ETA {eta}",
+        f"tokens/s {tokens_per_s:,.0f}  {data + '  ' if data else ''}ETA {eta}",
     )
     console = Console(file=io.StringIO(), force_terminal=True, width=width, color_system="standard")
     console.print(line, no_wrap=True, overflow="ellipsis", crop=True, end="")

@@ -1,0 +1,117 @@
+"""data.count_stream: a stream's length in steps, counted before launch so that train.epochs
+can set the run's length (a stream's is otherwise unknown, and train.max_steps must).
+
+One pass over the files counts their records without parsing or tokenising them (lines of JSON
+lines and text files, compressed or not; Parquet's footer; Arrow's batch lengths). A pass of a
+group of files (dplaunch/data/streams.py) gives each of its m lanes floor(records / m) records,
+and a step takes one sample of every lane, so a pass is min over groups of that many steps when
+each record is one sample. Packed samples are counted from the tokens of the first records of
+each file (the launch tokenizer, no torch): an estimate, which the plan's note says.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from dplaunch.data.example_tokens import pack_lengths
+from dplaunch.data.streams import Shard, lane_groups, parse_raw, read_raw
+from dplaunch.errors import UserError
+
+FIELD = "data.count_stream"
+# records of each file whose tokens estimate a packed pass's length
+SAMPLED_RECORDS = 200
+
+
+def count_records(shard: Shard) -> int:
+    """The records of one file of a stream, as the stream reads them."""
+    if shard.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(shard.path).metadata.num_rows
+    if shard.kind == "arrow":
+        return sum(1 for _ in read_raw(shard, 0, 0))
+    from pathlib import Path
+
+    from dplaunch.data.formats import open_binary
+
+    with open_binary(Path(shard.path)) as handle:
+        if shard.kind == "text":
+            return sum(1 for _ in handle)
+        return sum(1 for line in handle if line.strip())
+
+
+def steps_per_pass(
+    shards: list[Shard], counts: list[int], global_batch_size: int, samples_per_record: float
+) -> int:
+    """Steps one pass over the files makes: the group whose lanes run out first decides."""
+    groups = lane_groups(len(shards), global_batch_size)
+    lanes = global_batch_size // groups
+    per_group = [
+        sum(counts[number] for number in range(len(shards)) if number % groups == group)
+        for group in range(groups)
+    ]
+    return min(math.floor(records // lanes * samples_per_record) for records in per_group)
+
+
+def stream_length(config: Any, task: str, packing: bool) -> tuple[int, str]:
+    """(steps a pass, the plan's note) of config's stream; TASK is the data's (sft on plain
+    texts is causal-lm), PACKING whether several records make one sample or one several."""
+    from dplaunch.data.streams import stream_shards
+
+    data = config.data
+    shards = stream_shards(data)
+    if any(shard.kind == "hub" for shard in shards):
+        raise UserError(
+            FIELD,
+            f"counts the records of local files, and {data.dataset} is a hub dataset",
+            "set train.max_steps instead",
+        )
+    counts = [count_records(shard) for shard in shards]
+    ratio, how = 1.0, "one sample a record"
+    if packing:
+        ratio = _samples_per_record(config, task, shards)
+        how = f"about {ratio:.3g} packed samples a record, from the first records' tokens"
+    steps = steps_per_pass(shards, counts, config.train.global_batch_size, ratio)
+    if steps < 1:
+        raise UserError(
+            FIELD,
+            f"{sum(counts):,} records in {len(shards)} file(s) make no whole step of global "
+            f"batch {config.train.global_batch_size}",
+            "give more data or a smaller global batch",
+        )
+    note = (
+        f"data.count_stream: {sum(counts):,} records in {len(shards)} file(s), {steps:,} steps a "
+        f"pass ({how})"
+    )
+    return steps, note
+
+
+def _samples_per_record(config: Any, task: str, shards: list[Shard]) -> float:
+    """Packed samples per record, from the tokens of each file's first records."""
+    from dplaunch.data.sft_checks import launch_tokenizer
+    from dplaunch.data.sft_examples import SftExamples
+
+    data = config.data
+    tokenizer = launch_tokenizer(config)
+    if tokenizer.encode is None:
+        raise UserError(
+            FIELD,
+            f"cannot count the tokens of packed data without the tokenizer's tokenizer.json "
+            f"({tokenizer.name})",
+            "set train.max_steps instead",
+        )
+    records = []
+    for shard in shards:
+        for number, (raw, _) in enumerate(read_raw(shard, 0, 0)):
+            if number == SAMPLED_RECORDS:
+                break
+            records.append(parse_raw(shard, raw, number))
+    if task != "sft":  # each text and its end-of-sequence token, cut into full blocks
+        texts = [str(record.get(data.text_column, "")) for record in records]
+        tokens = sum(len(ids) + 1 for ids, _ in tokenizer.encode(texts))
+        return tokens / len(records) / data.max_length
+    pipeline = SftExamples.of(data, list(records[0]), tokenizer)
+    encoded = pipeline.tokens([pipeline.example(record) for record in records])
+    blocks = pack_lengths([len(ids) for ids in encoded.input_ids], data.max_length)
+    return len(blocks) / len(records)
