@@ -11,9 +11,9 @@ one it has used (tokens) or how many blocks of its current window it has given. 
 keeps the state of the step it last handed out: a checkpoint saves it (data-position-N.json),
 and a resumed rank on any GPU count starts each of its lanes there.
 
-Memory stays bounded: a worker holds one window of raw records for each group it reads, the
-encoded records of its lanes not yet used, and at most `PREFETCH` steps ahead (the data loader's
-prefetch_factor). The loss of rows of unequal length is weighted by the tokens of the whole
+Memory stays bounded: a worker holds one window of raw records for each group it reads (its
+lanes' share of them once dealt), at most ENCODE_BATCH encoded records a lane, and at most
+`PREFETCH` steps ahead (the data loader's prefetch_factor). The loss of rows of unequal length is weighted by the tokens of the whole
 global batch, which the ranks add up with one all-reduce a step (data.set_loss_scales).
 """
 
@@ -58,6 +58,8 @@ from dplaunch.train.data import (
 PACK_WINDOW = 64
 # steps each worker prepares ahead of the training step (the data loader's prefetch_factor)
 PREFETCH = 2
+# records a lane parses and encodes at a time (one tokenizer call)
+ENCODE_BATCH = 32
 NOTHING_DONE = (0, -1)
 
 
@@ -131,6 +133,8 @@ class Lane:
         self.used: int = int(state.get("used", 0))
         # records up to here were used before this lane was (re)started: not encoded again
         self.threshold = self.done
+        # its records read but not yet parsed, and those encoded but not yet used
+        self.raw: deque[tuple[tuple[int, int], Any, Shard, int]] = deque()
         self.queue: deque[tuple[tuple[int, int], dict | None]] = deque()
         self._skip = self.used
         self._chunks: deque[list] = deque()  # [tag, tokens, start] of the tokens lane
@@ -256,21 +260,24 @@ class LaneWorker:
         following = window.following
         self.positions[group][(following.pass_, following.window)] = following
         pass_ = window.position.pass_
-        kept = []
         for offset, number, raw, shard, where in window.entries:
             lane = self._by_offset[(group, offset)]
             if (pass_, number) > lane.threshold:
-                kept.append((lane, (pass_, number), parse_raw(shard, raw, where)))
-        encoded = self.encode([record for _, _, record in kept]) if kept else []
-        for (lane, tag, _), item in zip(kept, encoded, strict=True):
-            lane.queue.append((tag, item))
+                lane.raw.append(((pass_, number), raw, shard, where))
 
     def _puller(self, lane: Lane) -> Callable[[], tuple[tuple[int, int], dict | None]]:
         group = lane.index // self.layout.lanes_per_group
 
         def pull() -> tuple[tuple[int, int], dict | None]:
-            while not lane.queue:
-                self._read_window(group)
+            if not lane.queue:
+                while not lane.raw:
+                    self._read_window(group)
+                # parsed and encoded as they are needed, a few at a time: the first step does
+                # not wait for a whole window, and raw text is smaller than its tokens
+                batch = [lane.raw.popleft() for _ in range(min(ENCODE_BATCH, len(lane.raw)))]
+                records = [parse_raw(shard, raw, where) for _, raw, shard, where in batch]
+                encoded = self.encode(records)
+                lane.queue.extend(zip([tag for tag, *_ in batch], encoded, strict=True))
             return lane.queue.popleft()
 
         return pull
