@@ -5,6 +5,7 @@
     python -m benchmarks.run --only throughput   # some of: startup, launch_overhead, throughput, lora, scaling, flags, fsdp
     python -m benchmarks.run --only scaling_peers  # optional: scaling of dplaunch and of the hand loop
     python -m benchmarks.run --only long_context   # optional: longest sequence under a memory budget, sp 1 vs 2
+    python -m benchmarks.run --only streaming      # optional: data.streaming vs tokenise-and-cache on a 2 GB corpus
     python -m benchmarks.run --reps 5 --no-write # more repetitions (throughput: rounds), keep results/ untouched
 
 Results go to benchmarks/results/NAME.json (with date, machine, versions) and NAME.png. The GPU
@@ -30,13 +31,14 @@ from benchmarks import (
     scaling,
     scaling_peers,
     startup,
+    streaming,
     throughput,
 )
 from benchmarks.common import RESULTS, Options, machine_facts, verdict
 
 # what `make bench` runs without --only; the optional ones would take it past 20 minutes
 DEFAULT = (startup, launch_overhead, throughput, lora, scaling, flags, fsdp)
-OPTIONAL = (scaling_peers, long_context)
+OPTIONAL = (scaling_peers, long_context, streaming)
 COMPARISONS = {module.NAME: module for module in (*DEFAULT, *OPTIONAL)}
 
 
