@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from dplaunch.planning.candidates import Candidate
     from dplaunch.planning.estimate import MemoryEstimate
     from dplaunch.planning.model_facts import ModelFacts
+    from dplaunch.planning.profiles import Profile
     from dplaunch.planning.workload import Workload
 
 # what a bare `--model` plans for, when no run file says otherwise
@@ -34,6 +35,9 @@ DEFAULT_MIXED_PRECISION = "bf16"
 
 
 _WORKLOAD = "Workload"
+_FORECAST = "Forecast"
+# the classes of link between nodes the datasheet figures know (planning/profiles.py)
+Interconnect = Literal["infiniband", "ethernet"]
 
 
 @dataclass
@@ -126,6 +130,53 @@ class PlanOptions:
             rich_help_panel=_WORKLOAD,
         ),
     ] = None
+    cpu: Annotated[
+        bool,
+        run_flag_option(
+            "cpu", help="Plan CPU ranks: the forecast uses this machine's `dplaunch calibrate`."
+        ),
+    ] = False
+    max_steps: Annotated[
+        int | None,
+        run_flag_option(
+            "max_steps", help="Optimizer steps the hours and GPU-hours are for.", panel=_FORECAST
+        ),
+    ] = None
+    profile: Annotated[
+        Path | None,
+        run_flag_option(
+            "profile",
+            help="Hardware profile (dplaunch calibrate --out). Default: the user's cache for this "
+            "hardware, else the GPU's datasheet.",
+            panel=_FORECAST,
+        ),
+    ] = None
+    gpu_type: Annotated[
+        str | None,
+        typer.Option(
+            "--gpu-type",
+            help="The GPU to forecast for by its datasheet when no profile is known: H100, H200, "
+            "A100, L40S or V100 (default: nvidia-smi's).",
+            rich_help_panel=_FORECAST,
+        ),
+    ] = None
+    interconnect: Annotated[
+        Interconnect | None,
+        typer.Option(
+            "--interconnect",
+            help="Between nodes, for the datasheet figures (default infiniband).",
+            rich_help_panel=_FORECAST,
+        ),
+    ] = None
+    price_per_gpu_hour: Annotated[
+        float | None,
+        typer.Option(
+            "--price-per-gpu-hour",
+            min=0,
+            help="Price of one GPU-hour: adds each plan's cost to train.max_steps.",
+            rich_help_panel=_FORECAST,
+        ),
+    ] = None
     safety_margin: Annotated[
         float, typer.Option("--safety-margin", help="Fraction of GPU memory kept free.")
     ] = 0.1
@@ -156,9 +207,15 @@ class PlanSetting:
     gpus_per_node: int
     gpu_memory_gb: float
     memory_source: str
+    # the forecast's rates (None: no profile known, no forecast); the steps hours are for
+    profile: Profile | None = None
+    max_steps: int | None = None
+    # "cpu": CPU ranks (--cpu, launch.cpu)
+    target: str = "gpu"
 
 
 def _from_run_file(options: PlanOptions) -> tuple[ModelFacts, str, Workload, Any]:
+    """(facts, label, workload, the run file's RunConfig)."""
     from dplaunch.config.load import load_run_config
     from dplaunch.launching.prepare import model_facts
     from dplaunch.planning.auto import run_workload
@@ -176,6 +233,9 @@ def _from_run_file(options: PlanOptions) -> tuple[ModelFacts, str, Workload, Any
         "model.attn_implementation": options.attn_implementation,
         "model.task": options.task,
         "model.lora.r": options.lora,
+        "launch.cpu": options.cpu or None,
+        "launch.profile": str(options.profile) if options.profile else None,
+        "train.max_steps": options.max_steps,
     }
     config = load_run_config(options.config, overrides=overrides, assignments=options.assignments)
     if options.quantize is not None:
@@ -190,7 +250,7 @@ def _from_run_file(options: PlanOptions) -> tuple[ModelFacts, str, Workload, Any
     label = config.model.name_or_path or f"{facts.model_type} from the run file's model.config"
     # sequence-parallel rows when the sequence length is the question (--seq-len)
     workload = replace(run_workload(config), sequence_parallel=options.seq_len is not None)
-    return facts, label, workload, config.launch
+    return facts, label, workload, config
 
 
 def _model_config(model: str) -> dict[str, Any]:
@@ -265,14 +325,16 @@ def resolve_setting(options: PlanOptions) -> PlanSetting:
         raise UserError(
             "--model", "a run file already names the model", "give either CONFIG or --model"
         )
-    launch = None
+    launch, max_steps = None, options.max_steps
     if options.model is not None:
         facts, label, workload = _from_model(options)
     else:
-        facts, label, workload, launch = _from_run_file(options)
+        facts, label, workload, config = _from_run_file(options)
+        launch, max_steps = config.launch, config.train.max_steps
+    cpu = options.cpu or bool(launch and launch.cpu)
 
     gpus = options.gpus or (launch.gpus if launch else None)
-    if gpus is None:
+    if gpus is None and not cpu:
         from dplaunch.launching.devices import visible_gpu_count
 
         gpus = visible_gpu_count() or None
@@ -286,10 +348,33 @@ def resolve_setting(options: PlanOptions) -> PlanSetting:
         gpus_per_node=options.gpus_per_node or (launch.gpus_per_node if launch else None),
     )
     nodes, per_node = _nodes(layout, gpus)
+    memory, source = _memory(options, launch, cpu, per_node)
+    return PlanSetting(
+        facts,
+        label,
+        workload,
+        gpus,
+        nodes,
+        per_node,
+        memory,
+        source,
+        profile=_profile(options, launch, cpu, per_node, nodes),
+        max_steps=max_steps,
+        target="cpu" if cpu else "gpu",
+    )
 
+
+def _memory(options: PlanOptions, launch: Any, cpu: bool, per_node: int) -> tuple[float, str]:
+    """GiB of one GPU (a CPU rank's share of the host's RAM), and where it came from."""
     memory, source = options.gpu_memory, "--gpu-memory"
     if memory is None and launch is not None and launch.gpu_memory_gb is not None:
         memory, source = launch.gpu_memory_gb, "launch.gpu_memory_gb"
+    if memory is None and cpu:
+        from dplaunch.launching.devices import host_memory_gb
+
+        host = host_memory_gb()
+        if host is not None:
+            memory, source = host / per_node, f"the host's RAM / {per_node} CPU ranks"
     if memory is None:
         from dplaunch.launching.devices import smallest_gpu_memory_gb
 
@@ -302,7 +387,23 @@ def resolve_setting(options: PlanOptions) -> PlanSetting:
         )
     if memory <= 0:
         raise UserError("--gpu-memory", f"{memory} GB", "give the GiB of one GPU, e.g. 80")
-    return PlanSetting(facts, label, workload, gpus, nodes, per_node, memory, source)
+    return memory, source
+
+
+def _profile(
+    options: PlanOptions, launch: Any, cpu: bool, per_node: int, nodes: int
+) -> Profile | None:
+    """--profile FILE (launch.profile), else this hardware's calibration in the user's cache,
+    else the datasheet of --gpu-type or the visible GPU; None: no forecast."""
+    from dplaunch.launching.devices import cpu_device_name, visible_gpus
+    from dplaunch.planning.profiles import choose_profile
+
+    if cpu:
+        device: str | None = cpu_device_name()
+    else:
+        device = options.gpu_type or next((gpu.name for gpu in visible_gpus()), None)
+    path = options.profile or (Path(launch.profile) if launch and launch.profile else None)
+    return choose_profile(device, per_node, nodes, path=path, interconnect=options.interconnect)
 
 
 def _short(count: int) -> str:
@@ -344,6 +445,31 @@ def describe(setting: PlanSetting, safety_margin: float) -> list[str]:
         "activations; other = logits, buffers, CUDA context (the breakdown below); "
         "comm/step = GB each GPU sends per optimizer step; cpu = host memory for offload",
         *lora,
+        *forecast_lines(setting),
+    ]
+
+
+def forecast_lines(setting: PlanSetting) -> list[str]:
+    """What the forecast columns are, on which profile; or why there are none."""
+    profile = setting.profile
+    devices = "CPU ranks" if setting.target == "cpu" else "GPUs"
+    if profile is None:
+        how = (
+            "run `dplaunch calibrate --cpu --gpus N` on this machine"
+            if setting.target == "cpu"
+            else "run `dplaunch calibrate` on the GPUs, or give --gpu-type (H100, H200, A100, "
+            "L40S, V100)"
+        )
+        return [f"no forecast: no profile of these {devices} ({how}, or --profile FILE)"]
+    steps = (
+        f"{setting.max_steps:,} steps (train.max_steps)"
+        if setting.max_steps
+        else "train.max_steps (unset: give --max-steps)"
+    )
+    return [
+        f"forecast on {profile.label}: s/step = one optimizer step, tokens/s, MFU = the model's "
+        f"FLOPs / (step × GPUs × peak), hours and GPU-hours to {steps}",
+        *(f"  profile note: {note}" for note in profile.notes),
     ]
 
 
@@ -359,6 +485,7 @@ def plan_table(options: PlanOptions) -> tuple[PlanSetting, list[Candidate]]:
         gpus_per_node=setting.gpus_per_node,
         gpu_memory_gb=setting.gpu_memory_gb,
         safety_margin=options.safety_margin,
+        profile=setting.profile,
     )
     return setting, candidates
 
@@ -368,13 +495,15 @@ def run_plan(options: PlanOptions) -> int:
     from dplaunch.planning.candidates import format_table, to_json_rows
 
     setting, candidates = plan_table(options)
+    price = options.price_per_gpu_hour
     if options.as_json:
-        typer.echo(json.dumps(to_json_rows(candidates), indent=2))
+        rows = to_json_rows(candidates, setting.max_steps, price)
+        typer.echo(json.dumps(rows, indent=2))
         return 0
     for line in describe(setting, options.safety_margin):
         typer.echo(line)
     typer.echo("")
-    typer.echo(format_table(candidates))
+    typer.echo(format_table(candidates, setting.max_steps, price))
     shown = next((c for c in candidates if c.recommended), None) or next(
         (c for c in candidates if c.why), None
     )

@@ -90,6 +90,9 @@ class RunFlags:
     hostfile: str | None = flag(
         "launch.hostfile", "DeepSpeed hostfile ('host slots=G'): launch all nodes from here."
     )
+    profile: str | None = flag(
+        "launch.profile", "Hardware profile (dplaunch calibrate --out) the forecast uses."
+    )
     zero: int | None = flag(
         "parallel.zero_stage", "DeepSpeed ZeRO stage (0 = plain DDP).", bounds=(0, 3)
     )

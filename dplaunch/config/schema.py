@@ -416,6 +416,10 @@ class LaunchConfig(Section):
         gt=0,
         description="GiB per GPU that `parallel: auto` and `dplaunch plan` plan for; unset: what nvidia-smi reports.",
     )
+    profile: str | None = Field(
+        None,
+        description="A hardware profile (`dplaunch calibrate --out FILE`) the step-time forecast divides by; unset: `dplaunch calibrate`'s profile of this hardware in the user's cache, else datasheet figures of a known GPU.",
+    )
 
     @field_validator("gpus")
     @classmethod

@@ -35,6 +35,7 @@ from dplaunch.launching.deepspeed_ops import (
 )
 from dplaunch.launching.devices import (
     Gpu,
+    cpu_device_name,
     host_memory_gb,
     local_gpus,
     oldest_compute_capability,
@@ -50,6 +51,7 @@ from dplaunch.planning.model_facts import (
     load_config_json,
 )
 from dplaunch.planning.plan import Machine, Plan, make_plan
+from dplaunch.planning.profiles import Profile
 from dplaunch.planning.rules import check_sequence_length_splits
 from dplaunch.rendering.accelerate_config import accelerate_config_name, render_accelerate_config
 from dplaunch.rendering.deepspeed_config import render_deepspeed_config
@@ -184,6 +186,23 @@ class CheckedRun:
     notes: tuple[str, ...]
 
 
+def run_profile(launch: LaunchConfig, machine: Machine, gpus: list[Gpu]) -> Profile | None:
+    """The hardware profile the run's forecast divides by: launch.profile, else `dplaunch
+    calibrate`'s for this hardware in the user's cache, else a known GPU's datasheet; None when
+    none is known (CPU ranks never calibrated, a GPU without a datasheet, files rendered for
+    another machine)."""
+    from dplaunch.planning.plan import _devices, _nodes
+    from dplaunch.planning.profiles import choose_profile
+
+    if machine.render_only and not launch.profile:
+        return None  # the GPUs are another machine's
+    target, total = _devices(launch, machine, [])
+    nodes, per_node = _nodes(launch, total)
+    device = cpu_device_name() if target == "cpu" else (gpus[0].name if gpus else None)
+    path = Path(launch.profile) if launch.profile else None
+    return choose_profile(device, per_node, nodes, path=path, field_name="launch.profile")
+
+
 def prepare_training_run(
     flags: RunFlags,
     *,
@@ -272,10 +291,13 @@ def plan_training_run(
     says the layout chosen."""
     config, facts = checked.config, checked.facts
     auto_notes: tuple[str, ...] = ()
+    profile = run_profile(config.launch, machine, gpus)
     if config.parallel.auto:
         from dplaunch.planning.auto import resolve_auto_parallel
 
-        auto = resolve_auto_parallel(config, facts, machine, lambda: smallest_gpu_memory_gb(gpus))
+        auto = resolve_auto_parallel(
+            config, facts, machine, lambda: smallest_gpu_memory_gb(gpus), profile
+        )
         config = config.model_copy(update={"parallel": auto.parallel})
         auto_notes = (auto.note,)
     plan = make_plan(
@@ -292,6 +314,10 @@ def plan_training_run(
         from dplaunch.planning.lora_check import check_lora
 
         check_lora(config.model, facts, plan.dims)
+    if profile is not None:
+        from dplaunch.planning.auto import run_forecast
+
+        plan = replace(plan, forecast=run_forecast(config, facts, plan, profile))
     return config, plan
 
 

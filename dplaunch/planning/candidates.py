@@ -38,8 +38,10 @@ from dplaunch.planning.estimate import (
     estimate_communication,
     estimate_memory,
 )
+from dplaunch.planning.forecast import Forecast, forecast_step, seconds_apart, why_faster
 from dplaunch.planning.lora import LoraCount, count_lora
 from dplaunch.planning.model_facts import ModelFacts, attention_implementation
+from dplaunch.planning.profiles import Profile
 from dplaunch.planning.rules import (
     ParallelDims,
     engine_name,
@@ -88,6 +90,15 @@ class Candidate:
     fsdp: str | None = None
     # ranks sharing each sequence (Ulysses); dp × sp × tp × pp = GPUs
     sp: int = 1
+    # the step's forecast on the profile `dplaunch plan` was given (None: no profile)
+    forecast: Forecast | None = None
+
+    def dims(self, gpus: int, gpus_per_node: int) -> ParallelDims:
+        """The layout as the rules and the forecast take it."""
+        return ParallelDims(
+            gpus, gpus_per_node, self.tp, self.pp, self.zero_stage, self.offload,
+            fsdp=self.fsdp, sp=self.sp,
+        )  # fmt: skip
 
     @property
     def other_gb(self) -> float:
@@ -197,6 +208,7 @@ def candidate_plans(
     safety_margin: float = 0.1,
     feasible: Callable[[Candidate], bool] | None = None,
     fsdp: str | None = None,
+    profile: Profile | None = None,
 ) -> list[Candidate]:
     """Every layout for ``gpus`` GPUs with its memory per GPU and traffic per step; one recommended.
 
@@ -209,6 +221,9 @@ def candidate_plans(
     for the model; only eager keeps the attention scores. ``fsdp``: the run asks for FSDP of that
     kind; the recommendation is then among its rows (else never them). The workload's
     ``sequence_parallel``: list sp 2/4/8 rows too (Ulysses; not with eager attention); its
+    ``profile``: the hardware's rates (planning/profiles.py): every row gets its forecast step
+    time (planning/forecast.py; the workload's ``guard`` and ``clip`` as the run's
+    train.on_nonfinite and max_grad_norm), and the fastest row that fits is recommended.
     ``lora``: a LoRA run (only adapters trained; :mod:`dplaunch.planning.lora`).
     """
     if gpus < 1:
@@ -240,6 +255,16 @@ def candidate_plans(
         candidates += _fsdp_rows(
             facts, workload, gpus, gpus_per_node, gpu_memory_gb, usable, count, lora_count
         )
+    if profile is not None:
+        for candidate in candidates:
+            candidate.forecast = forecast_step(
+                facts,
+                candidate.dims(gpus, gpus_per_node),
+                workload,
+                profile,
+                guard=workload.guard,
+                clip=workload.clip,
+            )
     _recommend(candidates, _only_for_activations(candidates, feasible), fsdp)
     return candidates
 
@@ -405,6 +430,9 @@ def _recommend(
             "use more GPUs, activation checkpointing or a smaller micro batch"
         )
         return
+    if all(c.forecast is not None for c in fitting):
+        _recommend_fastest(fitting)
+        return
     best = min(fitting, key=_rank)
     best.recommended = True
     fits = f"{best.layout} fits in {best.gpu_memory_gb:g} GB with {best.headroom:.0%} headroom"
@@ -424,6 +452,27 @@ def _recommend(
     else:
         reason = "; only plans with CPU offload fit, and this one needs the least communication"
     best.why = f"{fits} {reason}" if tier == 0 else fits + reason
+
+
+def _fastest(candidate: Candidate) -> tuple:
+    assert candidate.forecast is not None
+    return (round(candidate.forecast.step_time_s, 9), _rank(candidate))
+
+
+def _recommend_fastest(fitting: list[Candidate]) -> None:
+    """With a forecast: the fastest plan that fits; the line names the runner-up and why."""
+    best, *others = sorted(fitting, key=_fastest)
+    best.recommended = True
+    assert best.forecast is not None
+    fits = f"{best.layout} fits in {best.gpu_memory_gb:g} GB with {best.headroom:.0%} headroom"
+    best.why = f"{fits} and is the fastest forecast, {best.forecast.step_time_s:.3g} s/step"
+    if others and others[0].forecast is not None:
+        runner = others[0]
+        mine, theirs = seconds_apart(best.forecast.step_time_s, runner.forecast.step_time_s)
+        best.why += (
+            f" ({best.layout} {mine} s/step beats {runner.layout} {theirs} s/step: "
+            f"{why_faster(best.forecast, runner.forecast)})"
+        )
 
 
 def recommendation_line(candidates: list[Candidate]) -> str:
@@ -463,15 +512,24 @@ ROW_KEYS = (
 )
 
 
-def to_json_rows(candidates: list[Candidate]) -> list[dict]:
-    """Plain dicts (floats rounded to 0.001 GiB) for ``--json`` output."""
+# the forecast's keys of a row (None without a profile); cost with --price-per-gpu-hour
+FORECAST_KEYS = ("step_time_s", "tokens_per_s", "mfu", "hours", "gpu_hours", "profile")
+
+
+def to_json_rows(
+    candidates: list[Candidate], steps: int | None = None, price_per_gpu_hour: float | None = None
+) -> list[dict]:
+    """Plain dicts (floats rounded to 0.001 GiB) for ``--json`` output; the forecast's keys
+    (FORECAST_KEYS: hours and GPU-hours to ``steps``, the cost at ``price_per_gpu_hour``)."""
     rows = []
     for candidate in candidates:
-        row = asdict(candidate)
-        row["name"] = candidate.name
-        row["engine"] = candidate.engine
-        row["other_gb"] = candidate.other_gb
-        flat = {k: round(row[k], 3) if isinstance(row[k], float) else row[k] for k in ROW_KEYS}
+        values = {key: getattr(candidate, key) for key in ROW_KEYS}
+        flat = {k: round(v, 3) if isinstance(v, float) else v for k, v in values.items()}
+        forecast = candidate.forecast
+        if forecast is not None:
+            flat.update(forecast.to_dict(steps, price_per_gpu_hour))
+        else:
+            flat.update(dict.fromkeys(FORECAST_KEYS))
         if candidate.memory is not None:
             flat["attn_implementation"] = candidate.memory.attn_implementation
             flat["memory_gb"] = {
@@ -482,18 +540,51 @@ def to_json_rows(candidates: list[Candidate]) -> list[dict]:
     return rows
 
 
+def _forecast_cells(
+    candidate: Candidate, steps: int | None, price_per_gpu_hour: float | None
+) -> str:
+    forecast = candidate.forecast
+    if forecast is None:
+        return f"{'-':>9}{'-':>11}{'-':>6}{'-':>8}{'-':>9}" + (
+            f"{'-':>10}" if price_per_gpu_hour is not None else ""
+        )
+    hours, gpu_hours = forecast.hours(steps), forecast.gpu_hours(steps)
+    cells = (
+        f"{forecast.step_time_s:>9.3g}{forecast.tokens_per_s:>11,.0f}{forecast.mfu:>6.0%}"
+        f"{_number(hours):>8}{_number(gpu_hours):>9}"
+    )
+    if price_per_gpu_hour is not None:
+        cost = None if gpu_hours is None else gpu_hours * price_per_gpu_hour
+        cells += f"{'-' if cost is None else f'{cost:,.0f}':>10}"
+    return cells
+
+
+def _number(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def _table_name(candidate: Candidate) -> str:
     return candidate.name + (f" + sp {candidate.sp}" if candidate.sp > 1 else "")
 
 
-def format_table(candidates: list[Candidate]) -> str:
-    """Fixed-width text table, the recommended row marked ``*``, then the recommendation line."""
+def format_table(
+    candidates: list[Candidate], steps: int | None = None, price_per_gpu_hour: float | None = None
+) -> str:
+    """Fixed-width text table, the recommended row marked ``*``, then the recommendation line.
+    With forecasts: step time, tokens/s, MFU, and the hours and GPU-hours to ``steps`` (the
+    cost at ``price_per_gpu_hour``)."""
     # sp rows name longer plans ("ZeRO-1 + offload optimizer + sp 2")
     width = max([26, *(len(_table_name(c)) + 1 for c in candidates)])
+    forecasts = any(c.forecast is not None for c in candidates)
     header = (
         f"  {'plan':<{width}}{'tp':>3}{'pp':>4}{'dp':>5}{'states':>9}{'activ':>8}{'other':>8}{'total':>8}"
         f"{'cpu':>8}{'comm/step':>11}{'fits':>6}"
     )
+    if forecasts:
+        header += f"{'s/step':>9}{'tokens/s':>11}{'MFU':>6}{'hours':>8}{'GPU-h':>9}"
+        header += f"{'cost':>10}" if price_per_gpu_hour is not None else ""
     lines = [header, "  " + "-" * (len(header) - 2)]
     # small models: enough decimals that their numbers are not all 0.0
     largest = max((c.total_gb for c in candidates), default=0.0)
@@ -504,6 +595,7 @@ def format_table(candidates: list[Candidate]) -> str:
             f"{mark} {_table_name(c):<{width}}{c.tp:>3}{c.pp:>4}{c.dp:>5}{c.model_states_gb:>9.{d}f}"
             f"{c.activations_gb:>8.{d}f}{c.other_gb:>8.{d}f}{c.total_gb:>8.{d}f}{c.cpu_gb:>8.{d}f}"
             f"{c.comm_gb_per_step:>11.{d}f}{'yes' if c.fits else 'no':>6}"
+            + (_forecast_cells(c, steps, price_per_gpu_hour) if forecasts else "")
         )
     if candidates:
         lines.append(

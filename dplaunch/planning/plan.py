@@ -54,6 +54,9 @@ class Plan:
     # "tensorflow": `dplaunch launch` of a TensorFlow script, whose strategy owns the collectives,
     # the batch and the precision (launching/frameworks.py)
     framework: Literal["pytorch", "tensorflow"] = "pytorch"
+    # the forecast of this plan's step (planning/forecast.py Forecast.to_dict: step_time_s,
+    # tokens_per_s, mfu, hours, gpu_hours, profile, terms_s, phases_s…); None without a profile
+    forecast: dict[str, Any] | None = None
 
     @property
     def dims(self) -> ParallelDims:

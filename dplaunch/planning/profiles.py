@@ -468,11 +468,12 @@ def choose_profile(
     *,
     path: Path | None = None,
     interconnect: str | None = None,
+    field_name: str = "--profile",
 ) -> Profile | None:
     """The profile a forecast uses: --profile FILE, else the cache's for this hardware, else the
     datasheet of a known GPU; None when nothing is known (no forecast)."""
     if path is not None:
-        return read_profile(path)
+        return read_profile(path, field_name)
     if device is None:
         return None
     cached = cached_profile(device, devices_per_node, nodes)

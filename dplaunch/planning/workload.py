@@ -65,6 +65,10 @@ class Workload:
     sequence_parallel: bool = False
     # model.lora: only adapters are trained (None: every weight)
     lora: LoraSpec | None = None
+    # train.on_nonfinite is not off (one small all-reduce a step); train.max_grad_norm > 0:
+    # the forecast's collectives (planning/forecast.py)
+    guard: bool = True
+    clip: bool = True
 
     def accumulation_steps(self, dp: int) -> int | None:
         """Micro-batches per optimizer step on dp data-parallel ranks (rounded up); None: unknown."""
