@@ -52,6 +52,8 @@ class RunSummary:
     completed: bool
     segments: int
     header: dict[str, Any] = field(default_factory=dict)
+    # the summary line's step time against the forecast (train/loop.py), when the run had one
+    forecast: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -154,6 +156,11 @@ def summarize(run: RunMetrics) -> RunSummary:
         completed=run.summary is not None,
         segments=run.segments,
         header=run.header,
+        forecast={
+            key: value
+            for key, value in (run.summary or {}).items()
+            if key in ("step_time_s", "mfu") or key.startswith("forecast_")
+        },
     )
 
 
@@ -205,8 +212,26 @@ def format_summary(runs: list[RunSummary]) -> str:
         else:
             lines.append("  tokens/s         -")
         lines.append(f"  wall time        {run.wall_s:.1f} s")
+        lines += _forecast_lines(run.forecast)
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks) + "\n"
+
+
+def _forecast_lines(forecast: dict[str, Any]) -> list[str]:
+    """The measured median step beside the forecast, and the note when it was more than 25 % off."""
+    if "step_time_s" not in forecast:
+        return []
+    measured = f"  step time        {forecast['step_time_s']:.4g} s (median after 2 warm-up steps)"
+    if "forecast_step_time_s" not in forecast:
+        return [measured + "; no forecast (no hardware profile)"]
+    lines = [
+        measured + f", forecast {forecast['forecast_step_time_s']:.4g} s "
+        f"(measured / forecast {forecast['forecast_ratio']:.2f})",
+        f"  MFU              {forecast['mfu']:.1%}",
+    ]
+    if forecast.get("forecast_note"):
+        lines.append(f"  forecast         {forecast['forecast_note']}")
+    return lines
 
 
 def _unique_names(run_dirs: list[Path]) -> list[str]:

@@ -520,11 +520,13 @@ def step_collectives(
     *,
     guard: bool = True,
     clip: bool = True,
+    gpu: bool = True,
 ) -> list[Collective]:
     """Every collective rank 0 issues in one optimizer step of this layout, in groups of more
     than one rank (a one-rank group moves nothing). ``workload``: workload.Workload;
     ``guard``: train.on_nonfinite is not off (one small all-reduce a step); ``clip``:
-    train.max_grad_norm > 0.
+    train.max_grad_norm > 0; ``gpu``: GPU ranks, where DeepSpeed overlaps ZeRO-2/3's
+    communication with the backward (overlap_comm, rendering/deepspeed_config.py).
 
     Per layout (m micro-batches a step, b × s tokens each, h hidden, e bytes an element of the
     compute dtype, g bytes of a gradient as it is reduced, Ψ the trained parameters):
@@ -596,7 +598,9 @@ def step_collectives(
             _tensor_parallel_collectives(step, facts, count, dims, workload, m)
         shard = [_tp_weight(w, count, dims.tp) for w in every]
         trained_shard = [_tp_weight(w, count, dims.tp) for w in trained]
-        _zero_collectives(step, dims, shard, trained_shard, workload, m, data, Group(dims.tp))
+        _zero_collectives(
+            step, dims, shard, trained_shard, workload, m, data, Group(dims.tp), overlap=gpu
+        )
     else:
         if facts.model_type in LLAMA_LIKE:
             # the rotary frequencies and their original copy (fp32 buffers), once a step
@@ -669,10 +673,14 @@ def _tensor_parallel_collectives(step, facts, count, dims, workload, m) -> None:
         step.add("all_reduce", activation, group, "backward", "TP input gradients", times=backward)
 
 
-def _zero_collectives(step, dims, every, trained, workload, m, data, model_parallel) -> None:
+def _zero_collectives(
+    step, dims, every, trained, workload, m, data, model_parallel, overlap=False
+) -> None:
     """DeepSpeed's data-parallel collectives over the DATA group: stage 0's (with tp or pp) and
     ZeRO-1/2/3's. EVERY and TRAINED: the tensors this rank holds (its tensor-parallel shard, its
-    pipeline stage); each gradient norm is all-reduced over DATA, then the MODEL_PARALLEL group."""
+    pipeline stage); each gradient norm is all-reduced over DATA, then the MODEL_PARALLEL group.
+    ``overlap``: overlap_comm, ZeRO-2's reductions and ZeRO-3's prefetched gathers and
+    reduce-scatters run beside the computation."""
     e = _element(workload.mixed_precision)
     # bf16 runs reduce in fp32 (rendered communication_data_type); fp16 in 16 bits
     g = 2 if workload.mixed_precision == "fp16" else 4
@@ -692,7 +700,15 @@ def _zero_collectives(step, dims, every, trained, workload, m, data, model_paral
     if stage in (1, 2):
         for _ in range(1 if stage == 1 else m):  # ZeRO-2 reduces every micro-batch
             for size in _pieces(local, BUCKET_SIZE):
-                step.add("all_reduce", size * g, data, "backward", f"ZeRO-{stage} gradients")
+                hides = overlap and stage == 2  # ZeRO-1 reduces after the last backward
+                step.add(
+                    "all_reduce",
+                    size * g,
+                    data,
+                    "backward",
+                    f"ZeRO-{stage} gradients",
+                    overlaps=hides,
+                )
         norm(2)
         groups = [sum(w.numel for w in trained if w.decays)]
         groups.append(sum(w.numel for w in trained if not w.decays))
@@ -706,11 +722,20 @@ def _zero_collectives(step, dims, every, trained, workload, m, data, model_paral
     again = partitioned > ZERO3_MAX_LIVE_PARAMETERS
     for _ in range(m):
         for size in _pieces(partitioned, ZERO3_PREFETCH_ELEMENTS) if partitioned else []:
-            step.add("all_gather", size * e, data, "forward", "ZeRO-3 weights")
+            step.add("all_gather", size * e, data, "forward", "ZeRO-3 weights", overlaps=overlap)
             if again:
-                step.add("all_gather", size * e, data, "backward", "ZeRO-3 weights again")
+                step.add(
+                    "all_gather",
+                    size * e,
+                    data,
+                    "backward",
+                    "ZeRO-3 weights again",
+                    overlaps=overlap,
+                )
         for size in _pieces(local, BUCKET_SIZE):
-            step.add("reduce_scatter", size * g, data, "backward", "ZeRO-3 gradients")
+            step.add(
+                "reduce_scatter", size * g, data, "backward", "ZeRO-3 gradients", overlaps=overlap
+            )
     norm(2, 8)
     names = {w.name for w in trained}
     for weight in persistent:
@@ -791,8 +816,9 @@ class Forecast:
     world_size: int
     peak_flops_per_rank: float
     profile: str
-    # the phases the run can time itself: forward, backward, step (optimizer + what follows)
-    phases: dict[str, float] = field(default_factory=dict)
+    # the phases the run times itself (train/phase_clock.py): forward, backward and step, each
+    # split into its terms (compute and communication; optimizer, offload and communication)
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
     collectives: tuple[Collective, ...] = ()
 
     @property
@@ -805,6 +831,14 @@ class Forecast:
         return self.model_flops_per_step / (
             self.step_time_s * self.world_size * self.peak_flops_per_rank
         )
+
+    def traffic(self) -> dict[str, float]:
+        """Bytes of each collective op in the step (sends and receives together)."""
+        bytes_by_op: dict[str, float] = {}
+        for collective in self.collectives:
+            op = "send" if collective.op == "recv" else collective.op
+            bytes_by_op[op] = bytes_by_op.get(op, 0.0) + collective.bytes
+        return bytes_by_op
 
     def hours(self, steps: int | None) -> float | None:
         return None if steps is None else self.step_time_s * steps / 3600
@@ -824,7 +858,10 @@ class Forecast:
             "gpu_hours": None if gpu_hours is None else round(gpu_hours, 4),
             "profile": self.profile,
             "terms_s": {name: round(value, 6) for name, value in self.terms.items()},
-            "phases_s": {name: round(value, 6) for name, value in self.phases.items()},
+            "phases_s": {
+                phase: {term: round(value, 6) for term, value in parts.items()}
+                for phase, parts in self.phases.items()
+            },
             "model_flops_per_step": self.model_flops_per_step,
             "peak_flops_per_rank": self.peak_flops_per_rank,
             "world_size": self.world_size,
@@ -832,6 +869,99 @@ class Forecast:
         if price_per_gpu_hour is not None and gpu_hours is not None:
             data["cost"] = round(gpu_hours * price_per_gpu_hour, 2)
         return data
+
+
+# measured and forecast step times further apart than this: the run says which term was most wrong
+OFF_BY = 0.25
+
+
+def mfu(forecast: dict[str, Any], step_time_s: float) -> float:
+    """MFU of a measured step, from plan.json's forecast (its FLOPs, ranks and peak)."""
+    return forecast["model_flops_per_step"] / (
+        step_time_s * forecast["world_size"] * forecast["peak_flops_per_rank"]
+    )
+
+
+def compare_with_forecast(
+    forecast: dict[str, Any],
+    measured_step_s: float,
+    measured_phases: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """The end-of-run record of measured against forecast: both step times and their ratio
+    (measured / forecast); when more than OFF_BY apart, the term that was most wrong and a line
+    that says so."""
+    predicted = forecast["step_time_s"]
+    ratio = measured_step_s / predicted
+    result: dict[str, Any] = {
+        "step_time_s": round(measured_step_s, 6),
+        "forecast_step_time_s": predicted,
+        "forecast_ratio": round(ratio, 4),
+    }
+    if measured_phases:
+        result["phases_s"] = {phase: round(s, 6) for phase, s in measured_phases.items()}
+    if abs(ratio - 1) > OFF_BY:
+        term, detail = most_wrong_term(forecast, measured_step_s, measured_phases)
+        result["forecast_most_wrong"] = term
+        result["forecast_note"] = (
+            f"the forecast was {ratio:.2f}× off ({predicted:.3g} s/step forecast, "
+            f"{measured_step_s:.3g} s measured): {term} was the most wrong term ({detail})"
+        )
+    return result
+
+
+def most_wrong_term(
+    forecast: dict[str, Any], measured_step_s: float, measured_phases: dict[str, float] | None
+) -> tuple[str, str]:
+    """(term, why): the phase whose measured seconds are furthest from its forecast (forward,
+    backward, step), and in it the term the forecast gave the most time; without timed phases
+    (the pipeline's step is one call) the largest term."""
+    phases = forecast.get("phases_s") or {}
+    if measured_phases and phases and set(phases) <= set(measured_phases):
+        errors = {p: measured_phases[p] - sum(parts.values()) for p, parts in phases.items()}
+        phase = max(errors, key=lambda p: abs(errors[p]))
+        parts = phases[phase]
+        term = max(parts, key=lambda name: parts[name])
+        return term, (
+            f"the {phase} took {measured_phases[phase]:.3g} s a step, forecast "
+            f"{sum(parts.values()):.3g} s, {parts[term]:.3g} s of it {term}"
+        )
+    terms = forecast["terms_s"]
+    term = max(terms, key=lambda name: terms[name])
+    return term, (
+        f"its phases were not timed; {term} is the largest term, {terms[term]:.3g} s of "
+        f"{forecast['step_time_s']:.3g}"
+    )
+
+
+def why_faster(faster: Forecast, slower: Forecast) -> str:
+    """Why FASTER beats SLOWER, in a few words: the term that differs most ("40 % less
+    all-gather traffic", "no pipeline bubble", "no CPU offload", "25 % less compute")."""
+    gaps = {term: slower.terms[term] - faster.terms[term] for term in TERMS}
+    term = max(gaps, key=lambda name: gaps[name])
+    if term == "communication":
+        mine, theirs = faster.traffic(), slower.traffic()
+        op = max(theirs, key=lambda name: theirs[name] - mine.get(name, 0.0), default=None)
+        if op is None:
+            return "less communication"
+        words = op.replace("_", "-")
+        if mine.get(op, 0.0) < 0.01 * theirs[op]:  # a few bytes of norms are no traffic
+            return f"no {words} traffic"
+        return f"{1 - mine[op] / theirs[op]:.0%} less {words} traffic"
+    if term == "bubble":
+        return "no pipeline bubble" if not faster.terms["bubble"] else "a smaller pipeline bubble"
+    if term == "offload":
+        return "no CPU offload" if not faster.terms["offload"] else "less CPU offload"
+    share = 1 - faster.terms[term] / slower.terms[term] if slower.terms[term] else 1.0
+    return f"{share:.0%} less {'compute' if term == 'compute' else 'optimizer time'}"
+
+
+def seconds_apart(a: float, b: float) -> tuple[str, str]:
+    """A and B with the fewest significant digits (3 or more) that tell them apart."""
+    for digits in range(3, 8):
+        left, right = f"{a:.{digits}g}", f"{b:.{digits}g}"
+        if left != right:
+            return left, right
+    return left, right
 
 
 def compute_seconds(
@@ -933,7 +1063,8 @@ def forecast_step(
     tokens = b * s / dims.sp
     timed = [compute_seconds(f, profile, dtype, hidden, tokens, s, kernel) for f in per_stage]
     forward_s, backward_s = max(timed, key=sum)
-    collectives = step_collectives(facts, dims, workload, guard=guard, clip=clip)
+    gpu = not profile.device.upper().startswith("CPU")
+    collectives = step_collectives(facts, dims, workload, guard=guard, clip=clip, gpu=gpu)
     exposed = communication_seconds(collectives, profile, forward_s * m, backward_s * m)
     if dims.pp > 1:
         compute, bubble = pipeline_seconds(forward_s + backward_s, m, dims.pp)
@@ -972,9 +1103,9 @@ def forecast_step(
     step = sum(terms.values())
     model_flops = sum(f.model for f in per_stage) * m * dims.dp * dims.tp * dims.sp
     phases = {
-        "forward": m * forward_s + exposed["forward"],
-        "backward": m * backward_s + exposed["backward"],
-        "step": exposed["step"] + offload + optimizer,
+        "forward": {"compute": m * forward_s, "communication": exposed["forward"]},
+        "backward": {"compute": m * backward_s, "communication": exposed["backward"]},
+        "step": {"optimizer": optimizer, "offload": offload, "communication": exposed["step"]},
     }
     return Forecast(
         step_time_s=step,
@@ -997,8 +1128,13 @@ __all__ = [
     "Weight",
     "communication_seconds",
     "compute_seconds",
+    "compare_with_forecast",
     "forecast_step",
+    "mfu",
+    "most_wrong_term",
     "micro_batch_flops",
+    "seconds_apart",
+    "why_faster",
     "model_weights",
     "offload_seconds",
     "optimizer_seconds",

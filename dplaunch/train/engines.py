@@ -14,6 +14,7 @@ import torch
 from dplaunch.config.schema import CAUSAL_TASKS
 from dplaunch.planning.plan import Plan
 from dplaunch.train.lora import is_lora_model, trained_state
+from dplaunch.train.phase_clock import PhaseClock
 
 
 class StepEngine(Protocol):
@@ -82,6 +83,8 @@ class AccelerateEngine:
         self.accelerator = accelerator
         self.model = model
         self.optimizer = optimizer
+        # the seconds of each step's forward, backward and optimizer step (train/phase_clock.py)
+        self.clock = PhaseClock(accelerator.device)
         self.scheduler = scheduler
         self.max_grad_norm = max_grad_norm
         self.task = task
@@ -108,9 +111,10 @@ class AccelerateEngine:
         return []
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        accelerator, model = self.accelerator, self.model
+        accelerator, model, clock = self.accelerator, self.model, self.clock
         model.train()
         total = torch.zeros((), device=accelerator.device)
+        clock.start()
         for batch in micro_batches:
             batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
             # rows of unequal length: this micro-batch's share of the step's tokens (data.py)
@@ -120,7 +124,9 @@ class AccelerateEngine:
                 if scale is not None:
                     loss = loss * scale
                 total += loss.detach().float()
+                clock.lap("forward")
                 accelerator.backward(loss)
+                clock.lap("backward")
                 grad_norm = None
                 # DeepSpeed clips inside its step (gradient_clipping in the JSON)
                 if (
@@ -145,6 +151,7 @@ class AccelerateEngine:
                     if accelerator.sync_gradients and not self._step_skipped(scale_before):
                         self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
+                clock.lap("step")
         return total / len(micro_batches)
 
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -31,6 +31,7 @@ from dplaunch.planning.plan import Plan
 from dplaunch.run_directory.layout import FSDP_TAG, FSDP_TRAINER_FILE
 from dplaunch.train.engines import RunFileHyperparameters, build_optimizer, loss_sums
 from dplaunch.train.lora import is_lora_model, trained_state
+from dplaunch.train.phase_clock import PhaseClock
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -173,6 +174,8 @@ class FsdpEngine:
         _ensure_process_group(plan)
         self.accelerator = accelerator
         self.device = accelerator.device
+        # the seconds of each step's forward, backward and optimizer step (train/phase_clock.py)
+        self.clock = PhaseClock(self.device)
         self.rank = dist.get_rank()
         self.task = config.model.task
         self.forward_options = {"use_cache": False} if self.task in CAUSAL_TASKS else {}
@@ -193,9 +196,10 @@ class FsdpEngine:
         return self.lines
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        model, optimizer = self.model, self.optimizer
+        model, optimizer, clock = self.model, self.optimizer, self.clock
         model.train()
         total = torch.zeros((), device=self.device)
+        clock.start()
         for batch in micro_batches:
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             # rows of unequal length: this micro-batch's share of the step's tokens (data.py)
@@ -206,7 +210,9 @@ class FsdpEngine:
             total += loss.detach().float()
             # the mean over the step's micro-batches, as Accelerate's backward divides it
             loss = loss / len(micro_batches)
+            clock.lap("forward")
             (self.scaler.scale(loss) if self.scaler else loss).backward()
+            clock.lap("backward")
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         grad_norm = None
@@ -217,6 +223,7 @@ class FsdpEngine:
         if not skip:
             self._optimizer_step()
         optimizer.zero_grad(set_to_none=True)
+        clock.lap("step")
         return total / len(micro_batches)
 
     def _optimizer_step(self) -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dplaunch.config.schema import RunConfig
+from dplaunch.planning.forecast import compare_with_forecast, mfu
 from dplaunch.planning.plan import Plan
 from dplaunch.run_directory.environment import restarts_so_far
 from dplaunch.run_directory.files import (
@@ -54,6 +55,7 @@ from dplaunch.train.metrics import (
 )
 from dplaunch.train.modeling import load_model, load_tokenizer
 from dplaunch.train.nonfinite import EXIT_NONFINITE, NonFiniteGuard
+from dplaunch.train.phase_clock import StepTimes
 from dplaunch.train.sequence_parallel import LongSequenceEngine, prepare_long_sequences
 from dplaunch.train.trackers import open_trackers
 
@@ -292,6 +294,13 @@ def train(run_dir: Path) -> int:
         f"[dplaunch] {plan.batch_line()}; {total_steps} steps, {data_line}, "
         f"{parameters / 1e6:.1f}M parameters"
     )
+    if plan.forecast is not None:
+        step_s = plan.forecast["step_time_s"]
+        say(
+            f"[dplaunch] forecast {step_s:.3g} s/step, MFU {plan.forecast['mfu']:.1%}, "
+            f"{step_s * total_steps / 3600:.3g} h for {total_steps} steps "
+            f"({plan.forecast['profile']})"
+        )
     sampler = None
     if config.train.sample_prompts:
         from dplaunch.train.samples import PromptSampler
@@ -626,6 +635,9 @@ def _run_steps(run: RankRun, start_step: int) -> tuple[int, str | None]:
     step, stop_reason = start_step, None
     # DPLAUNCH_COLLECTIVE_SPY: the collectives of one step, for the forecast's tests
     spy = spy_from_environment(place.rank)
+    # every step's seconds (and its phases'), compared with plan.json's forecast at the end
+    times, forecast = StepTimes(), run.plan.forecast
+    clock = getattr(engine, "clock", None)
     while step < total_steps:
         # all ranks decide together: a signal may have reached only some of them, or at other moments
         if control.any(signals.received is not None):
@@ -634,7 +646,7 @@ def _run_steps(run: RankRun, start_step: int) -> tuple[int, str | None]:
         if step == stop_after:
             stop_reason = STOP_AFTER_STEPS
             break
-        waited = time.perf_counter()
+        waited = began = time.perf_counter()
         micro_batches = batcher.micro_batches(step)
         interval[2] += time.perf_counter() - waited
         if guard.omits(step + 1):  # the test hook's reference run
@@ -642,6 +654,8 @@ def _run_steps(run: RankRun, start_step: int) -> tuple[int, str | None]:
             continue
         step_lr = engine.current_lr()  # the step's own (the scheduler then moves to the next)
         guard.begin(step + 1)
+        if clock is not None and clock.cuda:  # a GPU waits for each phase of a few steps only
+            clock.enabled = step + 1 in StepTimes.GPU_PHASE_STEPS
         with watched(spy, step + 1):
             loss = engine.train_step(micro_batches)
         if guard.enabled and run.plan.engine == "pipeline":
@@ -650,6 +664,7 @@ def _run_steps(run: RankRun, start_step: int) -> tuple[int, str | None]:
             interval[1] += sum(batch_tokens(b) for b in micro_batches)
         step += 1
         stopping = guard.verdict()
+        times.add(time.perf_counter() - began, clock.seconds if clock is not None else {})
         if guard.event is None:
             interval[0] += loss
             interval_steps += 1
@@ -674,6 +689,9 @@ def _run_steps(run: RankRun, start_step: int) -> tuple[int, str | None]:
                 # waited for their data loader (a slow loader shows here, not as a slow model)
                 "tokens": tokens_read,
                 "data_share": round(min(float(totals[2]) / place.world_size / spent, 1.0), 4),
+                "step_time_s": round(spent / interval_steps, 6),
+                # the model's FLOPs per second over the ranks' peak (needs plan.json's forecast)
+                **({"mfu": round(mfu(forecast, spent / interval_steps), 5)} if forecast else {}),
                 "elapsed_s": round(time.time() - metrics.start, 3),
                 **memory_fields(device),
             }
@@ -704,8 +722,28 @@ def _run_steps(run: RankRun, start_step: int) -> tuple[int, str | None]:
         wall_s=round(time.time() - metrics.start, 3),
         restarts=restarts_so_far(),
         **({"skipped_steps": guard.skipped_total} if guard.skipped_total else {}),
+        **_against_forecast(run, times),
     )
     return step, None
+
+
+def _against_forecast(run: RankRun, times: StepTimes) -> dict[str, Any]:
+    """The measured median step beside plan.json's forecast (planning/forecast.py), and the
+    line that names the most wrong term when they are more than 25 % apart."""
+    measured = times.median_step()
+    if measured is None:
+        return {}
+    forecast = run.plan.forecast
+    if forecast is None:
+        return {"step_time_s": round(measured, 6)}
+    comparison = compare_with_forecast(forecast, measured, times.median_phases())
+    comparison["mfu"] = round(mfu(forecast, measured), 5)
+    line = comparison.get("forecast_note") or (
+        f"measured {measured:.3g} s/step, forecast {forecast['step_time_s']:.3g} s/step "
+        f"({comparison['forecast_ratio']:.2f}×)"
+    )
+    run.say(f"[dplaunch] {line}")
+    return comparison
 
 
 def _evaluate(run: RankRun, step: int) -> None:

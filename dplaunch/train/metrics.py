@@ -55,9 +55,10 @@ class RankPrinter:
             return
         if self.width is None:
             data = data_fields(record)
+            mfu = f"  MFU {record['mfu']:.1%}" if "mfu" in record else ""
             self._write(
                 f"step {step}/{total_steps}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-                f"tokens/s {record['tokens_per_s']:.0f}{'  ' + data if data else ''}\n"
+                f"tokens/s {record['tokens_per_s']:.0f}{mfu}{'  ' + data if data else ''}\n"
             )
             return
         done = step - start_step
@@ -70,6 +71,7 @@ class RankPrinter:
             eta,
             self.width,
             data_fields(record),
+            mfu=record.get("mfu"),
         )
         self._write((REDRAW if self._bar else "") + bar + "\n")
         # the last step's bar stays where it is: what follows (evaluation, export) goes below
@@ -154,9 +156,10 @@ def progress_bar(
     eta_s: float,
     width: int,
     data: str = "",
+    mfu: float | None = None,
 ) -> str:
     """One terminal line (ANSI colours, at most WIDTH cells): step/total, bar, loss, tokens/s,
-    the data part (data_fields), ETA."""
+    MFU (when the run has a forecast, planning/forecast.py), the data part (data_fields), ETA."""
     from rich.console import Console
     from rich.text import Text
 
@@ -167,7 +170,8 @@ def progress_bar(
         ("━" * filled, "green"),
         ("━" * (BAR_CELLS - filled), "bright_black"),
         f" {100 * step / max(total_steps, 1):3.0f}%  loss {loss:.4f}  "
-        f"tokens/s {tokens_per_s:,.0f}  {data + '  ' if data else ''}ETA {eta}",
+        f"tokens/s {tokens_per_s:,.0f}{f'  MFU {mfu:.1%}' if mfu is not None else ''}  "
+        f"{data + '  ' if data else ''}ETA {eta}",
     )
     console = Console(file=io.StringIO(), force_terminal=True, width=width, color_system="standard")
     console.print(line, no_wrap=True, overflow="ellipsis", crop=True, end="")
