@@ -34,6 +34,7 @@ from dplaunch.planning.profiles import (
     profile_text,
     summary_lines,
 )
+from dplaunch.run_directory.layout import ERRORS_DIR
 
 # the ranks' own files in the run directory, and how long they may take
 CALIBRATE_DIR = "calibrate"
@@ -96,7 +97,14 @@ def run_calibrate(flags: RunFlags, out: Path | None = None, quick: bool = False)
     )
     write_run_files(prepared.run_dir, prepared.files)
     result_file.unlink(missing_ok=True)
-    failure = _run_ranks(prepared.argv, {**os.environ, **prepared.env})
+    env = {**os.environ, **prepared.env}
+    # offload steps DeepSpeed's CPU Adam on the host: built once (about a minute), then timed
+    from dplaunch.launching.op_build import build_missing
+
+    log_dir = prepared.run_dir / ERRORS_DIR
+    accelerator = "cuda" if plan.target == "gpu" else "cpu"
+    build_missing({"cpu_adam": "dplaunch calibrate"}, accelerator, env, log_dir, typer.echo)
+    failure = _run_ranks(prepared.argv, env)
     if failure:
         typer.echo(f"calibrate: FAIL: {failure}", err=True)
         return 1

@@ -224,11 +224,19 @@ def prepare_ops(plan: Plan, env: Mapping[str, str], log_dir: Path, say: Say) -> 
     """Before the ranks start: clear stale locks of the ops the plan needs, build those not built.
 
     Raises UserError when a build fails (its output is in LOG_DIR)."""
-    ops = needed_ops(plan)
+    accelerator = "cuda" if plan.target == "gpu" else "cpu"
+    build_missing(needed_ops(plan), accelerator, env, log_dir, say)
+
+
+def build_missing(
+    ops: dict[str, str], accelerator: str, env: Mapping[str, str], log_dir: Path, say: Say
+) -> None:
+    """Build each op of OPS (name → the setting that needs it) not prebuilt for ACCELERATOR nor
+    built in the ranks' extension folder; clear a stale lock first."""
     if not ops:
         return
     folder = Path(env.get("TORCH_EXTENSIONS_DIR") or torch_extensions_dir())
-    prebuilt = prebuilt_ops("cuda" if plan.target == "gpu" else "cpu")
+    prebuilt = prebuilt_ops(accelerator)
     to_build = []
     for name in ops:
         if name in prebuilt:
