@@ -377,25 +377,14 @@ def assert_forecast_collectives(run_dir: Path) -> None:
     from dplaunch.planning.auto import run_workload
     from dplaunch.planning.forecast import step_collectives
     from dplaunch.planning.plan import Plan
-    from dplaunch.planning.rules import ParallelDims
     from dplaunch.run_directory.files import read_plan_file, read_run_file
 
     config = RunConfig.model_validate(read_run_file(run_dir))
     plan = Plan.from_dict(read_plan_file(run_dir))
-    dims = ParallelDims(
-        plan.world_size,
-        plan.processes_per_node,
-        plan.tensor_parallel_size,
-        plan.pipeline_parallel_size,
-        plan.zero_stage,
-        plan.offload,
-        fsdp=plan.fsdp,
-        sp=plan.sequence_parallel_size,
-    )
     workload = replace(run_workload(config), micro_batch=plan.micro_batch_size)
     forecast = step_collectives(
         model_facts(config.model),
-        dims,
+        plan.dims(),
         workload,
         guard=config.train.on_nonfinite != "off",
         clip=config.train.max_grad_norm > 0,

@@ -11,17 +11,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
+import yaml
 
 from dplaunch.config.schema import ModelConfig
 from dplaunch.errors import UserError
 from dplaunch.planning.forecast import (
+    TERMS,
     Collective,
+    compare_with_forecast,
     forecast_step,
     micro_batch_flops,
     model_weights,
     step_collectives,
+    why_faster,
 )
 from dplaunch.planning.lora import LoraSpec
 from dplaunch.planning.model_facts import ModelFacts
@@ -43,7 +48,11 @@ from dplaunch.planning.rules import ParallelDims
 from dplaunch.planning.workload import Workload
 from tests.helpers import (
     LLAMA_7B,
+    REPO,
     assert_forecast_collectives,
+    child_environment,
+    read_metrics,
+    run_dplaunch,
     spy_environment,
     train,
     write_config,
@@ -371,17 +380,185 @@ def test_mfu_is_the_models_flops_over_step_time_ranks_and_peak():
 
 
 @pytest.mark.multiprocess
-def test_zero3_gathers_its_partitioned_weights_once_a_micro_batch_as_the_forecast_counts(tmp_path):
+def test_a_zero3_run_issues_the_forecast_collectives_and_checks_its_step_time_against_it(
+    tmp_path,
+):
     # MLP weights of 64 × 2048 (131 k elements) pass ZeRO-3's persistence threshold (100 k) and
     # are partitioned; attention and norms persist whole and are gathered after the step
     config = write_config(
         tmp_path / "wide.yaml",
-        model={"config": {**json.loads(json.dumps(SMALL_LLAMA)), "intermediate_size": 2048}},
+        model={"config": {**SMALL_LLAMA, "intermediate_size": 2048}},
         train={"max_steps": 3, "global_batch_size": 8, "micro_batch_size": 2},
     )
+    # a profile far from this machine (1e12 FLOP/s): the forecast will be far off
+    profile = tmp_path / "profile.json"
+    profile.write_text(profile_text(small_profile()))
     run = tmp_path / "zero3"
-    train(run, "--cpu", "--gpus", "2", "--zero", "3", config=config, env=spy_environment(run))
+    flags = ("--cpu", "--gpus", "2", "--zero", "3", "--profile", profile)
+    result = train(run, *flags, config=config, env=spy_environment(run))
     assert_forecast_collectives(run)
     spied = json.loads((tmp_path / "zero3.collectives" / "rank-0.json").read_text())
     gathers = [c for c in spied["collectives"] if c["op"] == "all_gather"]
     assert gathers[0]["bytes"] == 2 * 3 * 64 * 2048 * 4  # both layers' MLPs, fp32, at once
+
+    # plan.json carries the forecast of its layout; every train line its MFU
+    forecast = json.loads((run / "plan.json").read_text())["forecast"]
+    assert {"step_time_s", "tokens_per_s", "mfu", "hours", "gpu_hours", "profile"} <= set(forecast)
+    assert forecast["profile"] == "Test GPU ×8, nvlink (calibrated)"
+    records = read_metrics(run)
+    assert all(0 < r["mfu"] for r in records if r["type"] == "train")
+    assert " MFU " in result.stdout
+    # the end: measured beside forecast, and (more than 25 % off) the most wrong term
+    [summary] = [r for r in records if r["type"] == "summary"]
+    assert summary["forecast_ratio"] == pytest.approx(
+        summary["step_time_s"] / summary["forecast_step_time_s"], rel=1e-3
+    )
+    assert summary["forecast_most_wrong"] in TERMS
+    assert summary["forecast_note"] in result.stdout
+    report = run_dplaunch("report", run, "--out", tmp_path / "report")
+    assert report.returncode == 0, report.stderr
+    text = (tmp_path / "report" / "summary.txt").read_text()
+    assert "measured / forecast" in text and summary["forecast_note"] in text
+
+
+# ---------------------------------------------------------------------------------------------
+# where it shows: `dplaunch plan`, parallel: auto
+
+
+def test_plan_on_a_known_gpu_forecasts_every_row_from_its_datasheet(tmp_path):
+    model = tmp_path / "llama-7b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA_7B))
+    flags = ("--model", model, "--gpus", "16", "--nodes", "2", "--gpu-memory", "80")
+    forecast = ("--gpu-type", "H100", "--max-steps", "1000", "--price-per-gpu-hour", "2.5")
+    result = run_dplaunch("plan", *flags, *forecast)
+    assert result.returncode == 0, result.stderr
+    assert "forecast on H100 ×8, 2 nodes, infiniband (datasheet, not calibrated)" in result.stdout
+    header = next(line for line in result.stdout.splitlines() if line.strip().startswith("plan"))
+    assert header.split()[-6:] == ["s/step", "tokens/s", "MFU", "hours", "GPU-h", "cost"]
+    # the fastest plan that fits is recommended, and the line names the runner-up and why
+    [line] = [
+        line for line in result.stdout.splitlines() if line.startswith("* ") and "fastest" in line
+    ]
+    assert re.search(r"is the fastest forecast, [\d.]+ s/step \(.* beats .* s/step: .+\)", line)
+
+    rows = json.loads(run_dplaunch("plan", *flags, *forecast, "--json").stdout)
+    for row in rows:
+        assert row["profile"].endswith("(datasheet, not calibrated)")
+        assert row["hours"] == pytest.approx(row["step_time_s"] * 1000 / 3600, rel=1e-2)
+        assert row["gpu_hours"] == pytest.approx(row["hours"] * 16, rel=1e-2)
+        assert row["cost"] == pytest.approx(row["gpu_hours"] * 2.5, rel=1e-2)
+        assert 0 < row["mfu"] < 1 and row["tokens_per_s"] > 0
+    [best] = [r for r in rows if r["recommended"]]
+    fitting = [r for r in rows if r["fits"] and r["engine"] != "fsdp"]
+    assert best["step_time_s"] == min(r["step_time_s"] for r in fitting)
+    # an unknown GPU and no profile: no forecast, and the table says how to get one
+    unknown = run_dplaunch("plan", *flags)
+    assert "no forecast: no profile of these GPUs (run `dplaunch calibrate`" in unknown.stdout
+    keys = json.loads(run_dplaunch("plan", *flags, "--json").stdout)[0]
+    assert keys["step_time_s"] is None and keys["profile"] is None
+
+
+def test_auto_picks_the_faster_of_the_fitting_layouts_under_each_profile(tmp_path):
+    from dplaunch.config.load import build_run_config
+    from dplaunch.planning.auto import resolve_auto_parallel
+    from dplaunch.planning.plan import Machine
+
+    data = yaml.safe_load((REPO / "examples" / "llama-1b.yaml").read_text())
+    data["parallel"] = "auto"
+    data.setdefault("launch", {}).update({"gpus": 16, "gpu_memory_gb": 80})
+    facts = ModelFacts.from_config_dict(data["model"]["config"])
+    ops = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
+    fast_compute = (DensePoint("bf16", 1024, 4096, 1e15),)
+    # a slow optimizer and a fast network: partitioning the optimizer (ZeRO) pays
+    slow_optimizer = small_profile(
+        dense=fast_compute,
+        optimizer_s_per_param=1e-8,
+        cpu_adam_s_per_param=1e-6,
+        collectives={"intra": {op: Link(1e-6, 1e13) for op in ops}},
+    )
+    # a fast optimizer and a slow network: the least traffic (DDP) pays
+    slow_network = small_profile(
+        dense=fast_compute,
+        optimizer_s_per_param=1e-13,
+        collectives={"intra": {op: Link(1e-3, 1e9) for op in ops}},
+    )
+    picks = {}
+    for name, profile in (("slow optimizer", slow_optimizer), ("slow network", slow_network)):
+        config = build_run_config(data, assignments=[], base_dir=REPO / "examples")
+        choice = resolve_auto_parallel(config, facts, Machine(visible_gpus=16), profile=profile)
+        fitting = [c for c in choice.candidates if c.fits and c.fsdp is None]
+        fastest = min(fitting, key=lambda c: c.forecast.step_time_s)
+        assert (choice.parallel.zero_stage, choice.parallel.offload) == (
+            fastest.zero_stage,
+            fastest.offload,
+        )
+        assert "beats" in choice.note, choice.note
+        picks[name] = choice.parallel
+    assert picks["slow optimizer"].zero_stage > 0 and picks["slow optimizer"].offload == "none"
+    assert (picks["slow network"].zero_stage, picks["slow network"].tp) == (0, 1)
+
+
+def test_why_one_forecast_beats_another_names_the_term_that_differs():
+    facts = ModelFacts.from_config_dict(LLAMA_7B)
+    profile = small_profile(dense=(DensePoint("bf16", 1024, 4096, 1e15),))
+    zero2 = forecast_step(facts, ParallelDims(16, 8, zero_stage=2), workload(), profile)
+    zero3 = forecast_step(facts, ParallelDims(16, 8, zero_stage=3), workload(), profile)
+    offload = forecast_step(
+        facts, ParallelDims(16, 8, zero_stage=2, offload="optimizer"), workload(), profile
+    )
+    pipeline = forecast_step(facts, ParallelDims(16, 8, pp=2), workload(), profile)
+    faster, slower = sorted((zero2, zero3), key=lambda f: f.step_time_s)
+    assert re.fullmatch(r"(\d+% less|no) [a-z-]+ traffic", why_faster(faster, slower))
+    assert why_faster(zero2, offload) == "no CPU offload"
+    assert why_faster(zero2, pipeline) == "no pipeline bubble"
+
+
+def test_a_run_more_than_25_percent_off_names_the_most_wrong_term():
+    forecast = {
+        "step_time_s": 1.0,
+        "terms_s": {
+            "compute": 0.6,
+            "communication": 0.3,
+            "bubble": 0.0,
+            "offload": 0.0,
+            "optimizer": 0.1,
+        },
+        "phases_s": {
+            "forward": {"compute": 0.2, "communication": 0.0},
+            "backward": {"compute": 0.4, "communication": 0.3},
+            "step": {"optimizer": 0.1, "offload": 0.0, "communication": 0.0},
+        },
+    }
+    close = compare_with_forecast(forecast, 1.1, {"forward": 0.2, "backward": 0.8, "step": 0.1})
+    assert close["forecast_ratio"] == 1.1 and "forecast_note" not in close
+    off = compare_with_forecast(forecast, 2.0, {"forward": 0.25, "backward": 1.65, "step": 0.1})
+    assert off["forecast_most_wrong"] == "compute"
+    assert off["forecast_note"].startswith("the forecast was 2.00× off (1 s/step forecast, 2 s")
+    assert "the backward took 1.65 s a step, forecast 0.7 s" in off["forecast_note"]
+    untimed = compare_with_forecast(forecast, 0.5, None)
+    assert untimed["forecast_most_wrong"] == "compute"
+    assert "its phases were not timed" in untimed["forecast_note"]
+
+
+@pytest.mark.multiprocess
+def test_calibrating_cpu_ranks_writes_a_profile_that_a_second_plan_uses(tmp_path):
+    env = child_environment(XDG_CACHE_HOME=str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SMALL_LLAMA))
+    flags = ("--model", model, "--cpu", "--gpus", "2", "--gpu-memory", "4", "--json")
+    before = json.loads(run_dplaunch("plan", *flags, env=env).stdout)
+    assert before[0]["profile"] is None  # no calibration yet: no forecast
+    calibrated = run_dplaunch(
+        "calibrate", "--cpu", "--gpus", "2", "--quick", "-o", tmp_path / "run", env=env
+    )
+    assert calibrated.returncode == 0, calibrated.stdout[-3000:] + calibrated.stderr[-3000:]
+    [written] = (tmp_path / "cache" / "dplaunch" / "profiles").glob("*.json")
+    assert f"wrote {written}" in calibrated.stdout
+    profile = read_profile(written)
+    assert profile.source == CALIBRATED and profile.devices_per_node == 2
+    assert profile.dense and profile.attention and profile.collectives["intra"]["all_reduce"]
+    rows = json.loads(run_dplaunch("plan", *flags, env=env).stdout)
+    assert all(row["profile"] == profile.label for row in rows)
+    assert all(row["step_time_s"] > 0 for row in rows)
