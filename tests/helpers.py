@@ -357,9 +357,9 @@ def option_choices(command: str, option: str) -> list[str]:
 def spy_environment(run_dir: Path, **extra: str) -> dict[str, str]:
     """The ranks' environment with the collective spy on (dplaunch/train/collective_spy.py): rank
     R writes RUN_DIR.collectives/rank-R.json, the collectives of step 3, beside the run directory."""
-    from dplaunch.train.collective_spy import SPY_ENV
+    from dplaunch.run_directory.environment import COLLECTIVE_SPY_ENV
 
-    return child_environment(**{SPY_ENV: str(collectives_folder(run_dir))}, **extra)
+    return child_environment(**{COLLECTIVE_SPY_ENV: str(collectives_folder(run_dir))}, **extra)
 
 
 def collectives_folder(run_dir: Path) -> Path:
@@ -384,7 +384,7 @@ def assert_forecast_collectives(run_dir: Path) -> None:
     workload = replace(run_workload(config), micro_batch=plan.micro_batch_size)
     forecast = step_collectives(
         model_facts(config.model),
-        plan.dims(),
+        plan.dims,
         workload,
         guard=config.train.on_nonfinite != "off",
         clip=config.train.max_grad_norm > 0,

@@ -440,7 +440,7 @@ def test_plan_on_a_known_gpu_forecasts_every_row_from_its_datasheet(tmp_path):
     [line] = [
         line for line in result.stdout.splitlines() if line.startswith("* ") and "fastest" in line
     ]
-    assert re.search(r"is the fastest forecast, [\d.]+ s/step \(.* beats .* s/step: .+\)", line)
+    assert re.search(r"; the fastest forecast: .+ [\d.]+ s/step beats .+ [\d.]+ s/step: .+", line)
 
     rows = json.loads(run_dplaunch("plan", *flags, *forecast, "--json").stdout)
     for row in rows:

@@ -465,14 +465,15 @@ def _recommend_fastest(fitting: list[Candidate]) -> None:
     best.recommended = True
     assert best.forecast is not None
     fits = f"{best.layout} fits in {best.gpu_memory_gb:g} GB with {best.headroom:.0%} headroom"
-    best.why = f"{fits} and is the fastest forecast, {best.forecast.step_time_s:.3g} s/step"
-    if others and others[0].forecast is not None:
-        runner = others[0]
-        mine, theirs = seconds_apart(best.forecast.step_time_s, runner.forecast.step_time_s)
-        best.why += (
-            f" ({best.layout} {mine} s/step beats {runner.layout} {theirs} s/step: "
-            f"{why_faster(best.forecast, runner.forecast)})"
-        )
+    if not others or others[0].forecast is None:
+        best.why = f"{fits}; the fastest forecast, {best.forecast.step_time_s:.3g} s/step"
+        return
+    runner = others[0]
+    mine, theirs = seconds_apart(best.forecast.step_time_s, runner.forecast.step_time_s)
+    best.why = (
+        f"{fits}; the fastest forecast: {best.layout} {mine} s/step beats {runner.layout} "
+        f"{theirs} s/step: {why_faster(best.forecast, runner.forecast)}"
+    )
 
 
 def recommendation_line(candidates: list[Candidate]) -> str:

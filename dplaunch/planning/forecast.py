@@ -41,10 +41,11 @@ from dplaunch.planning.estimate import (
     count_parameters,
     layers_per_stage,
 )
-from dplaunch.planning.lora import LoraSpec, Module, adapted_modules, model_modules
+from dplaunch.planning.lora import Module, adapted_modules, model_modules
 from dplaunch.planning.mesh import Mesh, fsdp_groups
 from dplaunch.planning.model_facts import ModelFacts, attention_implementation
 from dplaunch.planning.profiles import DTYPES, Profile
+from dplaunch.planning.workload import LoraSpec, Workload
 
 if TYPE_CHECKING:
     from dplaunch.planning.rules import ParallelDims
@@ -516,17 +517,17 @@ class StepCollectives:
 def step_collectives(
     facts: ModelFacts,
     dims: ParallelDims,
-    workload: Any,
+    workload: Workload,
     *,
     guard: bool = True,
     clip: bool = True,
     gpu: bool = True,
 ) -> list[Collective]:
     """Every collective rank 0 issues in one optimizer step of this layout, in groups of more
-    than one rank (a one-rank group moves nothing). ``workload``: workload.Workload;
-    ``guard``: train.on_nonfinite is not off (one small all-reduce a step); ``clip``:
-    train.max_grad_norm > 0; ``gpu``: GPU ranks, where DeepSpeed overlaps ZeRO-2/3's
-    communication with the backward (overlap_comm, rendering/deepspeed_config.py).
+    than one rank (a one-rank group moves nothing). ``guard``: train.on_nonfinite is not off
+    (one small all-reduce a step); ``clip``: train.max_grad_norm > 0; ``gpu``: GPU ranks, where
+    DeepSpeed overlaps ZeRO-2/3's communication with the backward (overlap_comm,
+    rendering/deepspeed_config.py).
 
     Per layout (m micro-batches a step, b × s tokens each, h hidden, e bytes an element of the
     compute dtype, g bytes of a gradient as it is reduced, Ψ the trained parameters):
@@ -1031,7 +1032,7 @@ def offload_seconds(
 def forecast_step(
     facts: ModelFacts,
     dims: ParallelDims,
-    workload: Any,
+    workload: Workload,
     profile: Profile,
     *,
     guard: bool = True,

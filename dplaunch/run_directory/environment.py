@@ -36,6 +36,10 @@ DATA_CHECK_MB_ENV = "DPLAUNCH_DATA_CHECK_MB"
 CHECKPOINT_FAULT_ENV = "DPLAUNCH_TEST_CHECKPOINT_FAULT"
 # a non-finite loss at a step on a rank (train/nonfinite.py)
 NONFINITE_FAULT_ENV = "DPLAUNCH_TEST_NONFINITE"
+# a folder where each rank writes the collectives of one step (train/collective_spy.py), and
+# that step (1-based; default 3): what the forecast's collectives are checked against
+COLLECTIVE_SPY_ENV = "DPLAUNCH_COLLECTIVE_SPY"
+COLLECTIVE_SPY_STEP_ENV = "DPLAUNCH_COLLECTIVE_SPY_STEP"
 
 
 def restarts_so_far(environ: Mapping[str, str] | None = None) -> int:

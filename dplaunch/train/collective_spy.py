@@ -22,10 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-# the folder the ranks write their records to; unset: no spy (the default)
-SPY_ENV = "DPLAUNCH_COLLECTIVE_SPY"
-# the optimizer step the spy watches (1-based, as metrics.jsonl counts)
-SPY_STEP_ENV = "DPLAUNCH_COLLECTIVE_SPY_STEP"
+from dplaunch.run_directory.environment import COLLECTIVE_SPY_ENV, COLLECTIVE_SPY_STEP_ENV
 
 # dispatcher op name (without namespace and overload) → (collective, how its bytes are counted)
 _OPS = {
@@ -180,10 +177,10 @@ class CollectiveSpy:
 
 def spy_from_environment(rank: int) -> CollectiveSpy | None:
     """The spy DPLAUNCH_COLLECTIVE_SPY asks for, or None (no spy: the ordinary case)."""
-    folder = os.environ.get(SPY_ENV)
+    folder = os.environ.get(COLLECTIVE_SPY_ENV)
     if not folder:
         return None
-    return CollectiveSpy(Path(folder), rank, int(os.environ.get(SPY_STEP_ENV, "3")))
+    return CollectiveSpy(Path(folder), rank, int(os.environ.get(COLLECTIVE_SPY_STEP_ENV, "3")))
 
 
 @contextlib.contextmanager
