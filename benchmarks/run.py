@@ -6,6 +6,7 @@
     python -m benchmarks.run --only scaling_peers  # optional: scaling of dplaunch and of the hand loop
     python -m benchmarks.run --only long_context   # optional: longest sequence under a memory budget, sp 1 vs 2
     python -m benchmarks.run --only streaming      # optional: data.streaming vs tokenise-and-cache on a 2 GB corpus
+    python -m benchmarks.run --only forecast       # optional: forecast vs measured step time of 10 layouts (~15 min)
     python -m benchmarks.run --reps 5 --no-write # more repetitions (throughput: rounds), keep results/ untouched
 
 Results go to benchmarks/results/NAME.json (with date, machine, versions) and NAME.png. The GPU
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from benchmarks import (
     flags,
+    forecast,
     fsdp,
     launch_overhead,
     long_context,
@@ -38,7 +40,7 @@ from benchmarks.common import RESULTS, Options, machine_facts, verdict
 
 # what `make bench` runs without --only; the optional ones would take it past 20 minutes
 DEFAULT = (startup, launch_overhead, throughput, lora, scaling, flags, fsdp)
-OPTIONAL = (scaling_peers, long_context, streaming)
+OPTIONAL = (scaling_peers, long_context, streaming, forecast)
 COMPARISONS = {module.NAME: module for module in (*DEFAULT, *OPTIONAL)}
 
 
