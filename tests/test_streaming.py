@@ -3,7 +3,8 @@ data and order (1 and 2 ranks), and a stream stopped mid-way continues exactly, 
 on another rank count (2 → 1: each lane restarts where the checkpoint's position file says).
 
 Three sets of runs, each shared by its tests (a launch costs ~10 s): causal-LM texts one a
-sample in file order (cached and streamed on 2 ranks, a 1-rank resume of the stream), packed texts shuffled over 4 gzip files (2 ranks and a 2-rank resume), and sft
+sample in file order (cached and streamed on 2 ranks, a 1-rank resume of the stream, a stream
+on 2 tensor-parallel ranks), packed texts shuffled over 4 gzip files (2 ranks and a 2-rank resume), and sft
 conversations (cached and streamed, 2 ranks; packed and shuffled, 2 ranks and a 1-rank resume).
 """
 
@@ -46,7 +47,8 @@ def resumed(source: Path, run_dir: Path, run_file: Path, *flags: str) -> Path:
 @pytest.fixture(scope="module")
 def text_runs(tmp_path_factory) -> dict[str, Path]:
     """Reviews, one text a sample, in file order: cached on 2 ranks; streamed on 2 (one data
-    loader worker each); the 2-rank stream resumed at step 3 on 1 rank (steps 4-6)."""
+    loader worker each); the 2-rank stream resumed at step 3 on 1 rank (steps 4-6); streamed on
+    2 tensor-parallel ranks."""
     folder = tmp_path_factory.mktemp("texts")
     data = folder / "reviews.jsonl"
     data.write_text(
@@ -56,13 +58,15 @@ def text_runs(tmp_path_factory) -> dict[str, Path]:
     keys = {"dataset": str(data), "eval_fraction": None, "packing": False, "shuffle": False}
     run_file = write_config(folder / "texts.yaml", data=keys)
     two = ("--cpu", "--gpus", "2", *STEPS)
-    runs = {name: folder / name for name in ("cached", "stream-2", "resumed-1")}
+    runs = {name: folder / name for name in ("cached", "stream-2", "resumed-1", "stream-tp2")}
     train(runs["cached"], *two, config=run_file)
     result = train(
         runs["stream-2"], *two, *STREAM, *AT_3, "--set", "data.num_workers=1", config=run_file
     )
     (folder / "stream-2.log").write_text(result.stdout)
     resumed(runs["stream-2"], runs["resumed-1"], run_file, "--cpu", "--gpus", "1", *STEPS, *STREAM)
+    # tensor-parallel peers must read the same rows (DeepSpeed checks it at the first forward)
+    train(runs["stream-tp2"], "--cpu", "--gpus", "2", "--tp", "2", *STEPS, *STREAM, config=run_file)
     return runs
 
 
@@ -70,6 +74,13 @@ def test_a_stream_trains_with_the_cached_paths_losses_on_2_ranks(text_runs):
     cached = losses(text_runs["cached"])
     assert sorted(cached) == [1, 2, 3, 4, 5, 6]
     assert losses(text_runs["stream-2"]) == cached  # the same batches, bit for bit
+
+
+def test_tensor_parallel_peers_read_the_same_stream_and_count_its_tokens_once(text_runs):
+    # dp 1 × tp 2: one lane set for both ranks; the loss weights count the rows once
+    tp, cached = losses(text_runs["stream-tp2"]), losses(text_runs["cached"])
+    assert sorted(tp) == sorted(cached)
+    assert max_relative_gap(list(tp.values()), list(cached.values())) < 1e-3  # as tp vs DP
 
 
 def test_a_stream_stopped_on_2_ranks_continues_on_1_rank_with_the_straight_losses(text_runs):
