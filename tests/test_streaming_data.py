@@ -29,7 +29,7 @@ from dplaunch.data.streams import Shard, parse_raw, read_raw
 from dplaunch.train.data import Batcher, Sharding, attach_chat_template, tokenize
 from dplaunch.train.streaming import StreamBatcher
 from dplaunch.train.tokenizer import byte_level_tokenizer
-from tests.helpers import REPO, SFT_CONFIG, write_config
+from tests.helpers import REPO, SFT_CONFIG, cache_hub_dataset, write_config
 
 REVIEWS = REPO / "dplaunch/resources/data/reviews.jsonl"
 CHATS = REPO / "dplaunch/resources/data/chat-train.jsonl"
@@ -251,6 +251,25 @@ def test_a_hub_layout_folder_streams_through_datasets_as_its_files_read_directly
     assert [shard.kind for shard in hub.layout.shards] == ["hub", "hub"]
     files = stream(tokenizer, tmp_path / "files" / "train-*.jsonl", packing=False)
     for step in range(12):
+        assert equal_batches(hub.micro_batches(step), files.micro_batches(step)), step
+
+
+def test_offline_a_hub_dataset_in_the_datasets_cache_streams_from_its_arrow_files(
+    tokenizer, tmp_path, monkeypatch
+):
+    texts = [json.loads(line)["text"] for line in REVIEWS.read_text().splitlines()[:48]]
+    cache_hub_dataset(
+        tmp_path / "hf", "someone/reviews", "plain", {"train": {"text": texts}}, shards=2
+    )
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub = stream(tokenizer, "someone/reviews", packing=False, dataset_config="plain")
+    assert [shard.kind for shard in hub.layout.shards] == ["arrow", "arrow"]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:24]))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[24:]))
+    files = stream(tokenizer, tmp_path / "?.jsonl", packing=False)
+    for step in range(8):
         assert equal_batches(hub.micro_batches(step), files.micro_batches(step)), step
 
 

@@ -117,10 +117,17 @@ def window_order(size: int, seed: int, position: Position, group: int, shuffle: 
 
 def stream_shards(data: Any, field: str = "data.dataset") -> list[Shard]:
     """The shards DATA's training set streams from: local files (a glob, a list), the Arrow files
-    of a save_to_disk folder, or a hub dataset's (or hub-layout folder's) shards in `datasets`'
-    streaming mode. Raises UserError for what a stream cannot read."""
-    from dplaunch.data.arrow_datasets import hub_layout_folder, saved_dataset, saved_folder
+    of a save_to_disk folder (or, offline, of a hub dataset prepared in the `datasets` cache), or
+    a hub dataset's (or hub-layout folder's) shards in `datasets`' streaming mode. Raises
+    UserError for what a stream cannot read."""
+    from dplaunch.data.arrow_datasets import (
+        cached_dataset,
+        hub_layout_folder,
+        saved_dataset,
+        saved_folder,
+    )
     from dplaunch.data.formats import expand_files, is_local, local_format
+    from dplaunch.hub import hub_offline
 
     source = data.dataset
     folder = saved_folder(source)
@@ -137,6 +144,13 @@ def stream_shards(data: Any, field: str = "data.dataset") -> list[Shard]:
                 "convert the files (to JSON lines or Parquet), or set data.streaming: false",
             )
         return [Shard(path, kind) for path in files]
+    if hub_offline() and isinstance(source, str):
+        # offline, a hub dataset prepared in the `datasets` cache is streamed from its Arrow
+        # files (`datasets`' streaming mode would need the Hub)
+        prepared = cached_dataset(source, data.dataset_config, field)
+        if prepared is not None:
+            split = prepared.split(data.split, "data.split")
+            return [Shard(str(path), "arrow") for path in split.files]
     return hub_shards(source, data.dataset_config, data.split)
 
 
