@@ -536,6 +536,11 @@ def test_a_run_more_than_25_percent_off_names_the_most_wrong_term():
     assert off["forecast_most_wrong"] == "compute"
     assert off["forecast_note"].startswith("the forecast was 2.00× off (1 s/step forecast, 2 s")
     assert "the backward took 1.65 s a step, forecast 0.7 s" in off["forecast_note"]
+    # DeepSpeed steps inside Accelerate's backward: the two phases are compared as one
+    joined = compare_with_forecast(
+        forecast, 2.0, {"forward": 0.2, "backward": 1.8, "step": 0.0}, ("backward", "step")
+    )
+    assert "the backward and step took 1.8 s a step, forecast 0.8 s" in joined["forecast_note"]
     untimed = compare_with_forecast(forecast, 0.5, None)
     assert untimed["forecast_most_wrong"] == "compute"
     assert "its phases were not timed" in untimed["forecast_note"]

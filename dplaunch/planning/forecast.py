@@ -887,10 +887,12 @@ def compare_with_forecast(
     forecast: dict[str, Any],
     measured_step_s: float,
     measured_phases: dict[str, float] | None = None,
+    joined: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """The end-of-run record of measured against forecast: both step times and their ratio
     (measured / forecast); when more than OFF_BY apart, the term that was most wrong and a line
-    that says so."""
+    that says so. ``joined``: phases the engine timed as one (DeepSpeed steps inside
+    Accelerate's backward), joined in the forecast too."""
     predicted = forecast["step_time_s"]
     ratio = measured_step_s / predicted
     result: dict[str, Any] = {
@@ -900,6 +902,8 @@ def compare_with_forecast(
     }
     if measured_phases:
         result["phases_s"] = {phase: round(s, 6) for phase, s in measured_phases.items()}
+    if measured_phases and joined:
+        forecast, measured_phases = _join_phases(forecast, measured_phases, joined)
     if abs(ratio - 1) > OFF_BY:
         term, detail = most_wrong_term(forecast, measured_step_s, measured_phases)
         result["forecast_most_wrong"] = term
@@ -908,6 +912,21 @@ def compare_with_forecast(
             f"{measured_step_s:.3g} s measured): {term} was the most wrong term ({detail})"
         )
     return result
+
+
+def _join_phases(
+    forecast: dict[str, Any], measured: dict[str, float], joined: tuple[str, ...]
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """FORECAST and MEASURED with the JOINED phases as one ("backward and step")."""
+    name = " and ".join(joined)
+    parts: dict[str, float] = {}
+    for phase in joined:
+        for term, seconds in forecast["phases_s"].get(phase, {}).items():
+            parts[term] = parts.get(term, 0.0) + seconds
+    phases = {p: v for p, v in forecast["phases_s"].items() if p not in joined}
+    together = {p: v for p, v in measured.items() if p not in joined}
+    together[name] = sum(measured.get(phase, 0.0) for phase in joined)
+    return {**forecast, "phases_s": {**phases, name: parts}}, together
 
 
 def most_wrong_term(

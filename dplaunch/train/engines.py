@@ -83,12 +83,15 @@ class AccelerateEngine:
         self.accelerator = accelerator
         self.model = model
         self.optimizer = optimizer
-        # the seconds of each step's forward, backward and optimizer step (train/phase_clock.py)
-        self.clock = PhaseClock(accelerator.device)
         self.scheduler = scheduler
         self.max_grad_norm = max_grad_norm
         self.task = task
         self.uses_deepspeed = accelerator.distributed_type.value == "DEEPSPEED"
+        # the seconds of each step's forward, backward and optimizer step (train/phase_clock.py)
+        self.clock = PhaseClock(accelerator.device)
+        if self.uses_deepspeed:
+            # Accelerate's backward runs DeepSpeed's engine.step() too: one phase
+            self.clock.joined = ("backward", "step")
         # model.lora: checkpoints hold only what trains (adapters, modules_to_save) and its
         # optimizer state; the frozen base is built again from the run file on resume
         self.lora = is_lora_model(accelerator.unwrap_model(model))

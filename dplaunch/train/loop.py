@@ -736,7 +736,8 @@ def _against_forecast(run: RankRun, times: StepTimes) -> dict[str, Any]:
     forecast = run.plan.forecast
     if forecast is None:
         return {"step_time_s": round(measured, 6)}
-    comparison = compare_with_forecast(forecast, measured, times.median_phases())
+    joined = getattr(getattr(run.engine, "clock", None), "joined", ())
+    comparison = compare_with_forecast(forecast, measured, times.median_phases(), joined)
     comparison["mfu"] = round(mfu(forecast, measured), 5)
     line = comparison.get("forecast_note") or (
         f"measured {measured:.3g} s/step, forecast {forecast['step_time_s']:.3g} s/step "

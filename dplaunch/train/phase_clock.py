@@ -21,6 +21,9 @@ class PhaseClock:
     def __init__(self, device: Any = None):
         self.cuda = getattr(device, "type", "cpu") == "cuda"
         self.enabled = not self.cuda
+        # phases the engine runs in one call and times together (DeepSpeed steps inside
+        # Accelerate's backward): the comparison with the forecast joins them on both sides
+        self.joined: tuple[str, ...] = ()
         self.seconds: dict[str, float] = {}
         self._last = 0.0
 
