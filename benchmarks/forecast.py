@@ -211,7 +211,11 @@ def run(options: Options) -> dict[str, Any]:
     }
     write_result(NAME, payload, options)
     if options.write:
-        plot(RESULTS / f"{NAME}.png", sets)
+        plot(
+            RESULTS / f"{NAME}.png",
+            sets,
+            f"{before.split('load average: ')[-1]} → {after.split('load average: ')[-1]}",
+        )
     return payload
 
 
@@ -226,9 +230,10 @@ def _entry(value: float, met: bool, goal: str, meaning: str) -> dict[str, Any]:
     }
 
 
-def plot(path: Path, sets: dict[str, list[dict[str, Any]]]) -> None:
+def plot(path: Path, sets: dict[str, list[dict[str, Any]]], load: str = "") -> None:
     """Forecast against measured, one point per run, the diagonal and the ±20 % band."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -248,11 +253,18 @@ def plot(path: Path, sets: dict[str, list[dict[str, Any]]]) -> None:
                           xytext=(3, 3), textcoords="offset points")  # fmt: skip
     axis.set_xscale("log")
     axis.set_yscale("log")
+    for which in (axis.xaxis, axis.yaxis):
+        which.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        which.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     axis.set_xlim(low, high)
     axis.set_ylim(low, high)
     axis.set_xlabel("measured median step (s)")
     axis.set_ylabel("forecast step (s)")
-    axis.set_title("dplaunch's step-time forecast, 2 CPU ranks (one point per run)", fontsize=10)
+    axis.set_title(
+        "dplaunch's step-time forecast, 2 CPU ranks (one point per run)"
+        + (f"\nload {load}" if load else ""),
+        fontsize=10,
+    )
     axis.legend(fontsize=8, loc="upper left")
     axis.grid(alpha=0.3, which="both")
     fig.tight_layout()
