@@ -3,12 +3,14 @@ its main() in this process for refusals), runs in the background, plans and mode
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -657,3 +659,39 @@ def heavy_imports(*args: Any, env: dict[str, str] | None = None) -> list[str]:
     line = next((x for x in result.stderr.splitlines() if x.startswith("HEAVY ")), None)
     assert line is not None, result.stdout[-2000:] + result.stderr[-3000:]
     return json.loads(line[len("HEAVY ") :].replace("'", '"'))
+
+
+@contextlib.contextmanager
+def one_rank_fsdp_engine(config: Any, guard_mode: str | None = None) -> Iterator[Any]:
+    """The FSDP engine of CONFIG (a RunConfig) on one CPU rank in this process: the same
+    fully_shard, DTensor parameters and collectives as a launched rank, over a group of one that
+    is destroyed afterwards (with the "[rank0]:" excepthook torch installs with it: later tests
+    of this process print their own tracebacks). ``guard_mode``: train.on_nonfinite's guard,
+    attached as the loop does."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from dplaunch.planning.plan import Machine, make_plan
+    from dplaunch.train.fsdp import FsdpEngine
+    from dplaunch.train.modeling import load_model, load_tokenizer
+    from dplaunch.train.nonfinite import NonFiniteGuard
+
+    parallel = config.parallel.model_copy(update={"fsdp": "full"})
+    launch = config.launch.model_copy(update={"cpu": True, "gpus": 1})
+    plan = make_plan(launch, parallel, config.train, Machine())
+    model = load_model(config.model, load_tokenizer(config.model), seed=config.train.seed)
+    accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=1, process_index=0)
+    excepthook = sys.excepthook
+    try:
+        engine = FsdpEngine(
+            accelerator, model, plan, config, lambda _: SimpleNamespace(step=lambda: None)
+        )
+        if guard_mode is not None:
+            engine.guard = NonFiniteGuard(guard_mode, 3, accelerator, plan.mixed_precision)
+        yield engine
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.excepthook = excepthook

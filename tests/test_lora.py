@@ -334,3 +334,56 @@ def test_a_zero3_adapter_partitioned_across_ranks_is_saved_whole_and_trained(tmp
     lora_a = [value for key, value in saved.items() if ".lora_A." in key]
     assert all(value.numel() > threshold for value in lora_a)  # partitioned in training
     assert all(value.abs().max() > 0 for key, value in saved.items() if ".lora_B." in key)
+
+
+def test_an_fsdp_lora_export_gathers_the_adapters_only(monkeypatch):
+    # the frozen base gathered whole in fp32 on rank 0 would not fit its host for a 70B model
+    import torch.distributed.checkpoint.state_dict as dcp_state
+
+    from dplaunch.config.schema import RunConfig
+    from tests.helpers import one_rank_fsdp_engine
+
+    spec = yaml.safe_load(TINY_LLAMA.read_text())
+    spec["model"]["lora"] = {"r": 4}
+    gathered: list[int] = []
+    gather = dcp_state.get_model_state_dict
+
+    def counted(model, **kwargs):
+        state = gather(model, **kwargs)
+        gathered.extend(value.numel() for value in state.values())
+        return state
+
+    with one_rank_fsdp_engine(RunConfig.model_validate(spec)) as engine:
+        trained = {n: p.numel() for n, p in engine.model.named_parameters() if p.requires_grad}
+        monkeypatch.setattr(dcp_state, "get_model_state_dict", counted)
+        state = engine.trained_state()
+    assert state.keys() == trained.keys()
+    assert sum(gathered) == sum(trained.values())  # before: every weight of the model
+
+
+def test_a_zero3_lora_export_gathers_the_adapters_only():
+    # DeepSpeed's consolidated 16-bit state dict of the whole model (frozen base too) on rank 0
+    # before; now it is asked to leave out what does not train (a spy on the engine's gather)
+    from types import SimpleNamespace
+
+    from dplaunch.train.engines import AccelerateEngine
+
+    asked = []
+    weight, adapter = torch.zeros(2, 2), torch.ones(2, 2, requires_grad=True)
+
+    class ZeroThreeEngine:  # the DeepSpeed engine Accelerate hands back, as far as this needs
+        def zero_optimization_partition_weights(self):
+            return True
+
+        def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
+            asked.append(exclude_frozen_parameters)
+            return {"lora_A.weight": adapter.detach()}
+
+    unwrapped = SimpleNamespace(named_parameters=lambda: [("base.weight", weight),
+                                                         ("lora_A.weight", adapter)])  # fmt: skip
+    engine = AccelerateEngine.__new__(AccelerateEngine)
+    engine.uses_deepspeed, engine.model = True, ZeroThreeEngine()
+    engine.accelerator = SimpleNamespace(
+        is_main_process=True, unwrap_model=lambda model, **_: unwrapped, get_state_dict=None
+    )
+    assert engine.trained_state().keys() == {"lora_A.weight"} and asked == [True]

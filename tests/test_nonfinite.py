@@ -17,7 +17,13 @@ from safetensors.torch import load_file
 
 from dplaunch.run_directory.environment import NONFINITE_FAULT_ENV
 from dplaunch.train.nonfinite import EXIT_NONFINITE, NonFiniteGuard
-from tests.helpers import child_environment, read_metrics, run_dplaunch
+from tests.helpers import (
+    TINY_LLAMA,
+    child_environment,
+    one_rank_fsdp_engine,
+    read_metrics,
+    run_dplaunch,
+)
 
 DDP = ("--cpu", "--gpus", "2", "--max-steps", "5")
 ZERO2 = ("--cpu", "--gpus", "2", "--zero", "2", "--max-steps", "5")
@@ -94,3 +100,31 @@ def test_on_nonfinite_off_written_bare_in_yaml_means_off():
     from dplaunch.config.schema import TrainConfig
 
     assert TrainConfig.model_validate(yaml.safe_load("on_nonfinite: off")).on_nonfinite == "off"
+
+
+def test_fsdp_without_clipping_judges_its_sharded_gradient_norm():
+    # max_grad_norm 0 leaves the norm to the guard, whose own sum of FSDP's DTensor gradients
+    # could not be written into its plain flags tensor: every rank failed at the first step
+    from dplaunch.config.schema import RunConfig
+
+    config = RunConfig.model_validate(yaml.safe_load(TINY_LLAMA.read_text()))
+    config.train.max_grad_norm = 0.0
+    ids = torch.randint(3, 259, (2, 16), generator=torch.Generator().manual_seed(0))
+    with one_rank_fsdp_engine(config, guard_mode="skip") as engine:
+        for step, poisoned in ((1, False), (2, True)):
+            engine.guard.begin(step)
+            before = [p.detach().full_tensor().clone() for p in engine.model.parameters()]
+            if poisoned:  # a NaN gradient with a finite loss: the norm alone tells
+                engine.model.model.norm.register_forward_hook(_nan_gradient)
+            engine.train_step([{"input_ids": ids, "labels": ids.clone()}])
+            after = [p.detach().full_tensor() for p in engine.model.parameters()]
+            changed = any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
+            assert changed != poisoned and (engine.guard.event is not None) == poisoned
+        assert engine.guard.event.gradient and not engine.guard.event.loss_ranks
+
+
+def _nan_gradient(_module, _inputs, output):
+    # the output's own values forward; backward, the unused branch's sqrt(-x) gives 0 · NaN
+    return torch.where(
+        torch.ones_like(output, dtype=torch.bool), output, (-1 - output.abs()).sqrt()
+    )

@@ -229,7 +229,11 @@ class AccelerateEngine:
     def trained_state(self) -> dict[str, torch.Tensor] | None:
         """The values of what trains (a LoRA model's adapters), whole, on the CPU, on rank 0 (None
         on the others); every rank calls it (a ZeRO-3 gather is collective)."""
-        state = self.accelerator.get_state_dict(self.model)  # gathers ZeRO-3 shards on rank 0
+        if self.uses_deepspeed and self.model.zero_optimization_partition_weights():
+            # ZeRO-3: gather what trains only, not the frozen base in 16 bits on rank 0's host
+            state = self.model._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)
+        else:
+            state = self.accelerator.get_state_dict(self.model)
         if not self.accelerator.is_main_process or not state:
             return None
         unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)

@@ -85,24 +85,43 @@ def tensor_parallelize(model: torch.nn.Module, tp_mesh: Any) -> int:
     return sum(1 for p in base.parameters() if getattr(p, "device_mesh", None) is tp_mesh)
 
 
-def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """clip_grad_norm_ over gradients that may live on different meshes (FSDP × TP: the split
-    layers' on the 2-D mesh, the others' on the shard mesh), which torch's cannot stack."""
-    grads = [p.grad for p in parameters if p.grad is not None]
+def _by_mesh(parameters: list[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
+    # FSDP × TP: the split layers' gradients live on the 2-D mesh, the others' on the shard mesh
     by_mesh: dict[Any, list[torch.Tensor]] = {}
-    for grad in grads:
-        by_mesh.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
+    for parameter in parameters:
+        if parameter.grad is not None:
+            by_mesh.setdefault(getattr(parameter.grad, "device_mesh", None), []).append(
+                parameter.grad
+            )
+    return by_mesh
+
+
+def _whole(norm: torch.Tensor) -> torch.Tensor:
+    # a DTensor norm (partial sums over the shards) as the plain tensor every rank agrees on
+    return getattr(norm, "full_tensor", lambda: norm)()
+
+
+def gradient_norm(parameters: list[torch.Tensor]) -> torch.Tensor:
+    """The total 2-norm of the sharded gradients, a plain tensor equal on every rank (collective)."""
+    norms = [
+        _whole(torch.nn.utils.get_total_norm(grads)) for grads in _by_mesh(parameters).values()
+    ]
+    if not norms:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+
+
+def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ over gradients that may live on different meshes (FSDP × TP), which
+    torch's cannot stack; returns the norm before clipping as a plain tensor."""
+    by_mesh = _by_mesh(parameters)
     if len(by_mesh) <= 1:
-        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-        return getattr(norm, "full_tensor", lambda: norm)()
-    norms = []
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(group)
-        norms.append(getattr(norm, "full_tensor", lambda n=norm: n)())
-    total = torch.linalg.vector_norm(torch.stack(norms))
+        return _whole(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+    total = gradient_norm(parameters)
     coefficient = min(1.0, max_norm / (float(total) + 1e-6))
-    for grad in grads:
-        grad.mul_(coefficient)
+    for grads in by_mesh.values():
+        for grad in grads:
+            grad.mul_(coefficient)
     return total
 
 
@@ -219,6 +238,9 @@ class FsdpEngine:
         parameters = [p for p in model.parameters() if p.grad is not None]
         if self.max_grad_norm > 0:
             grad_norm = clip_grad_norm(parameters, self.max_grad_norm)
+        elif self.guard is not None and self.guard.enabled:
+            # the guard's own norm would be a DTensor (and cannot stack FSDP × TP's two meshes)
+            grad_norm = gradient_norm(parameters)
         skip = self.guard is not None and self.guard.judge(total, grad_norm, parameters, None)
         if not skip:
             self._optimizer_step()
@@ -306,8 +328,14 @@ class FsdpEngine:
 
     def trained_state(self) -> dict[str, torch.Tensor] | None:
         """The gathered values of what trains (a LoRA model's adapters) on rank 0, None on the
-        others (train/lora_export.py's export_run); every rank calls it."""
-        state = self._full_state()
+        others (train/lora_export.py's export_run); every rank calls it. Only they are gathered:
+        the frozen base of a large model would not fit rank 0's host memory in fp32."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=True
+        )
+        state = get_model_state_dict(self.model, options=options)
         if self.rank != 0:
             return None
         return {
