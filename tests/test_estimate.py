@@ -848,3 +848,7 @@ def test_lora_bytes_held_after_an_adam_step_are_within_10_percent_of_the_estimat
     for kind, estimated in expected.items():
         assert held[kind] == pytest.approx(estimated, rel=0.10), kind
     assert held["gradients"] == 4 * lora.trainable  # the frozen base has none
+    # the loaded base (the parameters less the fp32 adapters): what a rank holds in host RAM
+    # at load, where CPU ranks keep it (QLoRA: quantized, not the fp32 model)
+    base = held["parameters"] - held["gradients"]
+    assert base == pytest.approx(estimate.host_load_gb * GIB, rel=0.10)

@@ -229,7 +229,7 @@ def test_the_plan_of_hsdp_on_2_nodes_of_4_shows_its_shard_and_replicate_groups()
     assert "engine: fsdp" in lines
 
 
-def test_the_plan_table_lists_fsdp_with_zero3s_memory_and_auto_picks_it_only_when_asked(tmp_path):
+def test_the_plan_table_lists_fsdp_with_zero3s_states_and_auto_picks_it_only_when_asked(tmp_path):
     from dplaunch.planning.auto import resolve_auto_parallel
     from dplaunch.planning.model_facts import ModelFacts
     from dplaunch.planning.plan import Machine
@@ -241,8 +241,11 @@ def test_the_plan_table_lists_fsdp_with_zero3s_memory_and_auto_picks_it_only_whe
     choice = resolve_auto_parallel(config, facts, Machine(visible_gpus=8))
     # the plain data-parallel rows (tp, pp and sp rows share these names)
     rows = {c.name: c for c in choice.candidates if c.tp * c.pp * c.sp == 1}
-    # FSDP full holds ZeRO-3's memory; HSDP shards over a node's 8 GPUs only: more per GPU
-    assert rows["FSDP"].total_gb == pytest.approx(rows["ZeRO-3"].total_gb)
+    # FSDP full holds ZeRO-3's states, and FSDP2's own transients: the root (embeddings, head)
+    # and two blocks unsharded in bf16 instead of one gathered layer; HSDP shards over a node's
+    # 8 GPUs only: more per GPU
+    assert rows["FSDP"].model_states_gb == pytest.approx(rows["ZeRO-3"].model_states_gb)
+    assert rows["FSDP"].memory.gathered_gb > 2 * rows["ZeRO-3"].memory.gathered_gb
     assert rows["FSDP"].comm_gb_per_step == pytest.approx(rows["ZeRO-3"].comm_gb_per_step)
     assert rows["HSDP"].model_states_gb > rows["FSDP"].model_states_gb
     assert {"FSDP + offload all", "HSDP + offload all"} <= rows.keys()
@@ -264,3 +267,39 @@ def test_parallel_auto_with_the_fsdp_flag_plans_among_the_fsdp_rows(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "engine: fsdp" in result.stdout
     assert "parallel: auto → FSDP fits in 16 GB" in result.stdout
+
+
+def test_fsdp2s_unsharded_root_and_reduce_scatter_input_are_what_the_estimate_counts(monkeypatch):
+    # one CPU rank in this process, bf16 compute: after the forward the root (embeddings, final
+    # norm, head) stays unsharded in bf16 until its backward; each block's gradients go to the
+    # reduce-scatter through a flat fp32 copy
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    from dplaunch.planning.estimate import count_parameters, fsdp_transient_bytes
+    from dplaunch.planning.model_facts import ModelFacts
+    from tests.helpers import one_rank_fsdp_engine
+
+    spec = yaml.safe_load(TINY_LLAMA.read_text())
+    config = RunConfig.model_validate(spec)
+    config.train.mixed_precision = "bf16"
+    count = count_parameters(ModelFacts.from_config_dict(spec["model"]["config"]))
+    reduced: list[int] = []
+    copy_in = _fsdp_collectives.foreach_reduce_scatter_copy_in
+
+    def measured(grads, flat, world_size):
+        reduced.append(sum(g.numel() * g.element_size() for g in grads) + flat.nbytes)
+        return copy_in(grads, flat, world_size)
+
+    monkeypatch.setattr(_fsdp_collectives, "foreach_reduce_scatter_copy_in", measured)
+    ids = torch.randint(3, 259, (2, 16), generator=torch.Generator().manual_seed(0))
+    with one_rank_fsdp_engine(config) as engine:
+        root = engine.model._get_fsdp_state()._fsdp_param_group
+        loss = engine.model(input_ids=ids, labels=ids, use_cache=False).loss
+        unsharded = sum(p.unsharded_param.nbytes for p in root.fsdp_params)
+        loss.backward()
+    block, root_params = count.per_layer, count.embedding + count.head
+    largest = max(block, root_params)  # here a block (36,992 parameters; the root 33,216)
+    estimated_unsharded, estimated_reduce = fsdp_transient_bytes(root_params, block, largest, 2)
+    assert unsharded == 2 * root_params  # the root part of the unsharded estimate, exactly
+    assert estimated_unsharded == unsharded + 2 * 2 * block
+    assert max(reduced) == estimated_reduce  # bf16 gradients + their fp32 copy

@@ -705,6 +705,29 @@ def test_eight_ranks_that_each_load_a_fp32_7b_are_refused_on_a_128_gib_node():
     plan(Machine(visible_gpus=8, render_only=True, host_memory_gb=128), zero_stage=2)  # elsewhere
 
 
+def test_qlora_ranks_are_charged_the_quantized_model_they_load_not_a_fp32_one():
+    # bitsandbytes quantizes each weight as it loads: 8 QLoRA ranks of a 7B on a 128 GiB node
+    # hold 8 × 3.7 GiB; charged 8 × 25.1 GiB of fp32 they were refused with "use ZeRO-3", which
+    # builds a quantized model whole anyway
+    from dplaunch.config.schema import LaunchConfig, ParallelConfig, TrainConfig
+    from dplaunch.planning.lora import LoraSpec
+    from dplaunch.planning.plan import make_plan
+
+    facts = ModelFacts.from_config_dict(LLAMA_7B)
+    node = Machine(visible_gpus=8, host_memory_gb=128)
+    bf16 = TrainConfig(mixed_precision="bf16", global_batch_size=64)
+    for zero_stage in (0, 3):
+        plan = make_plan(LaunchConfig(gpus=8), ParallelConfig(zero_stage=zero_stage), bf16, node,
+                         facts, lora=LoraSpec(r=16, quantize="4bit"))  # fmt: skip
+        assert not any("host RAM" in note for note in plan.notes)
+    small = Machine(visible_gpus=8, host_memory_gb=24)
+    with pytest.raises(UserError) as refused:
+        make_plan(LaunchConfig(gpus=8), ParallelConfig(zero_stage=3), bf16, small, facts,
+                  lora=LoraSpec(r=16, quantize="4bit"))  # fmt: skip
+    assert "(the quantized model at load)" in str(refused.value)
+    assert "ZeRO-3" not in refused.value.fix
+
+
 def test_a_78b_on_two_gpus_is_refused_before_launch_in_one_line(tmp_path):
     path = llama_7b_run_file(tmp_path / "78b.yaml", parallel={"zero_stage": 0})
     data = yaml.safe_load(path.read_text())

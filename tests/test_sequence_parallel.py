@@ -147,7 +147,9 @@ def test_a_dp2_checkpoint_resumes_on_sp2(runs, long_config, ddp_run):
 def test_packed_sft_on_sp2_by_dp2_with_zero3_and_tiling_gives_one_rank_losses(runs):
     # packed chat examples (position ids restart per example, answers only trained): every example
     # attends only to itself across the two slices; ZeRO-3 partitions over all 4 ranks; the tiled
-    # MLP and tiled logits + loss (2 tiles per slice) change no number. The reference: one rank
+    # MLP and tiled logits + loss (2 tiles per slice) and activation checkpointing (the layers
+    # recomputed in the backward mask the gathered rows as their forward did) change no number.
+    # The reference: one rank
     config = write_config(
         runs / "sft.yaml",
         SFT_CONFIG,
@@ -164,7 +166,8 @@ def test_packed_sft_on_sp2_by_dp2_with_zero3_and_tiling_gives_one_rank_losses(ru
     )
     one, tiled = runs / "sft-1", runs / "sft-sp2-dp2-zero3-tiled"
     train(one, "--cpu", "--gpus", "1", config=config)
-    flags = ("--cpu", "--gpus", "4", "--sp", "2", "--zero", "3", "--set", "train.tiled_mlp=true")
+    flags = ("--cpu", "--gpus", "4", "--sp", "2", "--zero", "3", "--set", "train.tiled_mlp=true",
+             "--set", "model.gradient_checkpointing=true")  # fmt: skip
     result = train(tiled, *flags, "--set", "train.checkpoint_every=3", config=config)
     assert "DEEPSPEED" in result.stdout and "tiled MLP and loss: 2 tiles" in result.stdout
     assert "sequence-parallel groups: [[0, 1], [2, 3]]" in result.stdout
@@ -306,7 +309,8 @@ def test_a_zero_checkpoint_changes_shards_only_when_dp_times_sp_does():
 @pytest.mark.multiprocess
 def test_sp2_halves_the_activations_a_rank_keeps_as_the_estimate_says(tmp_path):
     # 2 real ranks, fp32 Llama layer (hidden 128, MLP 344), 2 × 256 tokens: one layer's saved
-    # activations with whole sequences, then with Ulysses' half of each (tests/sequence_memory_probe.py)
+    # activations with whole sequences, then with Ulysses' half of each; the same for packed
+    # rows; the dtypes of the all-to-alls under autocast (tests/sequence_memory_probe.py)
     import json
     import subprocess
     import sys
@@ -343,6 +347,43 @@ def test_sp2_halves_the_activations_a_rank_keeps_as_the_estimate_says(tmp_path):
             attention_scores=False,
         )
         assert measured[key] == pytest.approx(estimated, rel=0.10), (sp, measured, estimated)
+
+    # packed rows: without sp SDPA turns transformers' boolean mask into an additive one in every
+    # layer and keeps each; under sp the additive mask of the gathered rows is built once a
+    # forward, whatever the layers (before: built, and kept, in every layer: +524,288 B a layer)
+    from dplaunch.planning.estimate import packed_mask_bytes
+
+    assert measured["sp_packed_layer"] == measured["sp_layer"], measured
+    assert measured["sp1_packed_layer"] > measured["sp1_layer"], measured
+    for sp, key in ((1, "sp1_packed_mask"), (2, "sp_packed_mask")):
+        # measured: 1,114,112 (2 layers) and 524,288 bytes
+        estimated = packed_mask_bytes(MICRO_BATCH, SEQ_LEN, 2, sp, 4, checkpointed=False)
+        assert measured[key] == pytest.approx(estimated, rel=0.10), (sp, measured, estimated)
+    # DDP + bf16 autocast: RoPE's fp32 cos/sin promote q and k; they move in v's bf16 (before:
+    # float32 too, 1.5 times the traffic)
+    assert measured["all_to_all_dtypes"] == ["bfloat16"], measured
+
+
+def test_packed_rows_under_sdpa_are_charged_their_masks_whole_length_with_or_without_sp():
+    # a 7B at 32K tokens of packed examples: without sp, 32 layers each keep a 2 GiB mask in
+    # bf16; with sp 8 one mask of the whole row (not divided by sp) serves every layer
+    from dplaunch.planning.estimate import estimate_memory
+    from dplaunch.planning.model_facts import ModelFacts
+    from dplaunch.planning.workload import Workload
+    from tests.helpers import ranks
+
+    facts = ModelFacts.from_config_dict(LLAMA_7B)
+    packed = Workload(mixed_precision="bf16", seq_len=32768, packed=True)
+    per_mask = 32768**2 * 2 / 2**30
+    masks = estimate_memory(facts, ranks(dp=8, zero_stage=3), packed).mask_gb
+    assert masks == pytest.approx(32 * per_mask)
+    masks = estimate_memory(facts, ranks(sp=8, zero_stage=3), packed).mask_gb
+    assert masks == pytest.approx(per_mask)
+    rows = Workload(mixed_precision="bf16", seq_len=32768)  # one sequence a row: none
+    assert estimate_memory(facts, ranks(dp=8, zero_stage=3), rows).mask_gb == 0
+    flash = Workload(mixed_precision="bf16", seq_len=32768, packed=True,
+                     attn_implementation="flash_attention_2")  # fmt: skip
+    assert estimate_memory(facts, ranks(dp=8, zero_stage=3), flash).mask_gb == 0  # varlen
 
 
 def test_the_estimate_splits_activations_and_logits_by_sp_and_zero_states_by_dp_times_sp():

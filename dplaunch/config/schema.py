@@ -103,7 +103,7 @@ class ModelConfig(Section):
     )
     attn_implementation: AttentionImplementation | None = Field(
         None,
-        description="Attention kernel: `eager` keeps every head's s×s score matrix for the backward, the others never build it; unset: what transformers picks (`sdpa` where the model supports it, else `eager`). `flash_attention_*` runs on CUDA GPUs only.",
+        description="Attention kernel: `eager` keeps every head's s×s score matrix for the backward, the others never build it; unset: what transformers picks (`sdpa` where the model supports it, else `eager`). `flash_attention_*` runs on CUDA GPUs in bf16/fp16 only; `flex_attention` trains on GPUs only and not with sequence parallelism.",
     )
 
     lora: LoraConfig | None = Field(

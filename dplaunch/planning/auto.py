@@ -92,6 +92,7 @@ def run_workload(config: RunConfig) -> Workload:
         lora=LoraSpec.from_config(config.model.lora),
         guard=config.train.on_nonfinite != "off",
         clip=config.train.max_grad_norm > 0,
+        packed=config.model.task == "sft" and bool(config.data.packing),
     )
 
 

@@ -16,8 +16,9 @@ How one plan is recommended (among those that fit; ``_rank`` is the code):
 4. ties → the simpler plan: no offload, lower ZeRO stage, smaller pp, smaller tp.
 
 FSDP2 rows (parallel.fsdp, tp = pp = 1) are listed beside them with the same columns: FSDP full
-holds ZeRO-3's memory (its formula, sharded over every data-parallel rank) and sends ZeRO-3's
-traffic; HSDP (several nodes only) shards over a node's GPUs, so its memory is ZeRO-3's with
+holds ZeRO-3's states (its formula, sharded over every data-parallel rank), FSDP2's own
+transients (the unsharded root and two blocks, a block's fp32 reduce-scatter input) in place of
+ZeRO-3's gathered layer and buckets, and sends ZeRO-3's traffic; HSDP (several nodes only) shards over a node's GPUs, so its memory is ZeRO-3's with
 dp = GPUs per node, and its traffic ZeRO-3's inside the node plus an all-reduce of the node's
 gradient shard across the nodes. They are recommended only when the run asks for FSDP
 (``fsdp``: auto then picks among that kind's rows by the same rule), so the DeepSpeed/DDP choice
@@ -220,7 +221,7 @@ def candidate_plans(
     divide); they stay in the table. Its ``attn_implementation``: unset = what transformers picks
     for the model; only eager keeps the attention scores. ``fsdp``: the run asks for FSDP of that
     kind; the recommendation is then among its rows (else never them). The workload's
-    ``sequence_parallel``: list sp 2/4/8 rows too (Ulysses; not with eager attention); its
+    ``sequence_parallel``: list sp 2/4/8 rows too (Ulysses; sdpa or flash kernels only); its
     ``profile``: the hardware's rates (planning/profiles.py): every row gets its forecast step
     time (planning/forecast.py; the workload's ``guard`` and ``clip`` as the run's
     train.on_nonfinite and max_grad_norm), and the fastest row that fits is recommended.

@@ -450,8 +450,15 @@ class MemoryEstimate:
     step_gb: float = 0.0
     nccl_gb: float = 0.0
     cuda_context_gb: float = 0.0
-    # host RAM one rank holds while loading the model (the fp32 model, whole or partitioned)
+    # host RAM one rank holds while loading the model (the fp32 model, whole or partitioned;
+    # QLoRA's quantized model)
     host_load_gb: float = 0.0
+    host_load_quantized: bool = False
+    # SDPA's masks of packed rows kept for the backward (:func:`packed_mask_bytes`)
+    mask_gb: float = 0.0
+    # FSDP2's layout (zero_stage 3's states): gathered_gb and buckets_gb are its unsharded root
+    # and blocks and its reduce-scatter of a unit (:func:`fsdp_transient_bytes`)
+    fsdp: bool = False
     # parameters with gradients and optimizer states on this GPU before ZeRO partitions them
     # (params_per_gpu, or LoRA's adapters and saved copies); None: not computed
     trainable_params: int | None = None
@@ -463,6 +470,7 @@ class MemoryEstimate:
             self.activations_gb
             + self.logits_gb
             + self.autocast_gb
+            + self.mask_gb
             + self.gathered_gb
             + self.buckets_gb
         )
@@ -474,7 +482,8 @@ class MemoryEstimate:
 
     def host_line(self, ranks_per_node: int) -> str:
         """Host RAM of a node whose ranks all hold :attr:`host_gb` at once, in words."""
-        what = "offloaded states" if self.cpu_gb > self.host_load_gb else "the fp32 model at load"
+        model = "the quantized model" if self.host_load_quantized else "the fp32 model"
+        what = "offloaded states" if self.cpu_gb > self.host_load_gb else f"{model} at load"
         return (
             f"{ranks_per_node} rank(s) per node × {self.host_gb:.1f} GiB ({what}) = "
             f"{ranks_per_node * self.host_gb:.1f} GiB"
@@ -490,8 +499,15 @@ class MemoryEstimate:
             f"{self.attn_implementation} attention)",
             "logits_gb": f"logits in the loss ({LOSS_BYTES_PER_LOGIT} bytes each)",
             "autocast_gb": "autocast 16-bit weight copies (DDP)",
-            "gathered_gb": "ZeRO-3 gathered layer",
-            "buckets_gb": "DeepSpeed reduce/prefetch buckets",
+            "mask_gb": "attention masks of packed rows (sdpa)",
+            "gathered_gb": (
+                "FSDP unsharded root + 2 blocks" if self.fsdp else "ZeRO-3 gathered layer"
+            ),
+            "buckets_gb": (
+                "FSDP reduce-scatter of a unit"
+                if self.fsdp
+                else "DeepSpeed reduce/prefetch buckets"
+            ),
             "step_gb": "fp32 gradient partition at the step",
             "nccl_gb": "NCCL buffers",
             "cuda_context_gb": "CUDA context",
@@ -611,6 +627,44 @@ def activation_bytes_per_layer(
     return layer
 
 
+def fsdp_transient_bytes(
+    root_params: int, block_params: int, largest_trained: int, element: int
+) -> tuple[float, float]:
+    """(unsharded, reduce-scatter) bytes FSDP2 holds beyond its shards while it computes
+    (train/fsdp.py's layout, torch 2.13's fully_shard):
+
+    - the root (embeddings, final norm, head) stays unsharded from its forward to its backward
+      (reshard_after_forward=False), and the blocks are all-gathered one ahead of the one
+      computing: root + 2 blocks, in the compute dtype (``element`` bytes);
+    - a unit's gradients are reduce-scattered from a flat input in the reduce dtype (fp32),
+      copied from its unsharded gradients (compute dtype): ``element + 4`` bytes a trained
+      parameter of the largest unit (a block, or the root: a large vocabulary's embedding and
+      head).
+
+    Measured on one CPU rank (the unsharded root after the forward, the reduce-scatter inputs of
+    the backward): tests/test_fsdp.py."""
+    unsharded = element * (root_params + 2 * block_params)
+    return unsharded, (element + 4) * largest_trained
+
+
+def packed_mask_bytes(
+    micro_batch: int, seq_len: int, layers: int, sp: int, element: int, checkpointed: bool
+) -> float:
+    """Bytes of the attention masks SDPA keeps for the backward when rows hold packed examples
+    (sft with data.packing): a row's mask is L × L, over the whole row even under sequence
+    parallelism (the gathered sequence), not divided by sp.
+
+    Without sp, transformers gives SDPA a boolean mask, which SDPA turns into an additive one in
+    the compute dtype in every layer and keeps: layers × b·L²·element (the layers that keep
+    their activations: one at a time when checkpointed). Under sp, dplaunch builds that additive
+    mask once per forward and every layer uses it: b·L²·element. Measured on CPU:
+    tests/test_sequence_parallel.py."""
+    per_mask = micro_batch * seq_len * seq_len * element
+    if sp > 1:
+        return per_mask
+    return per_mask * (min(layers, 1) if checkpointed else layers)
+
+
 @dataclass(frozen=True)
 class _Layout:
     """A layout as the estimate counts it: FSDP is ZeRO-3 over its shard group, ZeRO partitions
@@ -629,6 +683,8 @@ class _Layout:
     steps: int | None
     # DDP keeps fp32 weights and computes under autocast; DeepSpeed and FSDP hold 16-bit ones
     ddp: bool
+    # FSDP2: ZeRO-3's states, its own unsharded units and reduce-scatter input
+    fsdp: bool = False
 
     @classmethod
     def of(cls, dims: ParallelDims, workload: Workload) -> _Layout:
@@ -644,6 +700,7 @@ class _Layout:
             sp=dims.sp,
             steps=workload.accumulation_steps(dims.dp),
             ddp=zero_stage == 0 and dims.tp == 1 and dims.pp == 1,
+            fsdp=dims.fsdp is not None,
         )
 
 
@@ -661,6 +718,10 @@ class _StageFixed:
     host_load: float
     element: int
     implementation: str
+    # QLoRA: the host load is the quantized model
+    quantized_load: bool = False
+    # FSDP2: the unsharded root and blocks (in place of ZeRO-3's gathered unit)
+    fsdp_unsharded: float = 0.0
 
 
 def estimate_memory(
@@ -706,6 +767,9 @@ def estimate_memory(
       same for classification;
     - autocast copies (DDP in bf16/fp16, whose weights stay fp32): 2 bytes × every parameter that
       enters a matrix product (all but the input embedding; a tied head reuses it);
+    - attention masks (the workload's ``packed`` rows, under sdpa): :func:`packed_mask_bytes`;
+    - FSDP2: its unsharded root and blocks and its reduce-scatter input
+      (:func:`fsdp_transient_bytes`) instead of ZeRO-3's gathered layer and buckets;
     - DeepSpeed buckets (rendered with reduce_bucket_size = BUCKET_SIZE elements, overlap_comm on
       GPUs): ZeRO-1/2 two reduce buffers of BUCKET_SIZE gradient elements; ZeRO-3 one, plus its
       prefetch bucket of BUCKET_SIZE/4 16-bit parameters;
@@ -715,7 +779,8 @@ def estimate_memory(
 
     ``host_load_gb``: host RAM a rank holds while it builds or loads the model, the whole fp32
     model (4 bytes × all parameters: TP and PP cut it afterwards) — except ZeRO-3, where
-    ``zero.Init`` builds each rank's partition only (4·Ψ/Nd).
+    ``zero.Init`` builds each rank's partition only (4·Ψ/Nd), and QLoRA, whose base is
+    quantized as it loads (the quantized model, whole: transformers skips zero.Init for it).
     """
     layout = _Layout.of(dims, workload)
     count = count or count_parameters(facts, workload.task, workload.num_labels)
@@ -766,6 +831,23 @@ def _stage_fixed(
         # QLoRA's quantized layers dequantize inside their own kernels: no autocast copy of them
         autocast -= 2 * lora.stage(count.num_layers, True, True)[1]
     buckets = {1: 2 * BUCKET_SIZE, 2: 2 * BUCKET_SIZE, 3: BUCKET_SIZE + BUCKET_SIZE // 4}
+    buckets_bytes = buckets.get(layout.zero_stage, 0) * element
+    fsdp_unsharded = 0.0
+    if layout.fsdp:
+        root = count.embedding + head_params
+        trained = (layer_params, root)
+        if lora is not None:
+            trained = (lora.stage(1, False, False)[0], lora.stage(0, True, True)[0])
+        fsdp_unsharded, buckets_bytes = fsdp_transient_bytes(
+            root, layer_params, max(trained), element
+        )
+    quantized, quantized_bytes = lora.stage(count.num_layers, True, True)[1:] if lora else (0, 0)
+    if quantized:
+        # QLoRA: bitsandbytes quantizes each weight as it loads (and transformers builds a
+        # quantized model whole, without zero.Init): the quantized model, never the fp32 one
+        host_load = 4 * (count.total - quantized) + quantized_bytes
+    else:
+        host_load = 4 * count.total / (layout.state_ranks if layout.zero_stage == 3 else 1)
     axes = (layout.comm_dp, layout.tp, layout.pp, layout.sp)
     return _StageFixed(
         layer_full=layer_full,
@@ -773,11 +855,13 @@ def _stage_fixed(
         logits=logits,
         largest_unit=max(layer_params, count.embedding, head_params),
         autocast=autocast,
-        buckets=buckets.get(layout.zero_stage, 0) * element,
+        buckets=buckets_bytes,
         nccl=NCCL_BYTES_PER_COMMUNICATOR * sum(degree > 1 for degree in axes),
-        host_load=4 * count.total / (layout.state_ranks if layout.zero_stage == 3 else 1),
+        host_load=host_load,
         element=element,
         implementation=implementation,
+        quantized_load=bool(quantized),
+        fsdp_unsharded=fsdp_unsharded,
     )
 
 
@@ -797,6 +881,16 @@ def _stage_memory(
     else:
         activations = share.layers * fixed.layer_full * in_flight
     stage_logits = fixed.logits if share.holds_head else 0
+    masks = 0.0
+    if workload.packed and fixed.implementation == "sdpa":
+        masks = in_flight * packed_mask_bytes(
+            workload.micro_batch,
+            workload.seq_len,
+            share.layers,
+            layout.sp,
+            fixed.element,
+            workload.activation_checkpointing,
+        )
     dp, zero_stage, offload = layout.state_ranks, layout.zero_stage, layout.offload
     state_shape = dict(
         dp=dp, zero_stage=zero_stage, offload=offload, mixed_precision=workload.mixed_precision
@@ -812,8 +906,11 @@ def _stage_memory(
     step = fp32_partition if offload == "none" else 0
     cpu += fp32_partition if offload != "none" else 0
     gathered = fixed.element * fixed.largest_unit if zero_stage == 3 else 0
+    gathered = fixed.fsdp_unsharded if layout.fsdp else gathered
     states = weights + gradients + optimizer
-    forward_backward = activations + stage_logits + fixed.autocast + gathered + fixed.buckets
+    forward_backward = (
+        activations + stage_logits + fixed.autocast + masks + gathered + fixed.buckets
+    )
     total = states + CUDA_CONTEXT_BYTES + fixed.nccl + max(forward_backward, step)
     return MemoryEstimate(
         params_per_gpu=share.params,
@@ -837,6 +934,9 @@ def _stage_memory(
         cuda_context_gb=CUDA_CONTEXT_BYTES / GIB,
         host_load_gb=fixed.host_load / GIB,
         trainable_params=trainable,
+        host_load_quantized=fixed.quantized_load,
+        mask_gb=masks / GIB,
+        fsdp=layout.fsdp,
     )
 
 

@@ -13,13 +13,14 @@ from typing import Any, Literal
 
 from dplaunch.config.schema import LaunchConfig, ParallelConfig, TrainConfig
 from dplaunch.errors import UserError
+from dplaunch.planning.lora import count_lora
 from dplaunch.planning.mesh import Mesh, fsdp_groups
 from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.planning.rules import (
     ParallelDims,
     engine_name,
 )
-from dplaunch.planning.workload import Workload
+from dplaunch.planning.workload import LoraSpec, Workload
 
 Target = Literal["gpu", "cpu"]
 Engine = Literal["ddp", "deepspeed", "pipeline", "fsdp"]
@@ -230,11 +231,13 @@ def make_plan(
     task: str = "causal-lm",
     attn_implementation: str | None = None,
     extra_notes: Sequence[str] = (),
+    lora: LoraSpec | None = None,
 ) -> Plan:
     """Decide the whole layout of a run; raise UserError for anything that cannot work.
 
     ``task`` is the run file's model.task (the pipeline engine trains causal LMs only);
-    ``attn_implementation`` its model.attn_implementation (flash kernels need GPUs);
+    ``attn_implementation`` its model.attn_implementation (flash kernels need GPUs); ``lora``
+    its model.lora (a quantized base is what a rank holds in host RAM at load);
     ``extra_notes`` what the checks before planning found, shown after the plan's own notes.
     """
     notes: list[str] = []
@@ -295,7 +298,13 @@ def make_plan(
     stage_layers = tuple(pipeline_stage_names(model, mesh.pipeline_parallel_size)) if model else ()
     if model is not None and machine.host_memory_gb is not None and not machine.render_only:
         note = check_host_memory(
-            model, dims, mixed_precision, task, machine.host_memory_gb, refuse=target == "gpu"
+            model,
+            dims,
+            mixed_precision,
+            task,
+            machine.host_memory_gb,
+            refuse=target == "gpu",
+            lora=lora,
         )
         if note:
             notes.append(note)
@@ -375,6 +384,7 @@ def check_host_memory(
     host_memory_gb: float,
     *,
     refuse: bool = True,
+    lora: LoraSpec | None = None,
 ) -> str | None:
     """Refuse a plan whose ranks cannot fit in this node's RAM; a note when they take most of it.
 
@@ -382,7 +392,8 @@ def check_host_memory(
 
     Every rank of a node builds or loads the model in host RAM at the same time: the whole fp32
     model, 4 bytes × all parameters (TP and PP cut it afterwards), except under ZeRO-3, where
-    zero.Init builds each rank's partition only; offloaded states stay there while training
+    zero.Init builds each rank's partition only, and under QLoRA (``lora`` quantized), whose
+    base is quantized as it loads; offloaded states stay there while training
     (estimate.MemoryEstimate.host_gb). Nodes of a multi-node job are taken to be alike.
     """
     from dplaunch.planning.estimate import estimate_memory
@@ -390,13 +401,16 @@ def check_host_memory(
     # FSDP: every rank builds the whole model, then shards it (what ZeRO-0 holds at load)
     if dims.fsdp is not None:
         dims = dataclasses.replace(dims, fsdp=None, offload="none")
-    memory = estimate_memory(model, dims, Workload(mixed_precision=mixed_precision, task=task))
+    workload = Workload(mixed_precision=mixed_precision, task=task, lora=lora)
+    adapters = count_lora(model, lora, task) if lora is not None else None
+    memory = estimate_memory(model, dims, workload, lora=adapters)
     per_node = dims.gpus_per_node
     need = per_node * memory.host_gb
     line = f"host RAM: {memory.host_line(per_node)} of this node's {host_memory_gb:.1f} GiB"
     if need > host_memory_gb and refuse:
         fix = "use fewer ranks per node (--gpus-per-node) or a node with more memory"
-        if dims.zero_stage != 3:
+        # zero.Init partitions a model as it is built, but not a quantized one
+        if dims.zero_stage != 3 and not memory.host_load_quantized:
             fix = "use ZeRO-3 (each rank then builds only its partition), fewer ranks per " + (
                 "node (--gpus-per-node) or a node with more memory"
             )

@@ -69,6 +69,8 @@ class Workload:
     # the forecast's collectives (planning/forecast.py)
     guard: bool = True
     clip: bool = True
+    # rows of packed examples (sft with data.packing): SDPA keeps their L × L masks (estimate)
+    packed: bool = False
 
     def accumulation_steps(self, dp: int) -> int | None:
         """Micro-batches per optimizer step on dp data-parallel ranks (rounded up); None: unknown."""

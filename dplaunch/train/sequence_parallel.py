@@ -51,25 +51,15 @@ class SequenceShards:
         position ids made explicit (Ulysses gathers them to mask whole sequences), and the rows
         padded to a multiple of sp: padding comes after a row's tokens, which never attend to it."""
         input_ids, labels = batch["input_ids"], batch["labels"]
-        rows, width = input_ids.shape
-        positions = batch.get("position_ids")
-        if positions is None:
-            positions = torch.arange(width, device=input_ids.device).expand(rows, width)
+        width = input_ids.shape[1]
+        positions = self.positions(batch)
         shift = torch.full_like(labels, IGNORE_INDEX)
         shift[:, :-1] = labels[:, 1:]
         tokens = int((shift != IGNORE_INDEX).sum())
         pad = -width % self.size
         if pad:
-            packed = "position_ids" in batch
             input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=self.pad_id)
             shift = torch.nn.functional.pad(shift, (0, pad), value=IGNORE_INDEX)
-            # packed rows pad with one-token segments (position 0), as data.py does
-            after = (
-                torch.zeros((rows, pad), dtype=positions.dtype, device=positions.device)
-                if packed
-                else torch.arange(width, width + pad, device=positions.device).expand(rows, pad)
-            )
-            positions = torch.cat([positions, after], dim=1)
         part = (width + pad) // self.size
         cut = slice(self.rank * part, (self.rank + 1) * part)
         local = {
@@ -78,6 +68,18 @@ class SequenceShards:
             "shift_labels": shift[:, cut].contiguous(),
         }
         return local, tokens
+
+    def positions(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The position ids of the whole rows, padded to a multiple of sp: the batch's own
+        (packed rows), else 0, 1, 2, … Packed rows pad with one-token segments (position 0), as
+        data.py does; the others go on counting."""
+        input_ids = batch["input_ids"]
+        rows, width = input_ids.shape
+        positions = batch.get("position_ids")
+        pad = -width % self.size
+        if positions is None:
+            return torch.arange(width + pad, device=input_ids.device).expand(rows, width + pad)
+        return torch.nn.functional.pad(positions, (0, pad), value=0)
 
 
 def sequence_parallel_groups(world_groups: list[list[int]], rank: int) -> Any:
@@ -101,27 +103,19 @@ def _deepspeed_comm() -> None:
         ds_comm.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
 
 
-def packed_aware(core: Any) -> Any:
-    """The model's attention kernel, given the mask of the whole gathered sequence.
-
-    Ulysses drops the model's mask (built for a slice) and the kernel then masks causally over the
-    whole row, which would let the examples packed into a row (sft) attend to one another. From
-    the gathered position ids this rebuilds the block-diagonal causal mask transformers builds
-    without sequence parallelism (masking_utils.find_packed_sequence_indices); a row of one
-    sequence keeps the plain causal kernel."""
+def packed_mask(positions: torch.Tensor) -> torch.Tensor | None:
+    """The mask of packed rows over their whole length (rows, 1, L, L), from their position ids:
+    causal inside each example, nothing across examples, as transformers builds it without
+    sequence parallelism (masking_utils.find_packed_sequence_indices); None when every row holds
+    one sequence (the mask-free causal kernel)."""
     from transformers.masking_utils import find_packed_sequence_indices
 
-    def attend(module, query, key, value, attention_mask, *args, **kwargs):
-        positions = kwargs.get("position_ids")
-        segments = None if positions is None else find_packed_sequence_indices(positions)
-        if segments is not None and attention_mask is None:
-            length = segments.shape[-1]
-            causal = torch.ones(length, length, dtype=torch.bool, device=segments.device).tril()
-            same = segments[:, :, None] == segments[:, None, :]
-            attention_mask = (same & causal)[:, None]
-        return core(module, query, key, value, attention_mask, *args, **kwargs)
-
-    return attend
+    segments = find_packed_sequence_indices(positions)
+    if segments is None:
+        return None
+    length = segments.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=segments.device).tril()
+    return ((segments[:, :, None] == segments[:, None, :]) & causal)[:, None]
 
 
 class UlyssesAttention:
@@ -131,20 +125,57 @@ class UlyssesAttention:
 
     def __init__(self, core: Any, kernel_name: str, config: Any, group: Any):
         self.core = core
-        # flash kernels go varlen from the gathered position ids themselves
-        self.inner = packed_aware(core) if kernel_name == "sdpa" else core
+        # sdpa masks the whole gathered rows with ``mask``; flash kernels go varlen from the
+        # gathered position ids themselves
+        self.masks = kernel_name == "sdpa"
         self.config = config
         self.group = group
         self.sliced = False  # set by LongSequenceEngine.eval_batch around its forward
+        # the gathered rows' mask of the forward under way (packed rows), for every layer
+        self.mask: torch.Tensor | None = None
+        # that mask as SDPA's additive bias, by dtype: given a boolean mask SDPA makes the bias
+        # itself in every layer and keeps each for the backward (rows × L² × 2 bytes a layer)
+        self._biases: dict[torch.dtype, torch.Tensor] = {}
         # UlyssesSPAttentionHF reshapes by a fixed row count: one per count met (training's
         # micro-batch, evaluation's and its shorter last batch)
         self._by_rows: dict[int, Any] = {}
 
+    def prepare(self, shards: SequenceShards, batch: dict[str, torch.Tensor]) -> None:
+        """Before a forward of BATCH (whole rows): the mask of the gathered rows, built once for
+        all layers (each layer building its own kept one L × L mask per layer for the backward),
+        none for rows of one sequence each (the mask-free causal kernel). Kept until release():
+        the layers activation checkpointing recomputes in the backward mask as their forward did."""
+        self.release()
+        if self.masks and "position_ids" in batch:
+            self.mask = packed_mask(shards.positions(batch))
+
+    def release(self) -> None:
+        """After the backward (or an evaluation's forward): the mask is no longer needed."""
+        self.mask = None
+        self._biases.clear()
+
     def __call__(self, module, query, key, value, attention_mask, *args, **kwargs):
         if not (module.training or self.sliced):
             return self.core(module, query, key, value, attention_mask, *args, **kwargs)
-        # the model's mask covers a slice only: the gathered position ids mask the whole sequence
+        # RoPE's fp32 cos/sin promote q and k under autocast (DDP + bf16): the all-to-alls would
+        # move them in fp32, which the kernel casts to v's 16 bits anyway
+        query, key = query.to(value.dtype), key.to(value.dtype)
+        # the model's mask covers a slice only: the gathered rows' own (or none) instead
         return self._ulysses(query.shape[0])(module, query, key, value, None, *args, **kwargs)
+
+    def _inner(self, module, query, key, value, attention_mask, *args, **kwargs):
+        # the kernel Ulysses calls on the gathered rows of heads / sp heads
+        if self.masks:
+            attention_mask = None if self.mask is None else self._bias(query.dtype)
+        return self.core(module, query, key, value, attention_mask, *args, **kwargs)
+
+    def _bias(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._biases:
+            assert self.mask is not None
+            blocked = torch.finfo(dtype).min
+            bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            self._biases[dtype] = bias.masked_fill_(~self.mask, blocked)
+        return self._biases[dtype]
 
     def _ulysses(self, rows: int) -> Any:
         if rows not in self._by_rows:
@@ -152,7 +183,7 @@ class UlyssesAttention:
 
             config = self.config
             self._by_rows[rows] = UlyssesSPAttentionHF(
-                attn=self.inner,
+                attn=self._inner,
                 batch_size=rows,
                 attn_head_count=config.num_attention_heads,
                 attn_head_size=getattr(
@@ -271,9 +302,18 @@ class LongSequenceEngine(AccelerateEngine):
             lines.append(f"tiled MLP and loss: {self.tiles} tiles per sequence slice")
         return lines
 
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        try:
+            return super().train_step(micro_batches)
+        finally:
+            if self.attention is not None:  # the last micro-batch's mask, past its backward
+                self.attention.release()
+
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         local, tokens = self.shards.slice(batch)
         shift_labels = local.pop("shift_labels")
+        if self.attention is not None:
+            self.attention.prepare(self.shards, batch)
         if self.final is None:
             logits = self.model(**local, **self.forward_options).logits
             loss_sum = _cross_entropy_sum(logits, shift_labels)
@@ -300,13 +340,16 @@ class LongSequenceEngine(AccelerateEngine):
         if self.attention is None:
             return super().eval_batch(batch)
         self.model.eval()
-        local, _ = self.shards.slice({k: v.to(self.accelerator.device) for k, v in batch.items()})
+        batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
+        local, _ = self.shards.slice(batch)
         labels = local.pop("shift_labels")
         self.attention.sliced = True
+        self.attention.prepare(self.shards, batch)
         try:
             logits = self.model(**local, **self.forward_options).logits
         finally:
             self.attention.sliced = False
+            self.attention.release()
         return token_sums(logits, labels)
 
 
