@@ -40,11 +40,23 @@ def test_zero_offload_on_two_gpus_gets_the_cores_of_the_node_for_cpu_adam(tmp_pa
     # accelerate launch and torchrun export OMP_NUM_THREADS=1 when it is unset: DeepSpeed's CPU
     # Adam (OpenMP) would step the whole offloaded optimizer on one core
     result = render_gpu_plan(tmp_path, "--gpus", "2", "--zero", "2", "--offload", "optimizer")
-    threads = max(1, CORES // 2)
-    assert f"export OMP_NUM_THREADS={threads}\n" in (tmp_path / "launch.sh").read_text()
+    # rendered here for a GPU node: launch.sh counts that node's cores when it runs there (before,
+    # this machine's count was written in)
+    script = (tmp_path / "launch.sh").read_text()
+    (export,) = [line for line in script.splitlines() if "OMP_NUM_THREADS" in line]
+    node = tmp_path / "node"  # the GPU node: 64 cores
+    node.mkdir()
+    path = f"{node}{os.pathsep}{os.environ['PATH']}"
+    (node / "nproc").write_text("#!/bin/sh\necho 64\n")
+    (node / "nproc").chmod(0o755)
+    counted = subprocess.run(
+        ["bash", "-c", f"{export}; echo $OMP_NUM_THREADS"],
+        capture_output=True, text=True, check=True, env={**os.environ, "PATH": path},
+    )  # fmt: skip
+    assert counted.stdout.strip() == "32"
     assert (
-        f"note: offload: DeepSpeed's CPU Adam steps on {threads} OpenMP thread(s) per rank "
-        f"(OMP_NUM_THREADS: {CORES} cores here ÷ 2 ranks per node)"
+        "note: offload: DeepSpeed's CPU Adam steps on OpenMP threads per rank (OMP_NUM_THREADS: "
+        "the cores of the node that runs launch.sh ÷ 2 ranks)"
     ) in result.stdout
 
 

@@ -230,7 +230,7 @@ def prepare_training_run(
         claims_gpus=not (render_only or allocation is not None or config.launch.hostfile),
         render_only=render_only,
         # `dplaunch slurm` plans another machine: the job decides its threads itself
-        threads=openmp_threads(plan, allocation) if use_allocation else None,
+        threads=openmp_threads(plan, allocation, here=not render_only) if use_allocation else None,
     )
     target = ["-m", "dplaunch.train", str(run_dir.absolute())]
     return settle_and_render(config, plan, run_dir, target, here)
@@ -432,8 +432,10 @@ def settle_on_this_machine(
     threads = here.threads
     # (FSDP's offload steps torch's AdamW on the host: no CPU Adam build, no thread note)
     if threads is not None and plan.offload != "none" and plan.engine != "fsdp":
+        on_the_node = threads[0] == node_threads(plan.processes_per_node)
+        count = "OpenMP threads" if on_the_node else f"{threads[0]} OpenMP thread(s)"
         settled.append(
-            f"offload: DeepSpeed's CPU Adam steps on {threads[0]} OpenMP thread(s) per rank "
+            f"offload: DeepSpeed's CPU Adam steps on {count} per rank "
             f"(OMP_NUM_THREADS: {threads[1]})"
         )
     plan = replace(plan, master_port=port, notes=(*plan.notes, *settled))
@@ -452,6 +454,9 @@ def render_files(
     """The files, argv and environment that start ``target`` on every rank of ``plan`` (writes nothing).
 
     ``threads``: openmp_threads' answer (None: the launcher's default, one thread per rank)."""
+    # the files run on another node: launch.sh computes the threads there
+    on_the_node = threads is not None and threads[0] == node_threads(plan.processes_per_node)
+    computed = {"OMP_NUM_THREADS": threads[0]} if threads is not None and on_the_node else {}
     files: dict[str, str] = {}
     run_abs = run_dir.absolute()
     if plan.uses_deepspeed:
@@ -462,7 +467,7 @@ def render_files(
     accelerate_name = accelerate_config_name(plan)
     files[accelerate_name] = render_accelerate_config(plan, str(run_abs / DEEPSPEED_FILE))
     env = {
-        **rank_environment(plan, threads),
+        **rank_environment(plan, None if on_the_node else threads),
         **hang_dump_environment(plan, run_abs / ERRORS_DIR),
         **(extra_env or {}),
     }
@@ -470,7 +475,7 @@ def render_files(
         argv = hostfile_launch_argv(plan, Path(config.launch.hostfile), target, env)
     else:
         argv = launch_argv(plan, run_abs, target, accelerate_config=accelerate_name)
-    return run_files(config, plan, run_dir, argv, env, engine=files)
+    return run_files(config, plan, run_dir, argv, env, engine=files, computed=computed)
 
 
 def run_files(
@@ -482,16 +487,18 @@ def run_files(
     *,
     engine: dict[str, str] | None = None,
     workers: dict[str, str] | None = None,
+    computed: dict[str, str] | None = None,
 ) -> PreparedRun:
     """A prepared run: the run file, the plan and the launch script every run directory holds,
     after the ENGINE's files (deepspeed.json, accelerate.yaml) and before the WORKERS' spec of a
-    TensorFlow launch (the order --dry-run prints them in)."""
+    TensorFlow launch (the order --dry-run prints them in). ``computed``: variables launch.sh
+    computes where it runs (render_launch_script)."""
     files = {
         **(engine or {}),
         RUN_FILE: dump_run_config(config),
         PLAN_FILE: plan_text(plan.to_dict()),
         **(workers or {}),
-        launch_script_name(plan): render_launch_script(argv, env, Path.cwd()),
+        launch_script_name(plan): render_launch_script(argv, env, Path.cwd(), computed),
     }
     return PreparedRun(config=config, plan=plan, run_dir=run_dir, files=files, argv=argv, env=env)
 
@@ -544,13 +551,25 @@ def hang_dump_environment(
     return env
 
 
+def node_threads(ranks: int) -> str:
+    """OMP_NUM_THREADS as launch.sh computes it on the node that runs it: that node's cores
+    (nproc: its affinity mask, as usable_cores) ÷ its ranks, at least 1."""
+    return f"$(( $(nproc) / {ranks} > 1 ? $(nproc) / {ranks} : 1 ))"
+
+
 def openmp_threads(
-    plan: Plan, allocation: SlurmAllocation | None, environ: Mapping[str, str] | None = None
+    plan: Plan,
+    allocation: SlurmAllocation | None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    here: bool = True,
 ) -> tuple[str, str] | None:
     """OMP_NUM_THREADS for each rank and where it comes from; None leaves it to the launcher.
 
     `accelerate launch` and torchrun set 1 unless the variable is set: right for GPU ranks that
-    only feed kernels, wrong for CPU ranks and for ZeRO-Offload, whose CPU Adam is OpenMP."""
+    only feed kernels, wrong for CPU ranks and for ZeRO-Offload, whose CPU Adam is OpenMP.
+    ``here``: the ranks run on this machine; else (files rendered for another node) the count
+    is node_threads', computed by launch.sh where it runs."""
     environ = os.environ if environ is None else environ
     needs_cores = plan.target == "cpu" or plan.offload != "none"
     given = environ.get("OMP_NUM_THREADS")
@@ -564,6 +583,8 @@ def openmp_threads(
             return str(threads), f"SLURM's {allocation.cpus_per_task} CPUs per task ÷ {ranks} ranks"
     if not needs_cores:
         return None
+    if not here:
+        return node_threads(ranks), f"the cores of the node that runs launch.sh ÷ {ranks} ranks"
     cores = usable_cores()
     return str(max(1, cores // ranks)), f"{cores} cores here ÷ {ranks} ranks per node"
 
