@@ -470,3 +470,27 @@ def test_horovod_is_refused_in_one_line_when_it_cannot_be_imported(tmp_path):
         result = run_dplaunch("launch", script, "--cpu", "--gpus", "2", *extra)
         refusal_line(result, "--framework: horovod cannot be imported here", "C++17")
     assert files_under(tmp_path) == before
+
+
+def test_keras_3s_per_replica_failure_ends_with_the_one_line_fix(tmp_path, monkeypatch, capsys):
+    # every worker of a Keras 3 model.fit under MultiWorkerMirroredStrategy fails with this
+    # (keras-team/keras#20585); the job's summary ends with how to run it instead
+    from dplaunch.launching.process import RankWatch
+    from dplaunch.launching.workers import TRACEBACK_PREFIX_ENV
+    from dplaunch.train import script
+
+    fit = tmp_path / "fit.py"
+    fit.write_text(
+        'raise ValueError("Attempt to convert a value (PerReplica:{ 0: <tf.Tensor: shape=(4, 4)>'
+        " }) with an unsupported type (<class 'tensorflow.python.distribute.values.PerReplica'>)"
+        ' to a Tensor.")\n'
+    )
+    monkeypatch.setenv(TRACEBACK_PREFIX_ENV, "1")
+    monkeypatch.setenv("RANK", "1")
+    assert script.main([str(fit)]) == 1
+    watch = RankWatch(tmp_path / "errors")
+    for line in capsys.readouterr().err.splitlines():
+        watch.filter(line)
+    rank, _, line = watch.first_failure()
+    assert rank == 1 and line.startswith("[rank 1] dplaunch: Keras 3's model.fit does not run")
+    assert "TF_USE_LEGACY_KERAS=1" in line and "tf-keras" in line

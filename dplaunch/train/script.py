@@ -33,16 +33,21 @@ def main(argv: list[str]) -> int:
         note_failure_stack(error)
         trimmed = _from_script(error.__traceback__, script)
         if os.environ.get(TRACEBACK_PREFIX_ENV):  # a TensorFlow worker: no torch to prefix it
-            _print_prefixed(error.with_traceback(trimmed), os.environ.get("RANK", "0"))
+            from dplaunch.launching.frameworks import keras_fix
+
+            # a known failure's fix goes last: the line dplaunch's summary ends with
+            fix = keras_fix(error)
+            _print_prefixed(error.with_traceback(trimmed), os.environ.get("RANK", "0"), fix)
         else:
             sys.excepthook(type(error), error.with_traceback(trimmed), trimmed)
         return 1
     return 0
 
 
-def _print_prefixed(error: BaseException, rank: str) -> None:
+def _print_prefixed(error: BaseException, rank: str, fix: str | None = None) -> None:
     # one write, so that the lines of two workers failing together do not interleave
     lines = "".join(traceback.format_exception(error)).rstrip("\n").split("\n")
+    lines += [fix] if fix else []
     sys.stderr.write("".join(f"[rank{rank}]: {line}\n" for line in lines))
     sys.stderr.flush()
 
