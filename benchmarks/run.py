@@ -4,7 +4,7 @@
     python -m benchmarks.run --quick             # one repetition, shorter windows (a smoke run)
     python -m benchmarks.run --only throughput   # some of: startup, launch_overhead, throughput, lora, scaling, flags, fsdp
     python -m benchmarks.run --only scaling_peers  # optional: scaling of dplaunch and of the hand loop
-    python -m benchmarks.run --only long_context   # optional: longest sequence under a memory budget, sp 1 vs 2
+    python -m benchmarks.run --only long_context   # optional: activation memory and longest sequence, sp 1 vs 2
     python -m benchmarks.run --only streaming      # optional: data.streaming vs tokenise-and-cache on a 2 GB corpus
     python -m benchmarks.run --only forecast       # optional: forecast vs measured step time of 10 layouts (~15 min)
     python -m benchmarks.run --reps 5 --no-write # more repetitions (throughput: rounds), keep results/ untouched

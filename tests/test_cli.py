@@ -135,6 +135,10 @@ def test_the_embedded_default_fine_tunes_the_pretrained_model_on_two_ranks(tmp_p
         and records[0]["world_size"] == 2
         and records[0]["parameters"] > 22_000_000
     )
+    # the rank's memory with the model built and no step taken: below every step's peak, above
+    # the fp32 weights (22.7 M × 4 bytes)
+    peak = max(r["memory_gb"] for r in records if r["type"] == "train")
+    assert 0.09 < records[0]["memory_at_start_gb"] < peak
     evals = [r for r in records if r["type"] == "eval"]
     assert [r["step"] for r in evals] == [0, 2, 4]
     assert all(0.0 <= r["eval_accuracy"] <= 1.0 for r in evals)

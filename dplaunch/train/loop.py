@@ -51,6 +51,7 @@ from dplaunch.train.metrics import (
     RankPrinter,
     library_progress,
     memory_fields,
+    memory_now_gb,
     progress_width,
 )
 from dplaunch.train.modeling import load_model, load_tokenizer
@@ -284,6 +285,8 @@ def train(run_dir: Path) -> int:
         parameters=parameters,
         task=config.model.task,
         resumed_from_step=start_step if resume is not None else None,
+        # the model and engine built, no step taken: what each step's peak adds activations to
+        memory_at_start_gb=memory_now_gb(accelerator.device),
     )
     data_line = (
         f"{batcher.steps_per_epoch} per epoch, {len(train_set)} training samples"

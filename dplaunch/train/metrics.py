@@ -317,6 +317,21 @@ def memory_fields(device: Any, cuda: Any = None) -> dict[str, float]:
     return {"memory_gb": _gb(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}
 
 
+def memory_now_gb(device: Any) -> float:
+    """The memory this rank holds right now, in GB: its tensors' on a GPU (memory_allocated), its
+    resident memory on CPU. At the header (model and engine built, no step yet) it is the
+    baseline a step's peak adds its activations to."""
+    if device.type == "cuda":
+        import torch
+
+        return _gb(torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/self/statm") as statm:
+            return _gb(int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError, IndexError):  # not Linux: the peak so far
+        return memory_fields(device)["memory_gb"]
+
+
 def _gb(size: float) -> float:
     return round(size / 1e9, 3)
 
