@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# GPU benchmark: a 1.1B Llama (benchmarks/configs/llama-1b.yaml), bf16, on ONE GPU (an H200).
-# Measures steady-state tokens/s and MFU (of the datasheet dense bf16 peak; the measured matmul
-# rate beside it) of `dplaunch train` as DDP-1, as ZeRO-2, and with
-# activation checkpointing, the hand-written Accelerate loop on the same run (the ceiling), and
-# each dplaunch run's peak memory against the plan's estimate (planning/estimate.py).
-# Results: $OUT/gpu.json, gpu.png, gpu.txt (device, versions), matmul_peak.json, runs.log
-# (every run's output).
-# Budget: one call, under 8 minutes (each run is cut at RUN_LIMIT_S).
+# The first thing to run on a GPU. On ONE GPU (an H200), in one call of under 8 minutes:
+# 1. the smoke matrix (benchmarks/gpu_smoke.py): every engine and feature one GPU runs, a few
+#    steps each (ZeRO-1/2/3, ZeRO-2 + optimizer offload, ZeRO-3 + offload all, FSDP2 ± offload,
+#    train.compile, fp16, flash-attention on packed SFT, LoRA under ZeRO-3 with its exports,
+#    QLoRA under DDP, activation checkpointing, a resumed checkpoint): pass/fail, the first error
+#    line, steps/s and peak memory against the plan's estimate → $OUT/gpu-smoke.json;
+# 2. in the time left, the benchmark: a 1.1B Llama (benchmarks/configs/llama-1b.yaml), bf16.
+#    Steady-state tokens/s and MFU (of the datasheet dense bf16 peak; the measured matmul rate
+#    beside it) of `dplaunch train` as DDP-1, as ZeRO-2, and with activation checkpointing, the
+#    hand-written Accelerate loop on the same run (the ceiling), and each dplaunch run's peak
+#    memory against the plan's estimate (planning/estimate.py).
+# Results: $OUT/gpu-smoke.json, gpu.json, gpu.png, gpu.txt (device, versions),
+# matmul_peak.json, runs.log (every run's output). `bash benchmarks/gpu.sh smoke`: the matrix only.
+# Budget: one call, under 8 minutes (BUDGET_S; the matrix gets SMOKE_BUDGET_S of it, each
+# benchmark run is cut at RUN_LIMIT_S or what is left).
 #
 # 1. Here (a machine with PyPI), once: the packages the GPU image may lack, as wheels in .whl/
 #    (git-ignored): DeepSpeed built from its sdist (pure Python; its ops JIT-build when needed,
@@ -18,7 +25,9 @@
 #    then copy the returned gpu.json and gpu.png into benchmarks/results/.
 # A smoke test of the script itself on a machine without a GPU (numbers meaningless):
 #        PY=.venv/bin/python CONFIG=benchmarks/configs/llama-3m.yaml OUT=/tmp/gpu-smoke \
-#            EXTRA="--cpu --max-steps 15 --set train.log_every=5" RUN_LIMIT_S=400 bash benchmarks/gpu.sh
+#            EXTRA="--cpu --max-steps 15 --set train.log_every=5" RUN_LIMIT_S=400 \
+#            SMOKE_FLAGS="--cpu --only resume" bash benchmarks/gpu.sh
+# (the smoke matrix alone on CPU ranks: python -m benchmarks.gpu_smoke WORK OUT --cpu)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,8 +43,13 @@ if [[ "${1:-}" == "prepare" ]]; then
     # the device runs CPython 3.12 on x86-64 manylinux
     "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        --platform manylinux1_x86_64 -d .whl -r .whl/pins.txt
+        --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl -r .whl/pins.txt
+    # what the device never loads left out: bitsandbytes for other CUDA versions (43 → 7 MB),
+    # pyarrow's Flight, S3, headers and tests (55 → 35 MB)
+    for wheel in .whl/bitsandbytes-*.whl .whl/pyarrow-*.whl; do
+        "$PY" -m benchmarks.gpu_wheels slim "$wheel"
+    done
     ls -la .whl
     du -sh .whl
     exit 0
@@ -47,14 +61,18 @@ WORK=${WORK:-/tmp/dplaunch-gpu-bench}
 CONFIG=${CONFIG:-benchmarks/configs/llama-1b.yaml}
 # extra flags for every run (the smoke test's --cpu)
 read -r -a EXTRA_FLAGS <<< "${EXTRA:-}"
+# flags of the smoke matrix (gpu_smoke.py: --cpu, --only NAME,…)
+read -r -a SMOKE_ARGS <<< "${SMOKE_FLAGS:-}"
 RUN_LIMIT_S=${RUN_LIMIT_S:-150}
+BUDGET_S=${BUDGET_S:-470}
+SMOKE_BUDGET_S=${SMOKE_BUDGET_S:-360}
 mkdir -p "$OUT" "$WORK"
 rm -rf "${WORK:?}"/*
 
 # the carried wheels, unless this python already has what they provide (the smoke test here).
 # The device's pip resolves the roots against the image (a dry run writes nothing) and only the
 # wheels it finds missing are installed: the image's own packages are not shadowed by others
-if compgen -G ".whl/*.whl" > /dev/null && ! "$PY" -c "import deepspeed, datasets, pydantic" > /dev/null 2>&1; then
+if compgen -G ".whl/*.whl" > /dev/null && ! "$PY" -c "import deepspeed, datasets, pydantic, peft, bitsandbytes" > /dev/null 2>&1; then
     "$PY" -m pip install --dry-run --quiet --no-index --find-links .whl --report /tmp/wheels.json \
         -r .whl/roots.txt
     mapfile -t NEEDED < <("$PY" -c 'import json, sys, urllib.parse as u
@@ -99,6 +117,24 @@ if torch.cuda.is_available():
     print(f"measured dense bf16 matmul: {flops / 1e12:.0f} TFLOP/s")
 EOF
 
+SECONDS=0
+echo "== the smoke matrix (benchmarks/gpu_smoke.py, at most ${SMOKE_BUDGET_S} s)"
+"$PY" -m benchmarks.gpu_smoke "$WORK/smoke" "$OUT" --budget-s "$SMOKE_BUDGET_S" \
+    ${SMOKE_ARGS[@]+"${SMOKE_ARGS[@]}"} || echo "   the smoke matrix has failures: $OUT/gpu-smoke.json"
+if [[ "${1:-}" == "smoke" ]]; then
+    exit 0
+fi
+
+# the benchmark's four runs share what the matrix left of the call
+left=$(( BUDGET_S - SECONDS ))
+if (( left / 4 < RUN_LIMIT_S )); then
+    RUN_LIMIT_S=$(( left / 4 ))
+fi
+if (( RUN_LIMIT_S < 40 )); then
+    echo "== no time left for the benchmark runs (${SECONDS} s spent)"
+    exit 0
+fi
+
 # one dplaunch run: NAME, then flags; a failing run is logged and the others still run
 train() {
     local name=$1
@@ -112,7 +148,6 @@ train() {
     grep -E "^step |rank\(s\)|[Ee]rror" "$WORK/$name.log" | tail -4 || true
 }
 
-SECONDS=0
 train ddp1
 train zero2 --zero 2
 train ddp1-checkpointing --set model.gradient_checkpointing=true

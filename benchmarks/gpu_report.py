@@ -19,6 +19,7 @@ from typing import Any
 
 from benchmarks.common import bar_chart, machine_facts, read_jsonl
 from dplaunch.config.load import build_run_config
+from dplaunch.launching.prepare import model_facts
 from dplaunch.planning.auto import run_workload, workload_memory
 from dplaunch.planning.estimate import GIB, MemoryEstimate, count_parameters
 from dplaunch.planning.model_facts import ModelFacts
@@ -71,13 +72,17 @@ def measured_matmul_peak(out: Path) -> float | None:
 def run_estimate(run: dict[str, Any]) -> MemoryEstimate:
     """The planner's estimate for a run's resolved run.yaml (one GPU): the workload as
     `parallel: auto` reads it (run_workload: micro batch, sequence, precision, checkpointing,
-    model.attn_implementation or transformers' pick) and the run's own ZeRO stage."""
+    model.attn_implementation or transformers' pick, LoRA, packed rows) and the run's own engine
+    (ZeRO stage and offload, or FSDP: ZeRO-3's states and FSDP2's transients)."""
     config = build_run_config(run)
-    facts = ModelFacts.from_config_dict(config.model.config)
     one_gpu = ParallelDims(
-        1, 1, zero_stage=config.parallel.zero_stage, offload=config.parallel.offload
+        1,
+        1,
+        zero_stage=config.parallel.zero_stage,
+        offload=config.parallel.offload,
+        fsdp=config.parallel.fsdp,
     )
-    return workload_memory(facts, one_gpu, run_workload(config))
+    return workload_memory(model_facts(config.model), one_gpu, run_workload(config))
 
 
 def steady_tokens_per_s(times: dict[int, float], tokens_per_step: int) -> float:
