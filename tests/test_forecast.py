@@ -567,3 +567,20 @@ def test_calibrating_cpu_ranks_writes_a_profile_that_a_second_plan_uses(tmp_path
     rows = json.loads(run_dplaunch("plan", *flags, env=env).stdout)
     assert all(row["profile"] == profile.label for row in rows)
     assert all(row["step_time_s"] > 0 for row in rows)
+
+
+def test_fsdp_takes_the_gradient_norm_to_clip_or_for_the_guard_but_not_for_an_fp16_guard():
+    # with max_grad_norm 0 the FSDP engine still takes the norm when the non-finite guard judges
+    # it (train/fsdp.py), the same all-reduces as clipping; under fp16 overflows are the scaler's
+    facts = ModelFacts.from_config_dict(LLAMA_7B)
+    dims = ParallelDims(8, 8, fsdp="full")
+
+    def norms(mixed_precision="bf16", **flags) -> int:
+        collectives = step_collectives(
+            facts, dims, workload(mixed_precision=mixed_precision), **flags
+        )
+        return sum(c.what == "FSDP2 gradient norms" for c in collectives)
+
+    assert norms(guard=False, clip=True) == norms(guard=True, clip=False) == 1
+    assert norms(guard=False, clip=False) == 0
+    assert norms("fp16", guard=True, clip=False) == 0

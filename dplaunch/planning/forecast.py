@@ -546,8 +546,9 @@ def step_collectives(
     - FSDP2: every micro-batch the root unit (embeddings, final norm, head) all-gathered once,
       each decoder block all-gathered in the forward and again in the backward, every unit's
       gradients reduce-scattered (each tensor's first dimension padded to a multiple of the
-      shard group); HSDP then all-reduces each reduced shard across the nodes; with clipping,
-      one all-reduce of a float per parameter tensor over the shard group;
+      shard group); HSDP then all-reduces each reduced shard across the nodes; with clipping (or
+      the guard judging the gradient norm), one all-reduce of a float per parameter tensor over
+      the shard group;
     - tensor parallelism (AutoTP): per micro-batch and layer, an all-reduce of b·s·h·e after
       each row-parallel layer in the forward and of the input gradient of each column-parallel
       layer in the backward; a split head all-gathers its logits (vocabulary padded to tp);
@@ -572,7 +573,10 @@ def step_collectives(
     data = Group(dims.dp * dims.sp, _scope(data_groups, dims.gpus_per_node))
     step = StepCollectives()
     if dims.fsdp is not None:
-        _fsdp_collectives(step, dims, count, every, trained, e, m, clip)
+        # the engine takes the gradient norm to clip, or for the guard to judge (not under fp16,
+        # whose overflows are the scaler's)
+        norm = clip or (guard and workload.mixed_precision != "fp16")
+        _fsdp_collectives(step, dims, count, every, trained, e, m, norm)
     elif dims.pp > 1:
         pipe = Group(dims.pp, _scope(mesh.pipelines(), dims.gpus_per_node))
         activation = b * s * count.hidden_size * e
@@ -744,7 +748,7 @@ def _zero_collectives(
             step.add("all_gather", weight.numel * e, data, "step", "ZeRO-3 persistent weights")
 
 
-def _fsdp_collectives(step, dims, count, every, trained, e, m, clip) -> None:
+def _fsdp_collectives(step, dims, count, every, trained, e, m, norm) -> None:
     """FSDP2 units: the root (embeddings, final norm, head) and each decoder block."""
     shard = dims.world_size if dims.fsdp == "full" else min(dims.gpus_per_node, dims.world_size)
     shard_groups, replicate_groups = fsdp_groups(dims.world_size, shard)
@@ -796,7 +800,7 @@ def _fsdp_collectives(step, dims, count, every, trained, e, m, clip) -> None:
                 "HSDP across nodes",
                 overlaps=hides,
             )
-    if clip:
+    if norm:
         # each tensor's norm is partial over its shards only: the replicas hold the same
         tensors = sum(len(gradients(unit)) for unit in units)
         step.add("all_reduce", 4 * tensors, sharded, "step", "FSDP2 gradient norms")

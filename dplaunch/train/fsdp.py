@@ -238,7 +238,7 @@ class FsdpEngine:
         parameters = [p for p in model.parameters() if p.grad is not None]
         if self.max_grad_norm > 0:
             grad_norm = clip_grad_norm(parameters, self.max_grad_norm)
-        elif self.guard is not None and self.guard.enabled:
+        elif self.guard is not None and self.guard.enabled and self.guard.judges_gradient:
             # the guard's own norm would be a DTensor (and cannot stack FSDP × TP's two meshes)
             grad_norm = gradient_norm(parameters)
         skip = self.guard is not None and self.guard.judge(total, grad_norm, parameters, None)
