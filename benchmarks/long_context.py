@@ -10,10 +10,13 @@ memory_at_start_gb: model and engine built, no step taken). Reported:
 - at a fixed length (FIXED_LENGTH), activation memory sp 2 / sp 1;
 - the longest length on a grid of LENGTH_STEP tokens whose activation memory stays within
   ACTIVATION_BUDGET_GB, a budget fixed here before any run (not chosen from the results); each
-  sp climbs the grid until a run goes over it.
+  sp climbs the grid until a run goes over it;
+- the slope: activation memory per 1K more tokens (least squares over the grid), sp 2 / sp 1.
 
-The baseline also holds what the first step adds besides activations (Adam's two states,
-8 bytes × 13 M parameters ≈ 0.1 GB, the same for sp 1 and sp 2). tokens/s is the second step's;
+Peak less baseline also holds what the first step adds whatever the length (Adam's states,
+8 bytes × 13 M parameters, gradients, the all-reduce's buffers, libraries loaded on first use:
+about 0.3 GB here, the same for sp 1 and sp 2): it is in the fixed-length ratio and the budget,
+not in the slope. tokens/s is the second step's;
 sp 2 trains half as many sequences per step on 2 ranks (dp 1), so it buys length, not speed.
 """
 
@@ -65,6 +68,22 @@ def measure(work: Any, sp: int, length: int) -> dict[str, float]:
     }
 
 
+def per_thousand_tokens(runs: dict[str, dict[str, float]]) -> float | None:
+    """The activation memory one more 1K tokens adds (GB, least squares over the measured
+    lengths): the slope leaves out what the first step adds whatever the length."""
+    points = [
+        (int(length) / 1000, n["activation_gb"])
+        for length, n in runs.items()
+        if "activation_gb" in n
+    ]
+    if len(points) < 2:
+        return None
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    return round(sum((x - mean_x) * (y - mean_y) for x, y in points) / spread, 4)
+
+
 def run(options: Options) -> dict[str, Any]:
     work = options.folder(NAME)
     top = QUICK_MAX_LENGTH if options.quick else MAX_LENGTH
@@ -102,6 +121,16 @@ def run(options: Options) -> dict[str, Any]:
             higher_is_better=False,
             meaning="the share of a rank's activations sp 2 keeps (Ulysses: half of each sequence)",
         )
+    slopes = {name: per_thousand_tokens(runs) for name, runs in results.items()}
+    print(f"  activation memory per 1K tokens (GB): {slopes}")
+    if slopes["sp 1"] and slopes["sp 2"]:
+        ratios["activation memory per token, sp 2 / sp 1"] = ratio_entry(
+            [slopes["sp 2"]],
+            [slopes["sp 1"]],
+            goal=0.5,
+            higher_is_better=False,
+            meaning="the slope of activation memory in the sequence length: what sp divides",
+        )
     if longest["sp 1"]:
         ratios["longest sequence within the activation budget, sp 2 / sp 1"] = ratio_entry(
             [longest["sp 2"]],
@@ -121,6 +150,7 @@ def run(options: Options) -> dict[str, Any]:
         "length_step": LENGTH_STEP,
         "runs": results,
         "longest_within_budget": longest,
+        "activation_gb_per_1k_tokens": slopes,
         "ratios": ratios,
     }
     write_result(NAME, payload, options)
