@@ -49,7 +49,7 @@ QUICK_GB = 0.2
 STEPS = 24
 SAMPLE_S = 0.5
 # the cached run tokenises the whole corpus before its first step: minutes, not the usual limit
-CACHED_LIMIT_S = 7200
+CACHED_LIMIT_S = 14400
 
 
 def write_corpus(folder: Path, total_bytes: int, files: int = 2) -> list[Path]:
@@ -120,6 +120,9 @@ def measure(work: Path, name: str, files: list[Path], streaming: bool) -> dict[s
     flags = ["--cpu", "--gpus", "2", "--max-steps", str(STEPS)]
     flags += ["--set", f"data.dataset={json.dumps([str(f) for f in files])}"]
     flags += ["--set", "train.log_every=1", "--set", "train.report_to=[]"]
+    # the cached path's other ranks wait in a collective while the node's first rank tokenises:
+    # past launch.timeout_minutes (30) that wait fails the run (seen at 2 GB on a busy machine)
+    flags += ["--set", f"launch.timeout_minutes={CACHED_LIMIT_S // 60}"]
     # two processes tokenise either way: the cached path's map (num_proc 2), or one data
     # loader worker in each of the 2 ranks
     if streaming:
