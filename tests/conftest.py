@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import REPO, spy_environment, train, write_config
+
+
+def pytest_configure(config):
+    """The suite never reads the user's caches: a profile saved by `dplaunch calibrate` in
+    ~/.cache/dplaunch/profiles would change the forecast and what `parallel: auto` picks."""
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="dplaunch-tests-cache-")
+
 
 # the comparison every layout is checked against: 6 steps, global batch 8 in micro-batches of 2
 COMPARISON_FLAGS = ("--max-steps", "6", "--global-batch", "8", "--micro-batch", "2")
