@@ -4,6 +4,7 @@ in a file or a SLURM log (the multi-process tests read those lines as they alway
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 
@@ -53,6 +54,18 @@ def test_on_a_terminal_the_bar_shows_step_loss_tokens_and_eta_and_redraws_in_pla
     assert rest[2].startswith(REDRAW) and "step 40/40" in rest[2] and "ETA 0:00:00" in rest[2]
     say("[dplaunch] exported")  # the finished bar stays; the rest goes below it
     assert out.getvalue().endswith("ETA 0:00:00\n[dplaunch] exported\n")
+
+
+@pytest.mark.parametrize("width", [40, 60, 80, 100, 130])
+def test_a_narrow_terminal_loses_the_least_useful_fields_never_the_step_count_or_the_eta(width):
+    out = io.StringIO()
+    full = {**record(1.0, 12345.0, 10.0), "mfu": 0.0123, "tokens": 1_234_567, "data_share": 0.5}
+    RankPrinter(True, stream=out, width=width).train_step(1234, 5000, full, 1224)
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue()).rstrip("\n")
+    assert len(shown) <= width and "…" not in shown, shown
+    assert shown.startswith("step 1234/5000 ━") and shown.endswith("ETA 1:02:46"), shown
+    if width == 130:  # the bar gives up cells before any field goes
+        assert "tokens/s 12,345  MFU 1.2%  tokens 1.2M  data 50%" in shown, shown
 
 
 def test_tqdm_redraws_become_lines_that_replace_each_other():

@@ -158,24 +158,48 @@ def progress_bar(
     data: str = "",
     mfu: float | None = None,
 ) -> str:
-    """One terminal line (ANSI colours, at most WIDTH cells): step/total, bar, loss, tokens/s,
-    MFU (when the run has a forecast, planning/forecast.py), the data part (data_fields), ETA."""
+    """One terminal line (ANSI colours, at most WIDTH cells): step/total, bar, percentage, loss,
+    tokens/s, MFU (when the run has a forecast, planning/forecast.py), the data part
+    (data_fields), ETA. On a narrow terminal the least useful go first (fit_fields)."""
     from rich.console import Console
     from rich.text import Text
 
-    filled = round(BAR_CELLS * step / max(total_steps, 1))
-    eta = datetime.timedelta(seconds=round(eta_s))
+    head = f"step {step}/{total_steps} "
+    named = {
+        "percent": f"{100 * step / max(total_steps, 1):3.0f}%",
+        "loss": f"loss {loss:.4f}",
+        "speed": f"tokens/s {tokens_per_s:,.0f}",
+        "mfu": f"MFU {mfu:.1%}" if mfu is not None else "",
+        "data": data,
+        "eta": f"ETA {datetime.timedelta(seconds=round(eta_s))}",
+    }
+    cells, fields = fit_fields(width - len(head) - 1, named)
+    filled = round(cells * step / max(total_steps, 1))
     line = Text.assemble(
-        (f"step {step}/{total_steps} ", "bold"),
+        (head, "bold"),
         ("━" * filled, "green"),
-        ("━" * (BAR_CELLS - filled), "bright_black"),
-        f" {100 * step / max(total_steps, 1):3.0f}%  loss {loss:.4f}  "
-        f"tokens/s {tokens_per_s:,.0f}{f'  MFU {mfu:.1%}' if mfu is not None else ''}  "
-        f"{data + '  ' if data else ''}ETA {eta}",
+        ("━" * (cells - filled), "bright_black"),
+        " " + "  ".join(fields),
     )
     console = Console(file=io.StringIO(), force_terminal=True, width=width, color_system="standard")
     console.print(line, no_wrap=True, overflow="ellipsis", crop=True, end="")
     return console.file.getvalue()
+
+
+def fit_fields(room: int, named: dict[str, str]) -> tuple[int, list[str]]:
+    """The bar's cells and the fields (NAMED, in order; empty ones skipped) that fit in ROOM
+    cells: the bar shrinks first (to 10 cells), then the data part, MFU, tokens/s, the
+    percentage and the loss are left out in that order, so that the ETA is never cut."""
+    fields = {name: text for name, text in named.items() if text}
+
+    def cells_left() -> int:
+        return room - len("  ".join(fields.values()))
+
+    for dropped in ("data", "mfu", "speed", "percent", "loss"):
+        if cells_left() >= 10:
+            break
+        fields.pop(dropped, None)
+    return min(BAR_CELLS, max(10, cells_left())), list(fields.values())
 
 
 class MetricsWriter:
