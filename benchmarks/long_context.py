@@ -56,7 +56,12 @@ def measure(work: Any, sp: int, length: int) -> dict[str, float]:
     flags += ["--set", f"data.max_length={length}"]
     argv = dplaunch_train_argv(CONFIG, run_dir, *flags)
     run_checked(argv, work / f"{run_dir.name}.log", bench_environment())
-    records = read_jsonl(run_dir / "metrics.jsonl")
+    return activation_memory(read_jsonl(run_dir / "metrics.jsonl"))
+
+
+def activation_memory(records: list[dict[str, Any]]) -> dict[str, float]:
+    """A run's metrics.jsonl as this comparison reads it: rank 0's peak, its baseline (the
+    header's memory_at_start_gb), the activation memory between them, the last step's tokens/s."""
     header = next(r for r in records if r.get("type") == "header")
     steps = [r for r in records if r.get("type") == "train"]
     peak = max(r["memory_gb"] for r in steps)
@@ -66,6 +71,18 @@ def measure(work: Any, sp: int, length: int) -> dict[str, float]:
         "activation_gb": round(peak - header["memory_at_start_gb"], 3),
         "tokens_per_s": steps[-1]["tokens_per_s"],
     }
+
+
+def longest_within_budget(runs: dict[str, dict[str, Any]], budget_gb: float) -> int:
+    """The longest length (runs: numbers by length, in the order run) whose activation memory
+    stays within BUDGET_GB, climbing the grid until a run goes over it; 0 when none does. A
+    failed run (no activation_gb: an out-of-memory kill) is over the budget."""
+    longest = 0
+    for length, numbers in runs.items():
+        if numbers.get("activation_gb", float("inf")) > budget_gb:
+            break
+        longest = int(length)
+    return longest
 
 
 def per_thousand_tokens(runs: dict[str, dict[str, float]]) -> float | None:
@@ -93,10 +110,8 @@ def run(options: Options) -> dict[str, Any]:
         f"activation budget {ACTIVATION_BUDGET_GB} GB a rank (fixed before the runs)"
     )
     results: dict[str, dict[str, Any]] = {}
-    longest: dict[str, int] = {}
     for sp in (1, 2):
         runs = results.setdefault(f"sp {sp}", {})
-        longest[f"sp {sp}"] = 0
         for length in grid:
             try:
                 numbers = measure(work, sp, length)
@@ -105,11 +120,12 @@ def run(options: Options) -> dict[str, Any]:
             runs[str(length)] = numbers
             print(f"  sp {sp}, {length:>6} tokens: {numbers}")
             within = numbers.get("activation_gb", float("inf")) <= ACTIVATION_BUDGET_GB
-            if within:
-                longest[f"sp {sp}"] = length
             # past the budget, and past the fixed length: longer runs only hold more
             if not within and length >= FIXED_LENGTH:
                 break
+    longest = {
+        name: longest_within_budget(runs, ACTIVATION_BUDGET_GB) for name, runs in results.items()
+    }
     print(f"  longest sequence within {ACTIVATION_BUDGET_GB} GB of activations a rank: {longest}")
     ratios = {}
     fixed = [results[f"sp {sp}"].get(str(FIXED_LENGTH), {}) for sp in (1, 2)]

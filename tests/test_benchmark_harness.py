@@ -1,7 +1,9 @@
 """The benchmarks' interleaving harness really takes turns: while one contender trains, the others
 (launcher and the processes it starts in sessions of their own, like torchrun's ranks) are frozen.
 
-Not a benchmark: nothing here asserts how long anything took, only the order of the steps.
+Not a benchmark: nothing here asserts how long anything took, only the order of the steps. Also
+what the comparisons compute from their runs (the LoRA contenders' adapters, long context's
+activation memory).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 
 from benchmarks.common import RunFailed
 from benchmarks.interleave import Contender, interleave
+from tests.helpers import REPO
 
 # a launcher that starts its "rank" in a new session and waits for it; the rank writes a clock
 # line (step, wall time) after each step, as the contenders' step clocks do
@@ -111,3 +114,30 @@ def test_the_lora_comparison_gives_hf_trainer_the_adapters_dplaunch_trains():
 
     assert trained(peers) == trained(ours) and len(trained(ours)) == 4 * 7 * 2
     assert peers.peft_config["default"].lora_alpha == ours.peft_config["default"].lora_alpha == 32
+
+
+def test_the_long_context_comparison_charges_sp_the_activations_over_its_runs_own_baseline():
+    # what sp divides is the activations: rank 0's peak less the same run's memory with the model
+    # and engine built (the header's memory_at_start_gb), not the whole process; the longest
+    # length is the grid's climb within a budget fixed in the code before the runs
+    from benchmarks import long_context
+
+    records = [
+        {"type": "header", "memory_at_start_gb": 0.65},
+        {"type": "train", "step": 1, "memory_gb": 1.2, "tokens_per_s": 100.0},
+        {"type": "train", "step": 2, "memory_gb": 1.4, "tokens_per_s": 120.0},
+    ]
+    numbers = long_context.activation_memory(records)
+    assert numbers["activation_gb"] == 0.75 and numbers["tokens_per_s"] == 120.0
+    climb = {"1024": {"activation_gb": 0.4}, "2048": {"activation_gb": 0.9},
+             "3072": {"failed": "killed"}, "4096": {"activation_gb": 0.95}}  # fmt: skip
+    assert long_context.longest_within_budget(climb, 1.0) == 2048
+    assert long_context.longest_within_budget({"1024": {"activation_gb": 1.2}}, 1.0) == 0
+    # the recorded result was measured under the budget the code holds, and reads as it says
+    recorded = json.loads((REPO / "benchmarks" / "results" / "long_context.json").read_text())
+    assert recorded["activation_budget_gb"] == long_context.ACTIVATION_BUDGET_GB
+    for name, runs in recorded["runs"].items():
+        longest = long_context.longest_within_budget(runs, recorded["activation_budget_gb"])
+        assert longest == recorded["longest_within_budget"][name], name
+        slope = long_context.per_thousand_tokens(runs)
+        assert slope == recorded["activation_gb_per_1k_tokens"][name], name
