@@ -347,6 +347,14 @@ def test_fsdp_with_tp_is_checked_against_the_models_tp_plan_not_autotps_families
     assert refused.value.field == "parallel.tp" and "base_model_tp_plan" in str(refused.value)
     assert gpu_plan(gpus=4, zero_stage=1, tp=2, model=GPT2).tensor_parallel_size == 2  # AutoTP
     assert gpu_plan(gpus=4, fsdp="full", tp=2).tensor_parallel_size == 2  # llama has one
+    # and the other way round: gemma has a tp_plan FSDP × TP applies, and no AutoTP preset
+    gemma = ModelFacts.from_config_dict(
+        {"model_type": "gemma", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 259}
+    )  # fmt: skip
+    assert gpu_plan(gpus=4, fsdp="full", tp=2, model=gemma).tensor_parallel_size == 2
+    with pytest.raises(UserError, match="AutoTP cannot split model type 'gemma'"):
+        gpu_plan(gpus=4, zero_stage=1, tp=2, model=gemma)
 
 
 def test_the_fsdp_tp_families_are_those_whose_hf_tp_plan_the_engine_applies():
