@@ -364,6 +364,31 @@ def test_sp2_halves_the_activations_a_rank_keeps_as_the_estimate_says(tmp_path):
     assert measured["all_to_all_dtypes"] == ["bfloat16"], measured
 
 
+def test_rows_of_one_sequence_take_the_mask_free_causal_kernel_and_packed_rows_one_mask():
+    # the gathered rows' mask is decided before the forward, outside train.compile's graph
+    # (where transformers cannot tell rows of one sequence and would mask every row L × L):
+    # none for rows of one sequence, so SDPA runs its causal kernel; one for packed rows, causal
+    # inside each example and closed across examples
+    from dplaunch.train.sequence_parallel import SequenceShards, UlyssesAttention
+
+    attention = UlyssesAttention(core=None, kernel_name="sdpa", config=None, group=None)
+    shards = SequenceShards(size=2, rank=0, pad_id=0)
+    ids = torch.zeros((2, 6), dtype=torch.long)
+    for rows in (
+        {"input_ids": ids},
+        {"input_ids": ids, "position_ids": torch.arange(6).expand(2, 6)},
+    ):
+        attention.prepare(shards, rows)
+        assert attention.mask is None
+    packed = {"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)}
+    attention.prepare(shards, packed)
+    assert attention.mask is not None and attention.mask.shape == (2, 1, 6, 6)
+    example = torch.ones(3, 3, dtype=torch.bool).tril()
+    assert torch.equal(attention.mask[0, 0], torch.block_diag(example, example))
+    attention.release()
+    assert attention.mask is None
+
+
 def test_packed_rows_under_sdpa_are_charged_their_masks_whole_length_with_or_without_sp():
     # a 7B at 32K tokens of packed examples: without sp, 32 layers each keep a 2 GiB mask in
     # bf16; with sp 8 one mask of the whole row (not divided by sp) serves every layer
