@@ -109,7 +109,7 @@ class Checkpointer:
         try:
             self._inject_fault(step, "max_file_bytes")
             self.engine.save(str(temp))
-            if not getattr(self.engine, "saves_rng", False):
+            if not self.engine.saves_rng:
                 save_rng_state(temp, self.rank)
             if self.save_data_position is not None:
                 self.save_data_position(temp)
@@ -208,7 +208,7 @@ class Checkpointer:
     def load(self, resume: dict[str, Any]) -> int:
         """Restore the state resume.json names; return the step to continue from."""
         self.engine.load(resume["load_dir"])
-        if not getattr(self.engine, "saves_rng", False):
+        if not self.engine.saves_rng:
             load_rng_state(Path(resume["checkpoint"]), self.rank)
         meta = read_checkpoint_meta(Path(resume["checkpoint"]))
         self.last_saved_step = int(meta["step"])

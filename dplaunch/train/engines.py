@@ -1,8 +1,11 @@
 """Step engines: what one optimizer step means for a parallel layout, behind one interface.
 
 The loop only calls ``train_step(micro_batches) -> loss``, ``eval_batch(batch) -> (loss_sum, count,
-correct)``, ``current_lr()``, ``save``/``load`` and ``export``. DDP, ZeRO and AutoTP run through
-Accelerate (``accelerator.backward`` averages gradients); the pipeline engine plugs in here too.
+correct)``, ``current_lr()``, ``save``/``load``, ``export`` and ``layout_lines()``, and reads the
+attributes of ``StepEngine``; ``EngineBase`` holds what the engines share. DDP, ZeRO and AutoTP run
+through Accelerate (``accelerator.backward`` averages gradients, AccelerateEngine), FSDP2 through
+torch (train/fsdp.py), the pipeline through DeepSpeed's engine (train/pipeline.py), Ulysses'
+sequence parallelism as AccelerateEngine with another loss (train/sequence_parallel.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,18 @@ from dplaunch.train.phase_clock import PhaseClock
 
 class StepEngine(Protocol):
     """The interface the training loop drives."""
+
+    # the model as the engine holds it (wrapped by Accelerate, sharded by FSDP, ...)
+    model: Any
+    # train.on_nonfinite's guard (set by the loop): judges each step's loss and gradients on
+    # every rank together, before the update (after it where DeepSpeed's pipeline steps itself)
+    guard: Any
+    # save() writes every rank's RNG itself (else the Checkpointer does, train/checkpoint.py)
+    saves_rng: bool
+    # each rank of a sequence-parallel group evaluates its own slice: its sums count
+    evaluates_slices: bool
+    # the seconds of each step's phases (train/phase_clock.py; None: the engine does not time them)
+    clock: Any
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; returns their mean loss (no host sync)."""
@@ -39,6 +54,48 @@ class StepEngine(Protocol):
 
     def export(self, directory: str, tokenizer: Any) -> None:
         """Write one consolidated HF model (safetensors) + tokenizer; every rank calls it."""
+
+    def layout_lines(self) -> list[str]:
+        """What the start-up log says about the engine beyond the plan."""
+
+
+class EngineBase:
+    """What the engines share: StepEngine's defaults, the evaluation forward and the learning rate."""
+
+    guard: Any = None
+    saves_rng = False
+    evaluates_slices = False
+    clock: Any = None
+    model: Any
+    optimizer: Any
+    device: Any
+    task: str
+    forward_options: dict[str, Any]
+
+    def layout_lines(self) -> list[str]:
+        """What the start-up log says about the engine beyond the plan."""
+        return []
+
+    @torch.no_grad()
+    def eval_batch(
+        self, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(summed loss, counted items, correct predictions) of one evaluation batch."""
+        self.model.eval()
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        output = self.model(**batch, **self.forward_options)
+        return loss_sums(output.logits, batch["labels"], self.task)
+
+    def current_lr(self) -> float:
+        """The learning rate of the last step."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+
+def forward_options(task: str) -> dict[str, Any]:
+    """Keyword arguments of every forward. A causal LM builds a KV cache in every forward unless
+    told not to, in training too: a copy of each layer's keys and values, held until the backward
+    is done (2-5 % of a CPU step)."""
+    return {"use_cache": False} if task in CAUSAL_TASKS else {}
 
 
 def build_optimizer(model: Any, train: Any, plan: Plan) -> torch.optim.Optimizer:
@@ -63,13 +120,11 @@ def build_optimizer(model: Any, train: Any, plan: Plan) -> torch.optim.Optimizer
     return torch.optim.AdamW(groups, lr=train.lr, fused=fused)
 
 
-class AccelerateEngine:
+class AccelerateEngine(EngineBase):
     """DDP, ZeRO-1/2/3 and AutoTP: the Accelerate idiom, with gradient accumulation and clipping."""
 
     # accelerate's save_state stores the RNG of every rank next to the model and optimizer
     saves_rng = True
-    # the loop's NonFiniteGuard (train.on_nonfinite), judging each step before its update
-    guard: Any = None
 
     def __init__(
         self,
@@ -81,6 +136,7 @@ class AccelerateEngine:
         task: str,
     ):
         self.accelerator = accelerator
+        self.device = accelerator.device
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -95,9 +151,7 @@ class AccelerateEngine:
         # model.lora: checkpoints hold only what trains (adapters, modules_to_save) and its
         # optimizer state; the frozen base is built again from the run file on resume
         self.lora = is_lora_model(accelerator.unwrap_model(model))
-        # a causal LM builds a KV cache in every forward unless told not to, in training too: a copy
-        # of each layer's keys and values, held until the backward is done (2-5 % of a CPU step)
-        self.forward_options = {"use_cache": False} if task in CAUSAL_TASKS else {}
+        self.forward_options = forward_options(task)
         if not self.uses_deepspeed:
             # DDP checkpoints hold the unwrapped model's weights, so they load on any rank count
             # (one rank has no DDP wrapper, and its keys lack the "module." prefix)
@@ -175,18 +229,6 @@ class AccelerateEngine:
         # fused AdamW (GPU plans) is always called and skips inside its kernel. An overflow is
         # what makes GradScaler.update() lower the scale
         return scale_before is not None and self.accelerator.scaler.get_scale() < scale_before
-
-    @torch.no_grad()
-    def eval_batch(
-        self, batch: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        self.model.eval()
-        batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
-        output = self.model(**batch, **self.forward_options)
-        return loss_sums(output.logits, batch["labels"], self.task)
-
-    def current_lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
 
     def save(self, directory: str) -> None:
         # DDP: model, optimizer, scheduler (registered), RNG of every rank; DeepSpeed: its own

@@ -26,10 +26,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dplaunch.config.schema import CAUSAL_TASKS
 from dplaunch.planning.plan import Plan
 from dplaunch.run_directory.layout import FSDP_TAG, FSDP_TRAINER_FILE
-from dplaunch.train.engines import RunFileHyperparameters, build_optimizer, loss_sums
+from dplaunch.train.engines import (
+    EngineBase,
+    RunFileHyperparameters,
+    build_optimizer,
+    forward_options,
+)
 from dplaunch.train.lora import is_lora_model, trained_state
 from dplaunch.train.phase_clock import PhaseClock
 
@@ -180,14 +184,9 @@ def _ensure_process_group(plan: Plan) -> None:
         )
 
 
-class FsdpEngine:
+class FsdpEngine(EngineBase):
     """One optimizer step under FSDP2: micro-batches accumulate, gradients reduce-scattered at
     each backward (ZeRO-3's memory: no unsharded gradient kept between micro-batches)."""
-
-    # RNG states are saved per rank by the Checkpointer
-    saves_rng = False
-    # the loop's NonFiniteGuard (train.on_nonfinite), judging each step before its update
-    guard: Any = None
 
     def __init__(self, accelerator: Any, model: Any, plan: Plan, config: Any, scheduler_for: Any):
         _ensure_process_group(plan)
@@ -197,7 +196,7 @@ class FsdpEngine:
         self.clock = PhaseClock(self.device)
         self.rank = dist.get_rank()
         self.task = config.model.task
-        self.forward_options = {"use_cache": False} if self.task in CAUSAL_TASKS else {}
+        self.forward_options = forward_options(self.task)
         self.max_grad_norm = config.train.max_grad_norm
         # model.lora: peft wrapped the model first (modeling.py); its blocks are sharded like any
         # (frozen base weights and trained adapters in one unit: only the adapters get gradients,
@@ -259,18 +258,6 @@ class FsdpEngine:
         # an overflow skipped the update (and lowered the scale): the schedule does not move on
         if self.scaler.get_scale() >= before:
             self.scheduler.step()
-
-    @torch.no_grad()
-    def eval_batch(
-        self, batch: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        self.model.eval()
-        batch = {k: v.to(self.device) for k, v in batch.items()}
-        output = self.model(**batch, **self.forward_options)
-        return loss_sums(output.logits, batch["labels"], self.task)
-
-    def current_lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
 
     def save(self, directory: str) -> None:
         """Every rank writes its shards of the model and optimizer (DCP); rank 0 the schedule."""

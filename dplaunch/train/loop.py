@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -195,6 +195,10 @@ class RankRun:
     signals: StopSignals
     # train.on_nonfinite: judges each step's loss and gradient norm on every rank together
     guard: NonFiniteGuard
+    run_dir: Path
+    tokenizer: Any
+    # the run continues from a checkpoint (resume.json)
+    resumed: bool
     # train.sample_prompts: answered at each evaluation (None: no prompts)
     sampler: Any = None
 
@@ -204,13 +208,27 @@ def train(run_dir: Path) -> int:
     # first of all: a SIGUSR1/SIGTERM during start-up is kept for the first step boundary
     signals = StopSignals()
     signals.install()
+    run, start_step = start_run(run_dir, signals)
+    if run.config.train.eval_every and run.eval_batcher is not None and not run.resumed:
+        _evaluate(run, 0)
+    step, stop_reason = _run_steps(run, start_step)
+    if stop_reason is not None:
+        return _stop_early(run, step, stop_reason)
+    _export(run)
+    run.metrics.close()
+    run.accelerator.end_training()
+    return 0
+
+
+def start_run(run_dir: Path, signals: StopSignals) -> tuple[RankRun, int]:
+    """This rank set up for the run the launcher planned: its data, model, engine, checkpoints
+    and metrics; and the step it starts after (the resumed checkpoint's, else 0)."""
     config, plan = read_run(run_dir)
     resume = read_resume(run_dir)
     accelerator, place, say = start_rank(
         config, plan, run_dir, load_universal=bool(resume and resume["universal"])
     )
     control = ControlChannel(plan.timeout_minutes)
-
     tokenizer = load_tokenizer(config.model)
     attach_chat_template(tokenizer, config.data, config.model.task)
     train_set, eval_set = _load_data(accelerator, tokenizer, config, say)
@@ -219,7 +237,77 @@ def train(run_dir: Path) -> int:
     )
     if train_set is None:  # data.streaming: the workers start reading now, beside the model
         batcher = _stream_batcher(accelerator, tokenizer, config, plan, place, resume)
+    model, parameters = _build_model(config, plan, tokenizer, say, (batcher, eval_batcher))
+    guard = NonFiniteGuard(
+        config.train.on_nonfinite, config.train.max_skipped_steps, accelerator, plan.mixed_precision
+    )
+    guard.install_fault(model)
+    long_sequences = prepare_long_sequences(model, plan, config, place.rank, tokenizer.pad_token_id)
+    engine = build_engine(
+        plan, config, accelerator, model, total_steps, run_dir, long_sequences=long_sequences
+    )
+    engine.guard = guard
+    for line in engine.layout_lines():
+        say(f"[dplaunch] {line}")
+    checkpointer = Checkpointer(
+        run_dir,
+        engine,
+        control,
+        rank=place.rank,
+        keep_last=config.train.keep_last,
+        meta={**plan.header(), "engine": plan.engine, "total_steps": total_steps},
+        say=say,
+        write_model_files=_model_files_writer(model, tokenizer),
+        save_data_position=batcher.save_position,
+    )
+    start_step = _resume(checkpointer, resume, batcher, say)
+    metrics = _open_metrics(run_dir, config, place)
+    metrics.write(
+        "header",
+        **plan.header(),
+        total_steps=total_steps,
+        train_samples=len(train_set) if train_set is not None else None,
+        eval_samples=len(eval_set) if eval_set is not None else 0,
+        steps_per_epoch=batcher.steps_per_epoch,
+        parameters=parameters,
+        task=config.model.task,
+        resumed_from_step=start_step if resume is not None else None,
+        # the model and engine built, no step taken: what each step's peak adds activations to
+        memory_at_start_gb=memory_now_gb(accelerator.device),
+    )
+    _say_start(say, plan, batcher, train_set, total_steps, parameters)
+    run = RankRun(
+        config=config,
+        plan=plan,
+        accelerator=accelerator,
+        place=place,
+        say=say,
+        engine=engine,
+        batcher=batcher,
+        eval_batcher=eval_batcher,
+        total_steps=total_steps,
+        metrics=metrics,
+        checkpointer=checkpointer,
+        control=control,
+        signals=signals,
+        guard=guard,
+        run_dir=run_dir,
+        tokenizer=tokenizer,
+        resumed=resume is not None,
+        sampler=_prompt_sampler(config, tokenizer),
+    )
+    return run, start_step
 
+
+def _build_model(
+    config: RunConfig,
+    plan: Plan,
+    tokenizer: Any,
+    say: Callable[[str], None],
+    batchers: tuple[Any, Batcher | None],
+) -> tuple[Any, int]:
+    """The model (before any engine shards it) and its parameter count; the batchers learn
+    whether it runs flash-attention."""
     # under ZeRO-3 built partitioned from construction (transformers' zero.Init), random weights too
     model = load_model(
         config.model,
@@ -236,58 +324,36 @@ def train(run_dir: Path) -> int:
 
         say(f"[dplaunch] {trained_line(model)}")
     # flash-attention keeps packed examples apart only in one flattened row (data.py)
-    batcher.flatten_packed = "flash" in str(getattr(model.config, "_attn_implementation", ""))
-    if eval_batcher is not None:
-        eval_batcher.flatten_packed = batcher.flatten_packed
+    flatten = "flash" in str(getattr(model.config, "_attn_implementation", ""))
+    for batcher in batchers:
+        if batcher is not None:
+            batcher.flatten_packed = flatten
     # counted before the engine shards anything (ZeRO-3 partitions keep the full size in ds_numel)
-    parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    guard = NonFiniteGuard(
-        config.train.on_nonfinite, config.train.max_skipped_steps, accelerator, plan.mixed_precision
-    )
-    guard.install_fault(model)
-    long_sequences = prepare_long_sequences(model, plan, config, place.rank, tokenizer.pad_token_id)
-    engine = build_engine(
-        plan, config, accelerator, model, total_steps, run_dir, long_sequences=long_sequences
-    )
-    if plan.engine != "pipeline":
-        engine.guard = guard  # judges before the update; the pipeline is judged after its step
-    for line in getattr(engine, "layout_lines", lambda: [])():
-        say(f"[dplaunch] {line}")
-    checkpointer = Checkpointer(
-        run_dir,
-        engine,
-        control,
-        rank=place.rank,
-        keep_last=config.train.keep_last,
-        meta={**plan.header(), "engine": plan.engine, "total_steps": total_steps},
-        say=say,
-        write_model_files=_model_files_writer(model, tokenizer),
-        save_data_position=batcher.save_position,
-    )
-    start_step = _resume(checkpointer, resume, batcher, say)
-    metrics = MetricsWriter(
+    return model, sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
+def _open_metrics(run_dir: Path, config: RunConfig, place: RankPlace) -> MetricsWriter:
+    """Rank 0's metrics.jsonl, TensorBoard and trackers (train.report_to); nothing elsewhere."""
+    trackers = None
+    if place.is_main:
+        trackers = open_trackers(config.train.report_to, run_dir, config.model_dump(mode="json"))
+    return MetricsWriter(
         run_dir,
         enabled=place.is_main,
         tensorboard="tensorboard" in config.train.report_to,
-        trackers=(
-            open_trackers(config.train.report_to, run_dir, config.model_dump(mode="json"))
-            if place.is_main
-            else None
-        ),
+        trackers=trackers,
     )
-    metrics.write(
-        "header",
-        **plan.header(),
-        total_steps=total_steps,
-        train_samples=len(train_set) if train_set is not None else None,
-        eval_samples=len(eval_set) if eval_set is not None else 0,
-        steps_per_epoch=batcher.steps_per_epoch,
-        parameters=parameters,
-        task=config.model.task,
-        resumed_from_step=start_step if resume is not None else None,
-        # the model and engine built, no step taken: what each step's peak adds activations to
-        memory_at_start_gb=memory_now_gb(accelerator.device),
-    )
+
+
+def _say_start(
+    say: Callable[[str], None],
+    plan: Plan,
+    batcher: Any,
+    train_set: Any | None,
+    total_steps: int,
+    parameters: int,
+) -> None:
+    """The start-up lines: the batch, the steps and the data; plan.json's forecast when made."""
     data_line = (
         f"{batcher.steps_per_epoch} per epoch, {len(train_set)} training samples"
         if train_set is not None
@@ -304,57 +370,30 @@ def train(run_dir: Path) -> int:
             f"{step_s * total_steps / 3600:.3g} h for {total_steps} steps "
             f"({plan.forecast['profile']})"
         )
-    sampler = None
-    if config.train.sample_prompts:
-        from dplaunch.train.samples import PromptSampler
 
-        renderer = sft_renderer(tokenizer, config.data)
-        sampler = PromptSampler(config.train.sample_prompts, tokenizer, renderer)
-    run = RankRun(
-        config=config,
-        plan=plan,
-        accelerator=accelerator,
-        place=place,
-        say=say,
-        engine=engine,
-        batcher=batcher,
-        eval_batcher=eval_batcher,
-        total_steps=total_steps,
-        metrics=metrics,
-        checkpointer=checkpointer,
-        control=control,
-        signals=signals,
-        guard=guard,
-        sampler=sampler,
-    )
 
-    if config.train.eval_every and eval_batcher is not None and resume is None:
-        _evaluate(run, 0)
-    step, stop_reason = _run_steps(run, start_step)
-    if stop_reason is not None and guard.stop_reason is not None:
-        # nothing of the bad step is saved: the newest checkpoint is the last good one
-        good = checkpointer.last_saved_path or "none"
-        metrics.write("stop", step=step, reason=stop_reason, checkpoint=str(good))
-        checkpointer.write_stop_record(step, stop_reason, good, EXIT_NONFINITE)
-        say(f"[dplaunch] stopped: {stop_reason}; the last good checkpoint is {good}")
-        metrics.close()
-        accelerator.end_training()
-        return 0
-    if stop_reason is not None:
-        return _stop_early(run, step, stop_reason)
+def _prompt_sampler(config: RunConfig, tokenizer: Any) -> Any:
+    """train.sample_prompts' sampler (None without prompts)."""
+    if not config.train.sample_prompts:
+        return None
+    from dplaunch.train.samples import PromptSampler
 
-    export_dir = run_dir / EXPORT_DIR
-    if config.model.lora is not None:
+    renderer = sft_renderer(tokenizer, config.data)
+    return PromptSampler(config.train.sample_prompts, tokenizer, renderer)
+
+
+def _export(run: RankRun) -> None:
+    """The trained model as one HF model (a LoRA run: its adapter and the merged model)."""
+    export_dir = run.run_dir / EXPORT_DIR
+    if run.config.model.lora is not None:
         from dplaunch.train.lora_export import export_run
 
-        export_run(engine, config, tokenizer, run_dir)
-        say(f"[dplaunch] exported the adapter to {run_dir / ADAPTER_DIR}, merged into {export_dir}")
+        export_run(run.engine, run.config, run.tokenizer, run.run_dir)
+        adapter = run.run_dir / ADAPTER_DIR
+        run.say(f"[dplaunch] exported the adapter to {adapter}, merged into {export_dir}")
     else:
-        engine.export(str(export_dir), tokenizer)
-        say(f"[dplaunch] exported the trained model to {export_dir}")
-    metrics.close()
-    accelerator.end_training()
-    return 0
+        run.engine.export(str(export_dir), run.tokenizer)
+        run.say(f"[dplaunch] exported the trained model to {export_dir}")
 
 
 def _load_data(
@@ -490,6 +529,8 @@ def _resume(
 
 def _stop_early(run: RankRun, step: int, stop_reason: str) -> int:
     """Stopped early (a signal or train.stop_after_steps): checkpoint, no export, the launcher requeues."""
+    if run.guard.stop_reason is not None:
+        return _stop_nonfinite(run, step, stop_reason)
     checkpointer = run.checkpointer
     if checkpointer.last_saved_step == step and checkpointer.holds_last_saved():
         # the periodic save of this step, or the checkpoint this launch resumed from (when
@@ -508,6 +549,18 @@ def _stop_early(run: RankRun, step: int, stop_reason: str) -> int:
     run.accelerator.end_training()
     # the rank itself exits 0 (torchrun would report any other status as a crash);
     # `dplaunch train` turns the stop record into its exit status
+    return 0
+
+
+def _stop_nonfinite(run: RankRun, step: int, stop_reason: str) -> int:
+    """The non-finite guard stopped the run: nothing of the bad step is saved, the newest
+    checkpoint is the last good one; `dplaunch train` exits EXIT_NONFINITE on the stop record."""
+    good = run.checkpointer.last_saved_path or "none"
+    run.metrics.write("stop", step=step, reason=stop_reason, checkpoint=str(good))
+    run.checkpointer.write_stop_record(step, stop_reason, good, EXIT_NONFINITE)
+    run.say(f"[dplaunch] stopped: {stop_reason}; the last good checkpoint is {good}")
+    run.metrics.close()
+    run.accelerator.end_training()
     return 0
 
 
@@ -593,9 +646,10 @@ def build_engine(
         return FsdpEngine(accelerator, model, plan, config, scheduler_for)
     optimizer = build_optimizer(model, config.train, plan)
     model, optimizer = accelerator.prepare(model, optimizer)
-    # built on the optimizer that really steps (DeepSpeed's ZeRO optimizer regroups parameters), and
-    # stepped by the engine once per optimizer step: Accelerate's wrapper would step it once per rank
-    scheduler = scheduler_for(_innermost_optimizer(optimizer))
+    # on the optimizer Accelerate returns (its param_groups are those of the optimizer that really
+    # steps, DeepSpeed's ZeRO optimizer's regrouped ones included), and stepped by the engine once
+    # per optimizer step: Accelerate's scheduler wrapper would step it once per rank
+    scheduler = scheduler_for(optimizer)
     accelerator.register_for_checkpointing(scheduler)
     engine_args = (
         accelerator,
@@ -610,124 +664,167 @@ def build_engine(
     return AccelerateEngine(*engine_args)
 
 
-def _innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    # Accelerate's wrapper → (DeepSpeed's ZeRO optimizer →) the torch optimizer whose groups really step
-    while not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
+@dataclass
+class _Progress:
+    """What the steps keep between them: the loss, tokens and seconds waiting for data since the
+    last log line (on the device: no host sync per step), the time not spent training, every
+    step's seconds for the forecast."""
+
+    # loss, tokens, and seconds waiting for the data loader since the last log line
+    interval: torch.Tensor
+    start_step: int
+    interval_steps: int = 0
+    tokens_read: int = 0
+    last_log: float = field(default_factory=time.perf_counter)
+    # seconds of evaluation and checkpointing since the last log line: not training time
+    paused: float = 0.0
+    last_eval_step: int = -1
+    stop_after: int | None = None
+    # DPLAUNCH_COLLECTIVE_SPY: the collectives of one step, for the forecast's tests (None: off)
+    spy: Any = None
+    # every step's seconds (and its phases'), compared with plan.json's forecast at the end
+    times: StepTimes = field(default_factory=StepTimes)
 
 
 def _run_steps(run: RankRun, start_step: int) -> tuple[int, str | None]:
     """Train from start_step; return (the step reached, why it stopped early or None)."""
-    engine, batcher, eval_batcher, metrics = run.engine, run.batcher, run.eval_batcher, run.metrics
-    accelerator, place, say, total_steps = run.accelerator, run.place, run.say, run.total_steps
-    checkpointer, control, signals, guard = run.checkpointer, run.control, run.signals, run.guard
     train = run.config.train
-    device = accelerator.device
-    # losses and token counts stay on the device between log steps: no host sync per micro-step
-    # loss, tokens, and seconds waiting for the data loader since the last log line
-    interval = torch.zeros(3, device=device)
-    interval_steps = 0
-    tokens_read = 0
-    last_log = time.perf_counter()
-    # seconds of evaluation and checkpointing since the last log line: not training time
-    paused = 0.0
-    last_eval_step = start_step if train.eval_every else -1
-    # a resumed run that is already past stop_after_steps goes on
-    stop_after = train.stop_after_steps if (train.stop_after_steps or 0) > start_step else None
-    step, stop_reason = start_step, None
-    # DPLAUNCH_COLLECTIVE_SPY: the collectives of one step, for the forecast's tests
-    spy = spy_from_environment(place.rank)
-    # every step's seconds (and its phases'), compared with plan.json's forecast at the end
-    times, forecast = StepTimes(), run.plan.forecast
-    clock = getattr(engine, "clock", None)
-    while step < total_steps:
-        # all ranks decide together: a signal may have reached only some of them, or at other moments
-        if control.any(signals.received is not None):
-            stop_reason = signals.received or "a signal to another rank"
-            break
-        if step == stop_after:
-            stop_reason = STOP_AFTER_STEPS
-            break
-        waited = began = time.perf_counter()
-        micro_batches = batcher.micro_batches(step)
-        interval[2] += time.perf_counter() - waited
-        if guard.omits(step + 1):  # the test hook's reference run
-            step += 1
-            continue
-        step_lr = engine.current_lr()  # the step's own (the scheduler then moves to the next)
-        guard.begin(step + 1)
-        if clock is not None and clock.cuda:  # a GPU waits for each phase of a few steps only
-            clock.enabled = step + 1 in StepTimes.GPU_PHASE_STEPS
-        with watched(spy, step + 1):
-            loss = engine.train_step(micro_batches)
-        if guard.enabled and run.plan.engine == "pipeline":
-            guard.judge(loss, None, (), engine.engine)  # the pipeline: DeepSpeed has stepped
-        if place.counts_tokens:
-            interval[1] += sum(batch_tokens(b) for b in micro_batches)
-        step += 1
-        stopping = guard.verdict()
-        times.add(time.perf_counter() - began, clock.seconds if clock is not None else {})
-        if guard.event is None:
-            interval[0] += loss
-            interval_steps += 1
-        elif stopping is None:  # a skipped update's loss is no training loss
-            metrics.write("skipped", step=step, reason=guard.event.describe())
-            say(f"[dplaunch] {guard.event.describe()}: update skipped on every rank")
+    progress = _Progress(
+        torch.zeros(3, device=run.accelerator.device),
+        start_step,
+        last_eval_step=start_step if train.eval_every else -1,
+        # a resumed run that is already past stop_after_steps goes on
+        stop_after=train.stop_after_steps if (train.stop_after_steps or 0) > start_step else None,
+        spy=spy_from_environment(run.place.rank),
+    )
+    for step in _scheduled_steps(run, start_step):
+        stop_reason = _stop_requested(run, progress, step)
+        if stop_reason is not None:
+            return step, stop_reason
+        step_lr, stopping = _train_step(run, progress, step)
         if stopping is not None:
-            guard.stop_reason = stopping
-            return step, stopping
-        if interval_steps and (step % train.log_every == 0 or step == total_steps):
-            totals = accelerator.reduce(interval.clone(), reduction="sum")
-            now = time.perf_counter()
-            tokens_read += int(totals[1])
-            spent = max(now - last_log - paused, 1e-9)
-            record = {
-                "step": step,
-                "epoch": batcher.epoch_at(step),
-                "loss": float(totals[0]) / place.world_size / interval_steps,
-                "lr": step_lr,
-                "tokens_per_s": float(totals[1]) / spent,
-                # tokens trained on so far in this launch, and the share of the time the ranks
-                # waited for their data loader (a slow loader shows here, not as a slow model)
-                "tokens": tokens_read,
-                "data_share": round(min(float(totals[2]) / place.world_size / spent, 1.0), 4),
-                "step_time_s": round(spent / interval_steps, 6),
-                # the model's FLOPs per second over the ranks' peak (needs plan.json's forecast)
-                **({"mfu": round(mfu(forecast, spent / interval_steps), 5)} if forecast else {}),
-                "elapsed_s": round(time.time() - metrics.start, 3),
-                **memory_fields(device),
-            }
-            metrics.write("train", **record)
-            say.train_step(step, total_steps, record, start_step)
-            interval.zero_()
-            interval_steps = 0
-            last_log, paused = now, 0.0
-        if eval_batcher is not None and train.eval_every and step % train.eval_every == 0:
-            began = time.perf_counter()
-            _evaluate(run, step)
-            last_eval_step = step
-            paused += time.perf_counter() - began
-        if train.checkpoint_every and step % train.checkpoint_every == 0:
-            began = time.perf_counter()
-            checkpointer.save(
-                step, batcher.steps_per_epoch, f"every {train.checkpoint_every} steps"
-            )
-            paused += time.perf_counter() - began
-    if stop_reason is not None:
-        return step, stop_reason
-    if eval_batcher is not None and last_eval_step != step:
+            run.guard.stop_reason = stopping
+            return step + 1, stopping
+        _log_step(run, progress, step + 1, step_lr)
+        _evaluate_and_save(run, progress, step + 1)
+    _finish_steps(run, progress)
+    return run.total_steps, None
+
+
+def _scheduled_steps(run: RankRun, start_step: int) -> Iterator[int]:
+    """The steps to train, 0-based: all from start_step, less the test seam's left-out step
+    (NonFiniteGuard.omits: the reference run of tests/test_nonfinite.py), whose batch is read
+    and dropped."""
+    for step in range(start_step, run.total_steps):
+        if run.guard.omits(step + 1):
+            run.batcher.micro_batches(step)
+            continue
+        yield step
+
+
+def _stop_requested(run: RankRun, progress: _Progress, step: int) -> str | None:
+    """Why the run stops before STEP + 1 (a signal on any rank, train.stop_after_steps), or None."""
+    # all ranks decide together: a signal may have reached only some of them, or at other moments
+    if run.control.any(run.signals.received is not None):
+        return run.signals.received or "a signal to another rank"
+    if step == progress.stop_after:
+        return STOP_AFTER_STEPS
+    return None
+
+
+def _train_step(run: RankRun, progress: _Progress, step: int) -> tuple[float, str | None]:
+    """One optimizer step (the 0-based STEP's micro-batches of this rank): its learning rate, and
+    why the run must stop (train.on_nonfinite), else None."""
+    waited = began = time.perf_counter()
+    micro_batches = run.batcher.micro_batches(step)
+    progress.interval[2] += time.perf_counter() - waited
+    engine, guard = run.engine, run.guard
+    step_lr = engine.current_lr()  # the step's own (the scheduler then moves to the next)
+    guard.begin(step + 1)
+    clock = engine.clock
+    if clock is not None and clock.cuda:  # a GPU waits for each phase of a few steps only
+        clock.enabled = step + 1 in StepTimes.GPU_PHASE_STEPS
+    with watched(progress.spy, step + 1):
+        loss = engine.train_step(micro_batches)
+    if run.place.counts_tokens:
+        progress.interval[1] += sum(batch_tokens(b) for b in micro_batches)
+    stopping = guard.verdict()
+    progress.times.add(time.perf_counter() - began, clock.seconds if clock is not None else {})
+    if guard.event is None:
+        progress.interval[0] += loss
+        progress.interval_steps += 1
+    elif stopping is None:  # a skipped update's loss is no training loss
+        run.metrics.write("skipped", step=step + 1, reason=guard.event.describe())
+        run.say(f"[dplaunch] {guard.event.describe()}: update skipped on every rank")
+    return step_lr, stopping
+
+
+def _log_step(run: RankRun, progress: _Progress, step: int, step_lr: float) -> None:
+    """Every train.log_every steps (and at the last): the mean loss over all ranks, tokens/s,
+    the share of time spent waiting for data, the step time and MFU."""
+    if not progress.interval_steps or (
+        step % run.config.train.log_every and step != run.total_steps
+    ):
+        return
+    totals = run.accelerator.reduce(progress.interval.clone(), reduction="sum")
+    now = time.perf_counter()
+    progress.tokens_read += int(totals[1])
+    spent = max(now - progress.last_log - progress.paused, 1e-9)
+    world, steps, forecast = run.place.world_size, progress.interval_steps, run.plan.forecast
+    record = {
+        "step": step,
+        "epoch": run.batcher.epoch_at(step),
+        "loss": float(totals[0]) / world / steps,
+        "lr": step_lr,
+        "tokens_per_s": float(totals[1]) / spent,
+        # tokens trained on so far in this launch, and the share of the time the ranks
+        # waited for their data loader (a slow loader shows here, not as a slow model)
+        "tokens": progress.tokens_read,
+        "data_share": round(min(float(totals[2]) / world / spent, 1.0), 4),
+        "step_time_s": round(spent / steps, 6),
+        # the model's FLOPs per second over the ranks' peak (needs plan.json's forecast)
+        **({"mfu": round(mfu(forecast, spent / steps), 5)} if forecast else {}),
+        "elapsed_s": round(time.time() - run.metrics.start, 3),
+        **memory_fields(run.accelerator.device),
+    }
+    run.metrics.write("train", **record)
+    run.say.train_step(step, run.total_steps, record, progress.start_step)
+    progress.interval.zero_()
+    progress.interval_steps = 0
+    progress.last_log, progress.paused = now, 0.0
+
+
+def _evaluate_and_save(run: RankRun, progress: _Progress, step: int) -> None:
+    """Every train.eval_every steps an evaluation, every train.checkpoint_every a checkpoint."""
+    train = run.config.train
+    if run.eval_batcher is not None and train.eval_every and step % train.eval_every == 0:
+        began = time.perf_counter()
+        _evaluate(run, step)
+        progress.last_eval_step = step
+        progress.paused += time.perf_counter() - began
+    if train.checkpoint_every and step % train.checkpoint_every == 0:
+        began = time.perf_counter()
+        steps_per_epoch = run.batcher.steps_per_epoch
+        run.checkpointer.save(step, steps_per_epoch, f"every {train.checkpoint_every} steps")
+        progress.paused += time.perf_counter() - began
+
+
+def _finish_steps(run: RankRun, progress: _Progress) -> None:
+    """After the last step: an evaluation unless one was just made, and the summary record
+    (with the measured step beside the forecast)."""
+    step = run.total_steps
+    if run.eval_batcher is not None and progress.last_eval_step != step:
         _evaluate(run, step)
     # restarts: how many automatic restarts (launch.max_restarts) this run needed to get here
-    metrics.write(
+    skipped = run.guard.skipped_total
+    run.metrics.write(
         "summary",
         step=step,
-        wall_s=round(time.time() - metrics.start, 3),
+        wall_s=round(time.time() - run.metrics.start, 3),
         restarts=restarts_so_far(),
-        **({"skipped_steps": guard.skipped_total} if guard.skipped_total else {}),
-        **_against_forecast(run, times),
+        **({"skipped_steps": skipped} if skipped else {}),
+        **_against_forecast(run, progress.times),
     )
-    return step, None
 
 
 def _against_forecast(run: RankRun, times: StepTimes) -> dict[str, Any]:
@@ -739,7 +836,7 @@ def _against_forecast(run: RankRun, times: StepTimes) -> dict[str, Any]:
     forecast = run.plan.forecast
     if forecast is None:
         return {"step_time_s": round(measured, 6)}
-    joined = getattr(getattr(run.engine, "clock", None), "joined", ())
+    joined = run.engine.clock.joined if run.engine.clock is not None else ()
     comparison = compare_with_forecast(forecast, measured, times.median_phases(), joined)
     comparison["mfu"] = round(mfu(forecast, measured), 5)
     line = comparison.get("forecast_note") or (
@@ -764,7 +861,7 @@ def _evaluate(run: RankRun, step: int) -> None:
             [(losses * weight).sum(), (counts * weight).sum(), (correct * weight).sum()]
         )
     # TP/PP copies of a shard count once; so do SP copies, unless each evaluated its own slice
-    if not place.counts_eval(sliced=getattr(engine, "evaluates_slices", False)):
+    if not place.counts_eval(sliced=engine.evaluates_slices):
         sums.zero_()
     totals = accelerator.reduce(sums, reduction="sum")
     eval_loss = float(totals[0] / totals[1])

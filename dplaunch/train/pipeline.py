@@ -36,6 +36,7 @@ from torch import nn
 
 from dplaunch.planning.rules import PIPELINE_FAMILIES, PIPELINE_TASKS
 from dplaunch.run_directory.layout import PIPELINE_TAG
+from dplaunch.train.engines import EngineBase, RunFileHyperparameters, loss_sums
 
 # the families the layers below can cut; the planner refuses others before launch
 SUPPORTED_MODEL_TYPES = PIPELINE_FAMILIES
@@ -325,7 +326,7 @@ def _layer_name(layer: nn.Module | LayerSpec) -> str:
     }[type(layer)]
 
 
-class PipelineTrainEngine:
+class PipelineTrainEngine(EngineBase):
     """A DeepSpeed PipelineEngine behind the loop's step/eval/checkpoint/export interface."""
 
     def __init__(self, engine: deepspeed.PipelineEngine, model: nn.Module):
@@ -371,6 +372,9 @@ class PipelineTrainEngine:
                 f"gradient_accumulation_steps is {expected}"
             )
         loss = self.engine.train_batch(data_iter=_micro_batch_iterator(micro_batches))
+        if self.guard is not None:
+            # DeepSpeed has stepped (or skipped an overflow): the guard judges after the update
+            self.guard.judge(loss, None, (), self.engine)
         return loss.detach().reshape(())
 
     @torch.no_grad()
@@ -393,8 +397,6 @@ class PipelineTrainEngine:
         The loop's StepEngine interface (dplaunch/train/engines.py): the last stage computes them
         from the logits and broadcasts them along its pipeline, so stage 0 can report them.
         """
-        from dplaunch.train.engines import loss_sums
-
         rows = batch["input_ids"].shape[0]
         _, logits = self.engine.eval_batch(
             data_iter=_micro_batch_iterator([batch]),
@@ -458,8 +460,6 @@ class PipelineTrainEngine:
     def load(self, directory: str) -> None:
         """The loop's resume call: restore what save() wrote, with the run file's lr and
         optimizer settings (see RunFileHyperparameters)."""
-        from dplaunch.train.engines import RunFileHyperparameters
-
         groups = self.engine.optimizer.param_groups
         run_file = RunFileHyperparameters(groups, self.engine.lr_scheduler)
         self.load_checkpoint(directory, PIPELINE_TAG)
