@@ -564,7 +564,7 @@ def test_verify_fails_when_the_plan_does_not_average_gradients(tmp_path, dp_refe
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert "FAULT INJECTED into the plan run: no-grad-average" in result.stdout
     assert (
-        "dplaunch.commands.verify --inject-fault no-grad-average" in result.stdout
+        "dplaunch.train.gradient_faults --inject-fault no-grad-average" in result.stdout
     )  # the ranks' entry
     match = re.search(
         r"verify: FAIL — largest relative gap (\S+) \(step (\d)\) > tolerance", result.stdout

@@ -18,16 +18,15 @@ initialised from the shrunk config.
 - ``per-rank-batch``: the global batch counted per rank (× world size), the classic
   launcher mistake; any plan.
 
-Run as a module, this file is the rank entry of a faulty plan: ``python -m
-dplaunch.commands.verify --inject-fault NAME RUN_DIR`` installs the fault, then runs the
-ordinary rank entry ``dplaunch.train``.
+The gradient faults' ranks start through ``python -m dplaunch.train.gradient_faults
+--inject-fault NAME RUN_DIR``, which installs the fault, then runs the ordinary rank entry
+``dplaunch.train``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -46,10 +45,10 @@ from dplaunch.run_directory.layout import (
     VERIFY_PLAN_DIR,
     VERIFY_REFERENCE_DIR,
 )
+from dplaunch.train.gradient_faults import GRADIENT_FAULTS
 
 # relative per-step loss gap allowed between the plan and DDP, by precision
 TOLERANCES = {"no": 1e-3, "bf16": 2e-2, "fp16": 1e-2}
-GRADIENT_FAULTS = ("no-grad-average", "summed-gradients")
 FAULTS = (*GRADIENT_FAULTS, "per-rank-batch")
 # the shrunk model: head size and sequence length small enough for CPU ranks
 SHRUNK_HEAD_DIM = 16
@@ -229,14 +228,15 @@ def _step_losses(run_dir: Path) -> list[float]:
 
 
 def _fault_entry(prepared: Any, fault: str) -> None:
-    """Make the ranks start through this module's fault entry instead of dplaunch.train."""
+    """Make the ranks start through the fault's entry (dplaunch/train/gradient_faults.py) instead
+    of dplaunch.train."""
     from dplaunch.rendering.launch_command import render_launch_script
 
     argv = prepared.argv
     position = argv.index("dplaunch.train")
     prepared.argv = [
         *argv[:position],
-        "dplaunch.commands.verify",
+        "dplaunch.train.gradient_faults",
         "--inject-fault",
         fault,
         *argv[position + 1 :],
@@ -302,13 +302,44 @@ def _check_reference(reference: Path, plan_run: Any) -> None:
         )
 
 
+@dataclass
+class _Runs:
+    """The two runs verify compares, planned before either starts."""
+
+    plan_run: Any
+    # (label, prepared run) of each run this command starts: the plan's, then DDP's (unless a
+    # --reference run is given)
+    started: list[tuple[str, Any]]
+    reference_dir: Path
+    # the reference's rank count when this command runs it (else read from its metrics)
+    reference_ranks: int | None
+    shrink_line: str | None
+
+
 def run_verify(flags: RunFlags, options: VerifyOptions) -> int:
     """Run the plan and DDP for K steps each; print the losses; 0 = PASS, 1 = FAIL."""
     from dplaunch.commands.train import start
-    from dplaunch.launching.prepare import prepare_training_run
     from dplaunch.launching.preview import print_prepared
     from dplaunch.launching.rundir import check_run_dir
 
+    _check_options(flags, options)
+    runs = _prepare_runs(flags, options)
+    for _, prepared in runs.started:
+        check_run_dir(prepared.run_dir, resuming=False)
+    if runs.shrink_line:
+        typer.echo(runs.shrink_line)
+    if options.inject_fault:
+        typer.echo(f"verify: FAULT INJECTED into the plan run: {options.inject_fault}")
+    codes = {}
+    for label, prepared in runs.started:
+        typer.echo(f"\n=== verify: {label} run, {options.steps} step(s) → {prepared.run_dir}")
+        print_prepared(prepared, show_files=False)
+        codes[label] = start(prepared)
+    return _verdict(runs, options, codes)
+
+
+def _check_options(flags: RunFlags, options: VerifyOptions) -> None:
+    # verify's own options, before anything is planned
     if options.steps < 1:
         raise UserError("--steps", f"{options.steps}", "run at least 1 step")
     if options.tolerance is not None and not 0 < options.tolerance < math.inf:
@@ -323,6 +354,12 @@ def run_verify(flags: RunFlags, options: VerifyOptions) -> int:
         raise UserError(
             "--inject-fault", f"unknown fault {options.inject_fault!r}", ", ".join(FAULTS)
         )
+
+
+def _prepare_runs(flags: RunFlags, options: VerifyOptions) -> _Runs:
+    """Both runs planned (and every mistake reported) before either starts."""
+    from dplaunch.launching.prepare import prepare_training_run
+
     base = Path(
         flags.output_dir or Path(DEFAULT_RUNS_DIR) / f"verify-{time.strftime('%Y%m%d-%H%M%S')}"
     )
@@ -340,7 +377,32 @@ def run_verify(flags: RunFlags, options: VerifyOptions) -> int:
     plan_flags = replace(
         flags, max_steps=options.steps, output_dir=str(base / VERIFY_PLAN_DIR), assignments=common
     )
-    # everything is planned (and every mistake reported) before either run starts
+    plan_run = _plan_run(plan_flags, options)
+    if options.reference is not None:
+        return _Runs(plan_run, [("plan", plan_run)], options.reference, None, shrink_line)
+    ddp = "parallel={zero_stage: 0, offload: none, tp: 1, pp: 1, fsdp: null, sp: 1}"
+    reference_run = prepare_training_run(
+        replace(
+            plan_flags,
+            zero=None,
+            offload=None,
+            tp=None,
+            pp=None,
+            fsdp=None,
+            sp=None,
+            output_dir=str(base / VERIFY_REFERENCE_DIR),
+            assignments=[*common, ddp],
+        )
+    )
+    started = [("plan", plan_run), ("dp", reference_run)]
+    ranks = reference_run.plan.world_size
+    return _Runs(plan_run, started, reference_run.run_dir, ranks, shrink_line)
+
+
+def _plan_run(plan_flags: RunFlags, options: VerifyOptions) -> Any:
+    """The plan's run, checked against a --reference run, with the fault injected when asked."""
+    from dplaunch.launching.prepare import prepare_training_run
+
     plan_run = prepare_training_run(plan_flags)
     if options.reference is not None:
         _check_reference(options.reference, plan_run)
@@ -357,48 +419,15 @@ def run_verify(flags: RunFlags, options: VerifyOptions) -> int:
                 "use it with a DDP plan (no --zero/--tp/--pp), or use per-rank-batch",
             )
         _fault_entry(plan_run, options.inject_fault)
-    runs = [("plan", plan_run)]
-    reference_dir = options.reference
-    reference_ranks = None
-    if reference_dir is None:
-        reference_run = prepare_training_run(
-            replace(
-                plan_flags,
-                zero=None,
-                offload=None,
-                tp=None,
-                pp=None,
-                fsdp=None,
-                sp=None,
-                output_dir=str(base / VERIFY_REFERENCE_DIR),
-                assignments=[
-                    *common,
-                    "parallel={zero_stage: 0, offload: none, tp: 1, pp: 1, fsdp: null, sp: 1}",
-                ],
-            )
-        )
-        runs.append(("dp", reference_run))
-        reference_dir, reference_ranks = reference_run.run_dir, reference_run.plan.world_size
-    for _, prepared in runs:
-        check_run_dir(prepared.run_dir, resuming=False)
-    tolerance = (
-        options.tolerance
-        if options.tolerance is not None
-        else TOLERANCES[plan_run.plan.mixed_precision]
-    )
+    return plan_run
 
-    if shrink_line:
-        typer.echo(shrink_line)
-    if options.inject_fault:
-        typer.echo(f"verify: FAULT INJECTED into the plan run: {options.inject_fault}")
-    codes = {}
-    for label, prepared in runs:
-        typer.echo(f"\n=== verify: {label} run, {options.steps} step(s) → {prepared.run_dir}")
-        print_prepared(prepared, show_files=False)
-        codes[label] = start(prepared)
 
+def _verdict(runs: _Runs, options: VerifyOptions, codes: dict[str, int]) -> int:
+    """The comparison table and PASS (0) or FAIL (1)."""
+    plan_run, reference_dir = runs.plan_run, runs.reference_dir
     plan_losses = _step_losses(plan_run.run_dir)
     reference_losses = _step_losses(reference_dir)
+    reference_ranks = runs.reference_ranks
     if reference_ranks is None:
         from dplaunch.report import read_metrics
 
@@ -422,10 +451,13 @@ def run_verify(flags: RunFlags, options: VerifyOptions) -> int:
             f"{len(plan_losses)} (plan) and {len(reference_losses)} (dp)"
         )
         return 1
+    tolerance = options.tolerance
+    precision = plan_run.plan.mixed_precision
+    if tolerance is None:
+        tolerance = TOLERANCES[precision]
     gaps = relative_gaps(plan_losses, reference_losses)
     worst = max(gaps)
     passed = worst <= tolerance
-    precision = plan_run.plan.mixed_precision
     typer.echo(
         f"verify: {'PASS' if passed else 'FAIL'} — largest relative gap {worst:.2e} "
         f"(step {gaps.index(worst) + 1}) {'≤' if passed else '>'} tolerance {tolerance:.0e} "
@@ -452,55 +484,3 @@ def _layout_label(plan: Any) -> str:
     if plan.offload != "none":
         engine += f" + offload {plan.offload}"
     return f"{engine} ({' × '.join(parts)})"
-
-
-# -- the rank side of an injected fault ---------------------------------------------------------
-
-
-def _install_gradient_fault(fault: str) -> None:
-    """Hook DDP's gradient all-reduce as soon as Accelerate wraps the model."""
-    import torch
-    import torch.distributed as dist
-    from accelerate import Accelerator
-    from torch.nn.parallel import DistributedDataParallel
-
-    # no annotations on the hooks: DDP checks them against dist.GradBucket, and this module's
-    # annotations are strings (from __future__ import annotations)
-    def local_gradient(_state, bucket):  # noqa: ANN001
-        future = torch.futures.Future()
-        future.set_result(bucket.buffer())  # no all-reduce: every rank keeps its own gradient
-        return future
-
-    def summed_gradient(_state, bucket):  # noqa: ANN001
-        work = dist.all_reduce(bucket.buffer(), async_op=True)  # a sum, never divided
-        return work.get_future().then(lambda done: done.value()[0])
-
-    hook = local_gradient if fault == "no-grad-average" else summed_gradient
-    original = Accelerator.prepare_model
-
-    def prepare_model(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-        model = original(self, model, *args, **kwargs)
-        if isinstance(model, DistributedDataParallel):
-            model.register_comm_hook(None, hook)
-        else:
-            raise RuntimeError(f"--inject-fault {fault}: the model is not wrapped in DDP")
-        return model
-
-    Accelerator.prepare_model = prepare_model
-
-
-def _rank_main(argv: list[str]) -> int:
-    if len(argv) != 3 or argv[0] != "--inject-fault" or argv[1] not in GRADIENT_FAULTS:
-        print(
-            "usage: python -m dplaunch.commands.verify --inject-fault FAULT RUN_DIR",
-            file=sys.stderr,
-        )
-        return 2
-    _install_gradient_fault(argv[1])
-    from dplaunch.train.__main__ import main
-
-    return main([argv[2]])
-
-
-if __name__ == "__main__":
-    sys.exit(_rank_main(sys.argv[1:]))
