@@ -241,35 +241,7 @@ def make_plan(
     ``extra_notes`` what the checks before planning found, shown after the plan's own notes.
     """
     notes: list[str] = []
-    target, total = _devices(launch, machine, notes)
-    nodes, per_node = _nodes(launch, total)
-    if nodes > 1 and launch.node_rank >= nodes:
-        raise UserError(
-            "launch.node_rank",
-            f"{launch.node_rank} is not below the node count {nodes}",
-            f"use 0..{nodes - 1}",
-        )
-    if target == "gpu" and not machine.render_only and nodes == 1 and total > machine.visible_gpus:
-        raise UserError(
-            "launch.gpus",
-            f"{total} GPUs requested but this machine shows {machine.visible_gpus}",
-            "spread them over nodes with --nodes N (one command per node) or run `dplaunch slurm`",
-        )
-    if (
-        target == "gpu"
-        and not machine.render_only
-        and nodes > 1
-        and per_node > machine.visible_gpus
-    ):
-        raise UserError(
-            "launch.gpus_per_node",
-            f"{per_node} GPUs per node planned but this node shows {machine.visible_gpus}",
-            "lower --gpus or raise --nodes",
-        )
-    if nodes > 1 and launch.master_addr in ("127.0.0.1", "localhost"):
-        notes.append(
-            "several nodes rendezvous at 127.0.0.1: pass --master-addr <head node> unless all run here"
-        )
+    target, total, nodes, per_node = _placement(launch, machine, notes)
     dims = ParallelDims(
         total,
         per_node,
@@ -282,13 +254,7 @@ def make_plan(
     )
     dims.check(model, task)
     mesh = dims.mesh
-    if train.compile and (mesh.tensor_parallel_size > 1 or mesh.pipeline_parallel_size > 1):
-        raise UserError(
-            "train.compile",
-            "torch.compile is applied to DDP and ZeRO models only; AutoTP and the pipeline engine "
-            "rebuild the model's layers after it would compile them",
-            "drop train.compile, or use tp 1 and pp 1",
-        )
+    dims.check_compile(train.compile)
     dims.check_kernel(attn_implementation)
     mixed_precision = _mixed_precision(train.mixed_precision, target, machine)
     dims.check_precision(attn_implementation, target, mixed_precision)
@@ -328,6 +294,39 @@ def make_plan(
         stage_layers=stage_layers,
         fsdp=parallel.fsdp,
     )
+
+
+def _placement(
+    launch: LaunchConfig, machine: Machine, notes: list[str]
+) -> tuple[Target, int, int, int]:
+    """(target, ranks, nodes, ranks per node) of the launch section on this machine; UserError
+    when the machine cannot hold them (checked here only, never for files rendered elsewhere)."""
+    target, total = _devices(launch, machine, notes)
+    nodes, per_node = _nodes(launch, total)
+    if nodes > 1 and launch.node_rank >= nodes:
+        raise UserError(
+            "launch.node_rank",
+            f"{launch.node_rank} is not below the node count {nodes}",
+            f"use 0..{nodes - 1}",
+        )
+    here = target == "gpu" and not machine.render_only
+    if here and nodes == 1 and total > machine.visible_gpus:
+        raise UserError(
+            "launch.gpus",
+            f"{total} GPUs requested but this machine shows {machine.visible_gpus}",
+            "spread them over nodes with --nodes N (one command per node) or run `dplaunch slurm`",
+        )
+    if here and nodes > 1 and per_node > machine.visible_gpus:
+        raise UserError(
+            "launch.gpus_per_node",
+            f"{per_node} GPUs per node planned but this node shows {machine.visible_gpus}",
+            "lower --gpus or raise --nodes",
+        )
+    if nodes > 1 and launch.master_addr in ("127.0.0.1", "localhost"):
+        notes.append(
+            "several nodes rendezvous at 127.0.0.1: pass --master-addr <head node> unless all run here"
+        )
+    return target, total, nodes, per_node
 
 
 def _devices(launch: LaunchConfig, machine: Machine, notes: list[str]) -> tuple[Target, int]:

@@ -498,6 +498,17 @@ class ParallelDims:
             return False
         return True
 
+    def check_compile(self, compile: bool) -> None:
+        """train.compile compiles DDP and ZeRO models: AutoTP and the pipeline engine rebuild the
+        model's layers after it would compile them."""
+        if compile and (self.tp > 1 or self.pp > 1):
+            raise UserError(
+                "train.compile",
+                "torch.compile is applied to DDP and ZeRO models only; AutoTP and the pipeline "
+                "engine rebuild the model's layers after it would compile them",
+                "drop train.compile, or use tp 1 and pp 1",
+            )
+
     def check_kernel(self, attn_implementation: str | None) -> None:
         """Ulysses runs with the attention kernel (check_sequence_parallel_kernel)."""
         check_sequence_parallel_kernel(self.sp, attn_implementation)
