@@ -264,65 +264,70 @@ def make_report(run_dirs: list[Path], out_dir: Path) -> ReportResult:
         for d, name in zip(run_dirs, _unique_names([Path(d) for d in run_dirs]), strict=True)
     ]
     out_dir.mkdir(parents=True, exist_ok=True)
+    plots = _Plots(out_dir)
+    plots.loss(runs)
+    plots.evaluation(runs)
+    plots.simple(runs, "lr.png", "lr", "learning rate", "lr")
+    plots.simple(runs, "throughput.png", "tokens_per_s", "throughput (all ranks)", "tokens / s")
+    plots.simple(runs, "memory.png", "memory_gb", "peak memory of rank 0", "GB")
+    summaries = [summarize(run) for run in runs]
+    summary_path = out_dir / REPORT_SUMMARY_FILE
+    summary_path.write_text(format_summary(summaries))
+    return ReportResult(
+        out_dir=out_dir, plots=plots.written, summary_path=summary_path, runs=summaries
+    )
 
-    import matplotlib
 
-    matplotlib.use("Agg")  # no display; must precede pyplot
-    import matplotlib.pyplot as plt
+class _Plots:
+    """The report's PNG files in OUT_DIR, each overlaying the runs (matplotlib, no display)."""
 
-    plots: list[Path] = []
+    def __init__(self, out_dir: Path):
+        import matplotlib
 
-    def save(fig: Any, name: str) -> None:
-        path = out_dir / name
+        matplotlib.use("Agg")  # no display; must precede pyplot
+        import matplotlib.pyplot as plt
+
+        self.plt, self.out_dir = plt, out_dir
+        self.written: list[Path] = []
+
+    def _save(self, fig: Any, name: str) -> None:
+        path = self.out_dir / name
         fig.tight_layout()
         fig.savefig(path, dpi=110)
-        plt.close(fig)
-        plots.append(path)
+        self.plt.close(fig)
+        self.written.append(path)
 
-    def simple_plot(name: str, key: str, title: str, ylabel: str, log: bool = False) -> None:
-        if not any(_series(run.train, key)[0] for run in runs):
-            return
-        fig, ax = plt.subplots(figsize=(7, 4.2))
+    def loss(self, runs: list[Any]) -> None:
+        """Training loss per run, with its eval loss as markers in the same colour."""
+        fig, ax = self.plt.subplots(figsize=(7, 4.2))
         for run in runs:
-            steps, values = _series(run.train, key)
-            if steps:
-                ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=run.name)
-        ax.set(title=title, xlabel="optimizer step", ylabel=ylabel)
-        if log:
-            ax.set_yscale("log")
+            steps, values = _series(run.train, "loss")
+            (line,) = ax.plot(steps, values, label=f"{run.name} train")
+            eval_steps, eval_values = _series(run.eval, "eval_loss")
+            if eval_steps:
+                ax.plot(
+                    eval_steps, eval_values, "o--", color=line.get_color(), label=f"{run.name} eval"
+                )
+        ax.set(title="loss", xlabel="optimizer step", ylabel="loss")
         ax.grid(alpha=0.3)
         ax.legend()
-        save(fig, name)
+        self._save(fig, "loss.png")
 
-    # loss: training loss per run, with its eval loss as markers in the same colour
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for run in runs:
-        steps, values = _series(run.train, "loss")
-        (line,) = ax.plot(steps, values, label=f"{run.name} train")
-        eval_steps, eval_values = _series(run.eval, "eval_loss")
-        if eval_steps:
-            ax.plot(
-                eval_steps, eval_values, "o--", color=line.get_color(), label=f"{run.name} eval"
-            )
-    ax.set(title="loss", xlabel="optimizer step", ylabel="loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    save(fig, "loss.png")
-
-    eval_keys = sorted(
-        {
-            k
-            for run in runs
-            for r in run.eval
-            for k in r
-            if k.startswith("eval_") and _finite(r[k]) is not None
-        }
-    )
-    if eval_keys:
-        fig, axes = plt.subplots(
-            1, len(eval_keys), figsize=(4.2 * len(eval_keys), 3.8), squeeze=False
+    def evaluation(self, runs: list[Any]) -> None:
+        """One panel per evaluation metric the runs logged (eval.png), none without any."""
+        keys = sorted(
+            {
+                k
+                for run in runs
+                for r in run.eval
+                for k in r
+                if k.startswith("eval_") and _finite(r[k]) is not None
+            }
         )
-        for ax, key in zip(axes[0], eval_keys, strict=True):
+        if not keys:
+            return
+        fig, axes = self.plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8), squeeze=False)
+        for ax, key in zip(axes[0], keys, strict=True):
             for run in runs:
                 steps, values = _series(run.eval, key)
                 if steps:
@@ -330,13 +335,18 @@ def make_report(run_dirs: list[Path], out_dir: Path) -> ReportResult:
             ax.set(title=key.replace("_", " "), xlabel="optimizer step")
             ax.grid(alpha=0.3)
             ax.legend()
-        save(fig, "eval.png")
+        self._save(fig, "eval.png")
 
-    simple_plot("lr.png", "lr", "learning rate", "lr")
-    simple_plot("throughput.png", "tokens_per_s", "throughput (all ranks)", "tokens / s")
-    simple_plot("memory.png", "memory_gb", "peak memory of rank 0", "GB")
-
-    summaries = [summarize(run) for run in runs]
-    summary_path = out_dir / REPORT_SUMMARY_FILE
-    summary_path.write_text(format_summary(summaries))
-    return ReportResult(out_dir=out_dir, plots=plots, summary_path=summary_path, runs=summaries)
+    def simple(self, runs: list[Any], name: str, key: str, title: str, ylabel: str) -> None:
+        """KEY of the training records over the steps (nothing when no run logged it)."""
+        if not any(_series(run.train, key)[0] for run in runs):
+            return
+        fig, ax = self.plt.subplots(figsize=(7, 4.2))
+        for run in runs:
+            steps, values = _series(run.train, key)
+            if steps:
+                ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=run.name)
+        ax.set(title=title, xlabel="optimizer step", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        self._save(fig, name)

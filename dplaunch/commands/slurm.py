@@ -16,7 +16,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -171,18 +171,10 @@ def run_slurm(flags: RunFlags, options: SlurmOptions) -> int:
     from dplaunch.config.load import load_run_config
     from dplaunch.launching.prepare import prepare_training_run
     from dplaunch.launching.rundir import check_output_dir, check_output_file
-    from dplaunch.rendering.sbatch import SbatchSpec, render_sbatch
     from dplaunch.run_directory.files import write_text_atomic
 
     _refuse_flags_slurm_decides(flags)
-    if options.submit and options.out == "-":
-        raise UserError("--submit", "cannot submit a script printed to stdout", "give --out FILE")
-    if options.submit and shutil.which("sbatch") is None:
-        raise UserError(
-            "--submit",
-            "sbatch is not on PATH here",
-            "run this on a login node of the cluster, or drop --submit and sbatch the script there",
-        )
+    _check_submit(options)
     signal_seconds = _signal_seconds(options)
     config = load_run_config(
         flags.config, overrides=flags.overrides(), assignments=flags.assignments
@@ -193,6 +185,56 @@ def run_slurm(flags: RunFlags, options: SlurmOptions) -> int:
     )
     # the same validation `dplaunch train` does, for the job's layout rather than this machine's
     prepared = prepare_training_run(plan_flags, render_only=True, use_allocation=False)
+    spec, script, run_dir = _job_script(
+        plan_flags, options, config, shape, prepared, signal_seconds
+    )
+    path = None if options.out == "-" else Path(options.out or run_dir / SBATCH_SCRIPT)
+    # checked before anything is written; the log directory must exist only to submit from here
+    # (a script rendered on a laptop for the cluster names the cluster's paths)
+    if path is not None:
+        check_output_file(path, "--out" if options.out else "output_dir", SBATCH_SCRIPT)
+    if options.submit:
+        check_output_dir(Path(spec.log_dir), "output_dir")
+    say = _say(to_stderr=options.out == "-")
+    _say_job(say, prepared, shape, options, config)
+    _make_log_dir(say, spec.log_dir)
+    if path is None:
+        sys.stdout.write(script)
+        return 0
+    write_text_atomic(path, script, 0o755)
+    say(f"sbatch script: {path}")
+    say(f"run directory: {run_dir} (logs: {spec.log_dir}/{spec.job_name}-JOBID.out/.err)")
+    if not options.submit:
+        say(f"submit with: sbatch {shlex.quote(str(path))}")
+        return 0
+    say(f"submitted batch job {_submit(path)}")
+    return 0
+
+
+def _check_submit(options: SlurmOptions) -> None:
+    # --submit needs a script file and sbatch
+    if options.submit and options.out == "-":
+        raise UserError("--submit", "cannot submit a script printed to stdout", "give --out FILE")
+    if options.submit and shutil.which("sbatch") is None:
+        raise UserError(
+            "--submit",
+            "sbatch is not on PATH here",
+            "run this on a login node of the cluster, or drop --submit and sbatch the script there",
+        )
+
+
+def _job_script(
+    plan_flags: RunFlags,
+    options: SlurmOptions,
+    config: Any,
+    shape: JobShape,
+    prepared: PreparedRun,
+    signal_seconds: int,
+) -> tuple[Any, str, Path]:
+    """The job's SbatchSpec, its script and its run directory (as the job names it); UserError
+    naming the flag of a value sbatch refuses."""
+    from dplaunch.rendering.sbatch import SbatchSpec, render_sbatch
+
     submit_dir = Path.cwd()
     # relative: paths as seen from the directory sbatch is run in (the job starts there)
     where = submit_dir if options.relative_paths else None
@@ -228,27 +270,24 @@ def run_slurm(flags: RunFlags, options: SlurmOptions) -> int:
         ],
     )
     try:
-        script = render_sbatch(spec)
+        return spec, render_sbatch(spec), run_dir
     except ValueError as error:
         name, _, problem = str(error).partition(": ")
         flag = SPEC_FLAGS.get(name.split("[")[0].split(".")[0], name)
         raise UserError(flag, problem or str(error), "change that value") from None
-    path = None if options.out == "-" else Path(options.out or run_dir / SBATCH_SCRIPT)
-    # checked before anything is written; the log directory must exist only to submit from here
-    # (a script rendered on a laptop for the cluster names the cluster's paths)
-    if path is not None:
-        check_output_file(path, "--out" if options.out else "output_dir", SBATCH_SCRIPT)
-    if options.submit:
-        check_output_dir(Path(spec.log_dir), "output_dir")
 
-    say = _say(to_stderr=options.out == "-")
+
+def _say_job(
+    say: Any, prepared: PreparedRun, shape: JobShape, options: SlurmOptions, config: Any
+) -> None:
+    # the job's plan and what the user should know before submitting it
     for line in job_summary_lines(prepared.plan):
         say(line)
     for note in shape.notes:
         say(f"note: {note}")
     if options.relative_paths:
         say(
-            f"note: --relative-paths: run sbatch from {submit_dir} (or the same place in your "
+            f"note: --relative-paths: run sbatch from {Path.cwd()} (or the same place in your "
             "copy): the script's paths are relative to the directory it is submitted from"
             + ("; python is the one on PATH in the job" if options.python is None else "")
         )
@@ -258,25 +297,23 @@ def run_slurm(flags: RunFlags, options: SlurmOptions) -> int:
             "checkpoint, so a job that fails or is requeued after a node failure starts again "
             "from step 0 (--set train.checkpoint_every=N)"
         )
+
+
+def _make_log_dir(say: Any, log_dir: str) -> None:
     # sbatch does not create the directory of --output/--error: a job whose log directory is
     # missing fails at once and writes nothing, so it exists before the script can be submitted
     try:
-        Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
     except OSError as error:
         say(
-            f"note: cannot create the log directory {spec.log_dir} here ({error.strerror}): "
-            f"create it where the job is submitted (mkdir -p {shlex.quote(spec.log_dir)}); "
+            f"note: cannot create the log directory {log_dir} here ({error.strerror}): "
+            f"create it where the job is submitted (mkdir -p {shlex.quote(log_dir)}); "
             "sbatch does not, and a job without it fails writing nothing"
         )
-    if path is None:
-        sys.stdout.write(script)
-        return 0
-    write_text_atomic(path, script, 0o755)
-    say(f"sbatch script: {path}")
-    say(f"run directory: {run_dir} (logs: {spec.log_dir}/{spec.job_name}-JOBID.out/.err)")
-    if not options.submit:
-        say(f"submit with: sbatch {shlex.quote(str(path))}")
-        return 0
+
+
+def _submit(path: Path) -> str:
+    """sbatch the script; its job id, or UserError with sbatch's reason."""
     result = subprocess.run(
         ["sbatch", "--parsable", str(path)], capture_output=True, text=True, check=False
     )
@@ -287,9 +324,7 @@ def run_slurm(flags: RunFlags, options: SlurmOptions) -> int:
             "fix what it names and run this command again, or submit the script (it is "
             f"written) yourself: sbatch {shlex.quote(str(path))}",
         )
-    job_id = result.stdout.strip().split(";")[0]
-    say(f"submitted batch job {job_id}")
-    return 0
+    return result.stdout.strip().split(";")[0]
 
 
 def _first_error_line(result: subprocess.CompletedProcess) -> str:

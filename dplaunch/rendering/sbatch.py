@@ -84,7 +84,25 @@ class SbatchSpec:
 def render_sbatch(spec: SbatchSpec) -> str:
     """Render the batch script for `spec`; ValueError names the first unusable field."""
     _validate(spec)
-    directives = [
+    lines = ["#!/bin/bash"]
+    lines += [f"# {comment}" if comment else "#" for comment in spec.comments]
+    lines += [sbatch_directive(option, value) for option, value in _directives(spec)]
+    lines += ["", "set -euo pipefail", ""]
+    lines += _setup_lines(spec)
+    srun = _srun_words(spec)
+    if not spec.requeue:
+        lines.append(" ".join(srun) + " " + shlex.join(spec.command))
+        return "\n".join(lines) + "\n"
+    return "\n".join([*lines, *_requeue_lines(spec, srun)]) + "\n"
+
+
+def _log_dir(spec: SbatchSpec) -> str:
+    return spec.log_dir.rstrip("/") or "/"
+
+
+def _directives(spec: SbatchSpec) -> list[tuple[str, str | None]]:
+    """The #SBATCH options of the job, in the script's order."""
+    directives: list[tuple[str, str | None]] = [
         ("job-name", spec.job_name),
         ("nodes", str(spec.nodes)),
         # one launcher per node; it spawns one rank per GPU itself
@@ -100,9 +118,8 @@ def render_sbatch(spec: SbatchSpec) -> str:
         value = getattr(spec, option)
         if value:
             directives.append((option, value))
-    log_dir = spec.log_dir.rstrip("/") or "/"
     # '%' starts a filename pattern in --output; '%%' is a literal percent
-    log_prefix = f"{log_dir.replace('%', '%%')}/%x-%j"
+    log_prefix = f"{_log_dir(spec).replace('%', '%%')}/%x-%j"
     directives.append(("output", f"{log_prefix}.out"))
     directives.append(("error", f"{log_prefix}.err"))
     if spec.signal_seconds is not None:
@@ -119,11 +136,12 @@ def render_sbatch(spec: SbatchSpec) -> str:
         directives.append(("open-mode", "append"))
     if spec.workdir:
         directives.append(("chdir", spec.workdir))
+    return directives
 
-    lines = ["#!/bin/bash"]
-    lines += [f"# {comment}" if comment else "#" for comment in spec.comments]
-    lines += [sbatch_directive(option, value) for option, value in directives]
-    lines += ["", "set -euo pipefail", ""]
+
+def _setup_lines(spec: SbatchSpec) -> list[str]:
+    """The exports, then the module loads and setup lines, before srun."""
+    lines = []
     # exports first, so that setup lines can use them
     for name, value in spec.env.items():
         lines.append(f"export {name}={shlex.quote(value)}")
@@ -138,6 +156,11 @@ def render_sbatch(spec: SbatchSpec) -> str:
         for setup in spec.setup_lines:
             lines.extend(setup.splitlines())
         lines += ["set -u", ""]
+    return lines
+
+
+def _srun_words(spec: SbatchSpec) -> list[str]:
+    """srun starting one launcher per node."""
     srun = [
         "srun",
         # all three: a job's SLURM_NTASKS reaches srun, which then ignores a lone
@@ -153,11 +176,13 @@ def render_sbatch(spec: SbatchSpec) -> str:
         # and the hint with it: an explicit --cpus-per-task could otherwise place the launcher
         # and its ranks on both hardware threads of half the cores
         srun.append("--hint=nomultithread")
-    if not spec.requeue:
-        lines.append(" ".join(srun) + " " + shlex.join(spec.command))
-        return "\n".join(lines) + "\n"
-    mark = shlex.quote(f"{log_dir}/{REQUEUE_MARK_PREFIX}") + '"$SLURM_JOB_ID"'
-    lines += [
+    return srun
+
+
+def _requeue_lines(spec: SbatchSpec, srun: list[str]) -> list[str]:
+    """srun through NODE_LAUNCHER, and the requeue when the ranks checkpointed on the signal."""
+    mark = shlex.quote(f"{_log_dir(spec)}/{REQUEUE_MARK_PREFIX}") + '"$SLURM_JOB_ID"'
+    return [
         f"# {REQUEUE_EXIT_STATUS} from a node's launcher: the ranks saved a checkpoint on SLURM's "
         "time-limit signal;",
         "# the job is then requeued and the same command resumes from that checkpoint.",
@@ -176,7 +201,6 @@ def render_sbatch(spec: SbatchSpec) -> str:
         "fi",
         'exit "$status"',
     ]
-    return "\n".join(lines) + "\n"
 
 
 def time_limit_seconds(text: str) -> int | None:
