@@ -34,11 +34,14 @@ from dplaunch.planning.profiles import (
     profile_text,
     summary_lines,
 )
-from dplaunch.run_directory.layout import ERRORS_DIR
+from dplaunch.run_directory.layout import (
+    CALIBRATE_DIR,
+    CALIBRATE_RESULT_FILE,
+    DEFAULT_RUNS_DIR,
+    ERRORS_DIR,
+)
 
 # the ranks' own files in the run directory, and how long they may take
-CALIBRATE_DIR = "calibrate"
-RESULT_FILE = "measurements.json"
 DEADLINE_S = 300
 RANKS_SCRIPT = Path(__file__).resolve().parent.parent / "train" / "calibrate_ranks.py"
 
@@ -76,10 +79,10 @@ def run_calibrate(flags: RunFlags, out: Path | None = None, quick: bool = False)
     from dplaunch.launching.rundir import write_run_files
 
     started = time.monotonic()
-    run_dir = Path(flags.output_dir or "runs/calibrate")
+    run_dir = Path(flags.output_dir or Path(DEFAULT_RUNS_DIR) / CALIBRATE_DIR)
     # launched as a script's ranks are; the run's parallel layout plays no part
     own = replace(flags, output_dir=str(run_dir / CALIBRATE_DIR), pp=1, tp=1)
-    result_file = (run_dir / CALIBRATE_DIR / RESULT_FILE).absolute()
+    result_file = (run_dir / CALIBRATE_DIR / CALIBRATE_RESULT_FILE).absolute()
     argv = [str(RANKS_SCRIPT), str(result_file), BACKEND_PLACEHOLDER, str(DEADLINE_S)]
     prepared = prepare_script_launch(own, [*argv, "quick" if quick else "full"])
     prepared = with_backend(prepared, prepared.plan.backend)

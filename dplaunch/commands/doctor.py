@@ -30,7 +30,12 @@ import typer
 from dplaunch.commands.options import command
 from dplaunch.config.flags import RunFlags
 from dplaunch.errors import UserError
-from dplaunch.run_directory.layout import DOCTOR_PROBE_PREFIX
+from dplaunch.run_directory.layout import (
+    DEFAULT_RUNS_DIR,
+    DOCTOR_DIR,
+    DOCTOR_PROBE_PREFIX,
+    DOCTOR_RESULT_FILE,
+)
 
 if TYPE_CHECKING:
     from dplaunch.launching.prepare import PreparedRun
@@ -43,8 +48,6 @@ WRITE_TEST_BYTES = 32 << 20
 # a node writing slower than this fraction of the fastest is named as slow
 SLOW_WRITE_FRACTION = 0.25
 # the doctor's own files (launch files of its ranks, their result) in the run directory
-DOCTOR_DIR = "doctor"
-RESULT_FILE = "all-reduce.json"
 BACKEND_PLACEHOLDER = "backend-of-the-plan"
 RANKS_SCRIPT = Path(__file__).resolve().parent.parent / "train" / "doctor_ranks.py"
 
@@ -87,10 +90,10 @@ def run_doctor(flags: RunFlags) -> int:
     from dplaunch.launching.prepare import prepare_script_launch
 
     started = time.monotonic()
-    run_dir = Path(flags.output_dir or "runs/doctor")
+    run_dir = Path(flags.output_dir or Path(DEFAULT_RUNS_DIR) / DOCTOR_DIR)
     # the doctor's ranks are launched as a script's are; the run's parallel layout does not matter
     doctor_flags = replace(flags, output_dir=str(run_dir / DOCTOR_DIR), pp=1, tp=1)
-    result_file = (run_dir / DOCTOR_DIR / RESULT_FILE).absolute()
+    result_file = (run_dir / DOCTOR_DIR / DOCTOR_RESULT_FILE).absolute()
     timeout_s = str(DEADLINE_S - HANDSHAKE_S)  # how long a collective of the ranks may wait
     try:
         prepared = prepare_script_launch(
