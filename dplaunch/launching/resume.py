@@ -213,11 +213,18 @@ def _check_layout(
     saved: dict[str, Any], plan: Any, info: CheckpointInfo
 ) -> tuple[str | None, list[str]]:
     """How the new plan loads the checkpoint; UserError when the layout cannot be reshaped."""
-    mesh = saved["mesh"]
-    old_tp, old_pp = mesh["tensor_parallel_size"], mesh["pipeline_parallel_size"]
-    old_dp, old_zero = mesh["data_parallel_size"], saved["zero_stage"]
     where = f"the checkpoint {info.path}"
     export_hint = f"or export it (`dplaunch export {info.path} --out DIR`) and start a new run from that model"
+    _refuse_other_format(saved, plan, where, export_hint)
+    return _reshaping(saved, plan, where, export_hint)
+
+
+def _refuse_other_format(saved: dict[str, Any], plan: Any, where: str, export_hint: str) -> None:
+    # what no conversion loads: another pipeline cut, tp split, engine, ZeRO stage, offload or
+    # DeepSpeed precision
+    mesh = saved["mesh"]
+    old_tp, old_pp = mesh["tensor_parallel_size"], mesh["pipeline_parallel_size"]
+    old_zero = saved["zero_stage"]
     if old_pp != plan.pipeline_parallel_size:
         raise UserError(
             "parallel.pp",
@@ -272,6 +279,16 @@ def _check_layout(
             "scaler state only an fp16 run saves",
             f"resume with --mixed-precision {saved['mixed_precision']}",
         )
+
+
+def _reshaping(
+    saved: dict[str, Any], plan: Any, where: str, export_hint: str
+) -> tuple[str | None, list[str]]:
+    # the checkpoint's layout in the new plan: as it is, re-sharded on load, or converted
+    mesh = saved["mesh"]
+    old_tp, old_pp = mesh["tensor_parallel_size"], mesh["pipeline_parallel_size"]
+    old_dp, old_zero = mesh["data_parallel_size"], saved["zero_stage"]
+    both_fsdp = saved.get("fsdp") is not None and getattr(plan, "fsdp", None) is not None
     notes = []
     if both_fsdp and (old_dp, old_tp) != (plan.data_parallel_size, plan.tensor_parallel_size):
         # torch.distributed.checkpoint re-shards on load: no conversion step
