@@ -1,0 +1,132 @@
+"""The package's shape, read from its source: functions a reader takes in at once, and the run
+directory's names and DPLAUNCH_* variables written in one place (dplaunch/run_directory/)."""
+
+from __future__ import annotations
+
+import ast
+
+from dplaunch.run_directory import layout
+from tests.helpers import REPO
+
+PACKAGE = REPO / "dplaunch"
+MOST_LINES = 80
+MOST_PARAMETERS = 8
+# functions still over a limit; the list only shrinks
+KNOWN_LONG = {
+    "dplaunch/commands/data.py:build",
+    "dplaunch/data/checks.py:check_data",
+    "dplaunch/planning/candidates.py:candidate_plans",
+    "dplaunch/planning/forecast.py:micro_batch_flops",
+    "dplaunch/planning/forecast.py:_layer_flops",
+    "dplaunch/planning/forecast.py:step_collectives",
+    "dplaunch/planning/forecast.py:_zero_collectives",
+    "dplaunch/planning/forecast.py:forecast_step",
+    "dplaunch/planning/lora.py:model_modules",
+    "dplaunch/planning/plan.py:make_plan",
+    "dplaunch/train/checkpoint.py:__init__",
+    "dplaunch/train/streaming.py:__init__",
+}
+
+
+def _modules() -> list[tuple[str, ast.Module]]:
+    return [
+        (path.relative_to(REPO).as_posix(), ast.parse(path.read_text(encoding="utf-8")))
+        for path in sorted(PACKAGE.rglob("*.py"))
+    ]
+
+
+def _is_typer_command(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """A command's typer function (commands/options.py's @command): typer reads its options from
+    its signature, so its length is its options'."""
+    return any(ast.unparse(d).startswith("command(") for d in function.decorator_list)
+
+
+def _parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    arguments = function.args
+    named = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
+    count = sum(1 for a in named if a.arg not in ("self", "cls"))
+    return count + (arguments.vararg is not None) + (arguments.kwarg is not None)
+
+
+def over_the_limits(modules: list[tuple[str, ast.Module]]) -> dict[str, str]:
+    """`path:function` → what is over: more than 80 lines or more than 8 parameters."""
+    found = {}
+    for path, tree in modules:
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            if _is_typer_command(node):
+                continue
+            lines = node.end_lineno - node.lineno + 1
+            parameters = _parameters(node)
+            if lines > MOST_LINES or parameters > MOST_PARAMETERS:
+                found[f"{path}:{node.name}"] = f"{lines} lines, {parameters} parameters"
+    return found
+
+
+def test_no_function_is_over_80_lines_or_8_parameters():
+    found = over_the_limits(_modules())
+    new = {name: size for name, size in found.items() if name not in KNOWN_LONG}
+    assert not new, f"split these into named steps, or group their parameters: {new}"
+    assert not KNOWN_LONG - set(found), "fixed: remove from KNOWN_LONG"
+
+
+def test_the_checker_sees_a_long_function_and_a_long_signature():
+    body = "\n".join(f"    x{i} = {i}" for i in range(MOST_LINES))
+    source = f"def long():\n{body}\n\ndef wide(a, b, c, d, e, f, g, h, i):\n    pass\n"
+    typer = "@command()\ndef wide_command(a, b, c, d, e, f, g, h, i):\n    pass\n"
+    found = over_the_limits([("m.py", ast.parse(source + typer))])
+    assert set(found) == {"m.py:long", "m.py:wide"}
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    owners = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, owners)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+
+
+def _run_directory_names() -> set[str]:
+    """The run directory's file names and name prefixes: those no other word is spelt like."""
+    return {
+        value
+        for key, value in vars(layout).items()
+        if key.isupper() and isinstance(value, str) and ("." in value or value.endswith("-"))
+    }
+
+
+def names_outside_run_directory(modules: list[tuple[str, ast.Module]]) -> list[str]:
+    """String literals (docstrings aside) outside run_directory/ that are a run-directory file
+    name or prefix, or name a DPLAUNCH_ variable: each belongs in run_directory/ as a constant."""
+    names = _run_directory_names()
+    found = []
+    for path, tree in modules:
+        if path.startswith("dplaunch/run_directory/"):
+            continue
+        docstrings = _docstrings(tree)
+        for node in sorted(ast.walk(tree), key=lambda n: getattr(n, "lineno", 0)):
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and id(node) not in docstrings
+                and (node.value in names or "DPLAUNCH_" in node.value)
+            ):
+                found.append(f"{path}:{node.lineno}: {node.value!r}")
+    return found
+
+
+def test_run_directory_names_and_variables_are_written_only_in_run_directory():
+    assert not names_outside_run_directory(_modules())
+
+
+def test_the_name_check_sees_a_literal_file_name_and_variable():
+    source = (
+        'path = run_dir / "metrics.jsonl"\nvariable = "DPLAUNCH_X"\nhelp = "see metrics.jsonl"\n'
+    )
+    found = names_outside_run_directory([("dplaunch/m.py", ast.parse(source))])
+    assert [line.split(": ")[1] for line in found] == ["'metrics.jsonl'", "'DPLAUNCH_X'"]
