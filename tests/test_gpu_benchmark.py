@@ -116,6 +116,9 @@ def test_the_smoke_matrix_names_the_first_error_a_failed_run_printed():
 
     summary = "step 1/4 …\ndplaunch: the job failed with status 1\n[rank 0] RuntimeError: CUDA error: out of memory"
     assert first_error(summary) == "[rank 0] RuntimeError: CUDA error: out of memory"
+    # a library's noise at exit after dplaunch's summary line does not hide it
+    noisy = f"{summary}\nException ignored in atexit callback: NCCL Error 3"
+    assert first_error(noisy) == "[rank 0] RuntimeError: CUDA error: out of memory"
     assert first_error("a\nValueError: bad\nmore") == "ValueError: bad"
 
 
