@@ -21,7 +21,6 @@ KNOWN_LONG = {
     "dplaunch/planning/forecast.py:step_collectives",
     "dplaunch/planning/forecast.py:_zero_collectives",
     "dplaunch/planning/forecast.py:forecast_step",
-    "dplaunch/planning/lora.py:model_modules",
     "dplaunch/planning/plan.py:make_plan",
     "dplaunch/train/checkpoint.py:__init__",
     "dplaunch/train/streaming.py:__init__",
@@ -68,7 +67,8 @@ def test_no_function_is_over_80_lines_or_8_parameters():
     found = over_the_limits(_modules())
     new = {name: size for name, size in found.items() if name not in KNOWN_LONG}
     assert not new, f"split these into named steps, or group their parameters: {new}"
-    assert not KNOWN_LONG - set(found), "fixed: remove from KNOWN_LONG"
+    fixed = KNOWN_LONG - set(found)
+    assert not fixed, f"within the limits now, remove from KNOWN_LONG: {sorted(fixed)}"
 
 
 def test_the_checker_sees_a_long_function_and_a_long_signature():

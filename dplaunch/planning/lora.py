@@ -148,72 +148,77 @@ def model_modules(facts: ModelFacts, task: str = "causal-lm", num_labels: int | 
     decoder with Llama's module names (``exact`` False). Norms inside the blocks are left out:
     neither adapted nor quantized, and their parameters are in the base count.
     """
-    family = facts.model_type
+    labels = int(num_labels if num_labels is not None else facts.raw.get("num_labels") or 2)
+    # the sequence classifier's labels, None: the language-model head
+    classify = labels if task == "sequence-classification" else None
+    if facts.model_type == "gpt2":
+        return True, _gpt2_modules(facts, classify)
+    if facts.model_type == "bert":
+        return True, _bert_modules(facts, classify)
+    return facts.model_type in LLAMA_LIKE, _llama_modules(facts, classify)
 
+
+def _gpt2_modules(facts: ModelFacts, classify: int | None) -> list[Module]:
     def get(*keys: str) -> Any:
         return config_field(facts, *keys)
 
-    labels = int(num_labels if num_labels is not None else facts.raw.get("num_labels") or 2)
-    classify = task == "sequence-classification"
+    hidden = int(get("n_embd", "hidden_size"))
+    inter = int(get("n_inner", "intermediate_size") or 4 * hidden)
+    vocab = int(get("vocab_size"))
     modules: list[Module] = []
-    if family == "gpt2":
-        hidden = int(get("n_embd", "hidden_size"))
-        inter = int(get("n_inner", "intermediate_size") or 4 * hidden)
-        vocab = int(get("vocab_size"))
-        for i in range(int(get("n_layer", "num_hidden_layers"))):
-            block = f"transformer.h.{i}"
-            modules += [
-                _linear(f"{block}.attn.c_attn", hidden, 3 * hidden, True, i),
-                _linear(f"{block}.attn.c_proj", hidden, hidden, True, i),
-                _linear(f"{block}.mlp.c_fc", hidden, inter, True, i),
-                _linear(f"{block}.mlp.c_proj", inter, hidden, True, i),
-            ]
-        positions = int(get("n_positions", "max_position_embeddings"))
+    for i in range(int(get("n_layer", "num_hidden_layers"))):
+        block = f"transformer.h.{i}"
         modules += [
-            _embedding("transformer.wte", vocab, hidden),
-            _embedding("transformer.wpe", positions, hidden),
+            _linear(f"{block}.attn.c_attn", hidden, 3 * hidden, True, i),
+            _linear(f"{block}.attn.c_proj", hidden, hidden, True, i),
+            _linear(f"{block}.mlp.c_fc", hidden, inter, True, i),
+            _linear(f"{block}.mlp.c_proj", inter, hidden, True, i),
         ]
-        head = (
-            _linear("score", hidden, labels, False, None, side="head", output_head=True)
-            if classify
-            else _linear("lm_head", hidden, vocab, False, None, side="head", output_head=True)
-        )
-        return True, modules + [head]
-    if family == "bert":
-        hidden, inter = int(get("hidden_size")), int(get("intermediate_size"))
-        vocab = int(get("vocab_size"))
-        for i in range(int(get("num_hidden_layers"))):
-            block = f"bert.encoder.layer.{i}"
-            modules += [
-                _linear(f"{block}.attention.self.{name}", hidden, hidden, True, i)
-                for name in ("query", "key", "value")
-            ]
-            modules += [
-                _linear(f"{block}.attention.output.dense", hidden, hidden, True, i),
-                _linear(f"{block}.intermediate.dense", hidden, inter, True, i),
-                _linear(f"{block}.output.dense", inter, hidden, True, i),
-            ]
-        modules.append(_embedding("bert.embeddings.word_embeddings", vocab, hidden))
-        if classify:
-            modules += [
-                _linear("bert.pooler.dense", hidden, hidden, True, None, side="head"),
-                _linear("classifier", hidden, labels, True, None, side="head", output_head=True),
-            ]
-        else:
-            modules += [
-                _linear("cls.predictions.transform.dense", hidden, hidden, True, None, side="head"),
-                _linear(
-                    "cls.predictions.decoder",
-                    hidden,
-                    vocab,
-                    True,
-                    None,
-                    side="head",
-                    output_head=True,
-                ),
-            ]
-        return True, modules
-    exact = family in LLAMA_LIKE
+    positions = int(get("n_positions", "max_position_embeddings"))
+    modules += [
+        _embedding("transformer.wte", vocab, hidden),
+        _embedding("transformer.wpe", positions, hidden),
+    ]
+    return modules + [_output_head(hidden, vocab, classify)]
+
+
+def _bert_modules(facts: ModelFacts, classify: int | None) -> list[Module]:
+    def get(*keys: str) -> Any:
+        return config_field(facts, *keys)
+
+    hidden, inter = int(get("hidden_size")), int(get("intermediate_size"))
+    vocab = int(get("vocab_size"))
+    modules: list[Module] = []
+    for i in range(int(get("num_hidden_layers"))):
+        block = f"bert.encoder.layer.{i}"
+        modules += [
+            _linear(f"{block}.attention.self.{name}", hidden, hidden, True, i)
+            for name in ("query", "key", "value")
+        ]
+        modules += [
+            _linear(f"{block}.attention.output.dense", hidden, hidden, True, i),
+            _linear(f"{block}.intermediate.dense", hidden, inter, True, i),
+            _linear(f"{block}.output.dense", inter, hidden, True, i),
+        ]
+    modules.append(_embedding("bert.embeddings.word_embeddings", vocab, hidden))
+    if classify is not None:
+        return modules + [
+            _linear("bert.pooler.dense", hidden, hidden, True, None, side="head"),
+            _linear("classifier", hidden, classify, True, None, side="head", output_head=True),
+        ]
+    return modules + [
+        _linear("cls.predictions.transform.dense", hidden, hidden, True, None, side="head"),
+        _linear(
+            "cls.predictions.decoder", hidden, vocab, True, None, side="head", output_head=True
+        ),
+    ]
+
+
+def _llama_modules(facts: ModelFacts, classify: int | None) -> list[Module]:
+    def get(*keys: str) -> Any:
+        return config_field(facts, *keys)
+
+    family = facts.model_type
     hidden = int(get("hidden_size") or facts.hidden_size)
     heads = int(get("num_attention_heads") or facts.num_heads)
     kv_heads = int(get("num_key_value_heads") or facts.num_kv_heads or heads)
@@ -224,6 +229,7 @@ def model_modules(facts: ModelFacts, task: str = "causal-lm", num_labels: int | 
     o_bias = family != "qwen2" and bool(get("attention_bias"))
     mlp_bias = bool(get("mlp_bias"))
     q_out, kv_out = heads * head_dim, kv_heads * head_dim
+    modules: list[Module] = []
     for i in range(int(get("num_hidden_layers") or facts.num_layers)):
         block = f"model.layers.{i}"
         modules += [
@@ -239,13 +245,14 @@ def model_modules(facts: ModelFacts, task: str = "causal-lm", num_labels: int | 
         _embedding("model.embed_tokens", vocab, hidden),
         Module("model.norm", hidden, side="head"),
     ]
-    if classify:
-        modules.append(_linear("score", hidden, labels, False, None, side="head", output_head=True))
-    else:
-        modules.append(
-            _linear("lm_head", hidden, vocab, False, None, side="head", output_head=True)
-        )
-    return exact, modules
+    return modules + [_output_head(hidden, vocab, classify)]
+
+
+def _output_head(hidden: int, vocab: int, classify: int | None) -> Module:
+    """A decoder's last linear layer: the classifier's `score`, or the language model's lm_head."""
+    if classify is not None:
+        return _linear("score", hidden, classify, False, None, side="head", output_head=True)
+    return _linear("lm_head", hidden, vocab, False, None, side="head", output_head=True)
 
 
 def _named(path: str, name: str) -> bool:
