@@ -22,8 +22,6 @@ KNOWN_LONG = {
     "dplaunch/planning/forecast.py:_zero_collectives",
     "dplaunch/planning/forecast.py:forecast_step",
     "dplaunch/planning/plan.py:make_plan",
-    "dplaunch/train/checkpoint.py:__init__",
-    "dplaunch/train/streaming.py:__init__",
 }
 
 

@@ -66,11 +66,9 @@ def stream(tokenizer, dataset, dp_rank=0, dp=1, *, task="causal-lm", batch=8, mi
         tokenizer,
         sharding,
         seed=7,
-        pad_id=0,
         total_over_ranks=lambda tokens: tokens,
         writes_position=True,
-        resume_from=resume,
-        start_step=start,
+        resume_from=None if resume is None else (resume, start),
     )
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,17 @@ class CheckpointError(RuntimeError):
     """A save that did not complete; the previous checkpoint is still valid."""
 
 
+@dataclass(frozen=True)
+class SaveHooks:
+    """What a checkpoint holds besides the engine's state (None: nothing of that kind)."""
+
+    # rank 0 writes the model's Hugging Face files (config, tokenizer) into the checkpoint
+    model_files: Callable[[Path], None] | None = None
+    # each rank writes where its data stands (a stream's lanes); None: the position is the step
+    # (the cached path's order is a function of it)
+    data_position: Callable[[Path], None] | None = None
+
+
 class Checkpointer:
     """Saves and loads checkpoints of one run; every rank holds one and calls save/load together."""
 
@@ -59,13 +72,10 @@ class Checkpointer:
         keep_last: int,
         meta: dict[str, Any],
         say: Any,
-        write_model_files: Any = None,
-        save_data_position: Any = None,
+        hooks: SaveHooks = SaveHooks(),
     ):
-        self.write_model_files = write_model_files
-        # each rank's hook that writes where its data stands (a stream's lanes), None: the
-        # position is the step (the cached path's order is a function of it)
-        self.save_data_position = save_data_position
+        self.write_model_files = hooks.model_files
+        self.save_data_position = hooks.data_position
         self.run_dir = run_dir
         self.directory = run_dir / CHECKPOINTS_DIR
         self.engine = engine

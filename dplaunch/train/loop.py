@@ -31,7 +31,7 @@ from dplaunch.run_directory.files import (
 )
 from dplaunch.run_directory.layout import ADAPTER_DIR, DEEPSPEED_FILE, EXPORT_DIR
 from dplaunch.stop_signals import EXIT_CHECKPOINTED, StopSignals
-from dplaunch.train.checkpoint import Checkpointer
+from dplaunch.train.checkpoint import Checkpointer, SaveHooks
 from dplaunch.train.collective_spy import spy_from_environment, watched
 from dplaunch.train.control import ControlChannel
 from dplaunch.train.data import (
@@ -257,8 +257,7 @@ def start_run(run_dir: Path, signals: StopSignals) -> tuple[RankRun, int]:
         keep_last=config.train.keep_last,
         meta={**plan.header(), "engine": plan.engine, "total_steps": total_steps},
         say=say,
-        write_model_files=_model_files_writer(model, tokenizer),
-        save_data_position=batcher.save_position,
+        hooks=SaveHooks(_model_files_writer(model, tokenizer), batcher.save_position),
     )
     start_step = _resume(checkpointer, resume, batcher, say)
     metrics = _open_metrics(run_dir, config, place)
@@ -493,11 +492,9 @@ def _stream_batcher(
         tokenizer,
         _sharding(plan, place),
         seed=config.train.seed,
-        pad_id=tokenizer.pad_token_id,
         total_over_ranks=total_over_ranks,
         writes_position=place.counts_tokens,
-        resume_from=Path(resume["checkpoint"]) if resume is not None else None,
-        start_step=int(resume["step"]) if resume is not None else 0,
+        resume_from=None if resume is None else (Path(resume["checkpoint"]), int(resume["step"])),
     )
     return batcher
 

@@ -414,14 +414,14 @@ class StreamBatcher:
         sharding: Sharding,
         *,
         seed: int,
-        pad_id: int,
         total_over_ranks: Callable[[int], int],
         writes_position: bool,
-        resume_from: Path | None = None,
-        start_step: int = 0,
+        resume_from: tuple[Path, int] | None = None,
     ):
+        """``resume_from``: the checkpoint whose stream positions this launch starts from, and
+        its step (None: the stream's start)."""
         self.sharding = sharding
-        self.pad_id = pad_id
+        self.pad_id = tokenizer.pad_token_id
         self.total_over_ranks = total_over_ranks
         self.writes_position = writes_position
         shards = stream_shards(data)
@@ -436,11 +436,13 @@ class StreamBatcher:
         first = sharding.data_parallel_rank * per_rank
         self.lanes = list(range(first, first + per_rank))
         state: dict[str, Any] = {}
+        start_step = 0
         if resume_from is not None:
-            state = merged_position(read_data_positions(resume_from), self.layout.lanes)
+            checkpoint, start_step = resume_from
+            state = merged_position(read_data_positions(checkpoint), self.layout.lanes)
             if state["step"] != start_step:
                 raise ValueError(
-                    f"{resume_from} holds the stream position of step {state['step']}, not {start_step}"
+                    f"{checkpoint} holds the stream position of step {state['step']}, not {start_step}"
                 )
         workers = min(data.num_workers, per_rank)
         count = max(workers, 1)
