@@ -16,10 +16,6 @@ KNOWN_LONG = {
     "dplaunch/commands/data.py:build",
     "dplaunch/data/checks.py:check_data",
     "dplaunch/planning/candidates.py:candidate_plans",
-    "dplaunch/planning/forecast.py:micro_batch_flops",
-    "dplaunch/planning/forecast.py:_layer_flops",
-    "dplaunch/planning/forecast.py:step_collectives",
-    "dplaunch/planning/forecast.py:_zero_collectives",
     "dplaunch/planning/forecast.py:forecast_step",
     "dplaunch/planning/plan.py:make_plan",
 }

@@ -235,6 +235,44 @@ class Flops:
         )
 
 
+@dataclass(frozen=True)
+class RankShare:
+    """The part of each micro-batch one rank computes."""
+
+    # the tensor-parallel degree: the decoder's linear layers, a split head and the heads
+    tp: int = 1
+    # the sequence-parallel degree: s/sp of the tokens, heads/sp heads over whole sequences
+    sp: int = 1
+    # (first layer, layers) of its pipeline stage; None: every layer
+    stage: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class _Adapters:
+    """What trains in a run: everything (full), or LoRA adapters of rank r on the TARGETED
+    modules and whole copies of the SAVED ones (modules_to_save)."""
+
+    full: bool
+    rank: int = 0
+    targeted: frozenset[str] = frozenset()
+    saved: frozenset[str] = frozenset()
+
+    def trains(self, module: Module) -> bool:
+        return self.full or module.path in self.saved
+
+    def adapter_rank(self, module: Module) -> int:
+        return self.rank if module.path in self.targeted else 0
+
+
+def _adapters(modules: list[Module], lora: LoraSpec | None, task: str) -> _Adapters:
+    if lora is None:
+        return _Adapters(full=True)
+    adapted, copies = adapted_modules(modules, lora, task)
+    return _Adapters(
+        False, lora.r, frozenset(m.path for m in adapted), frozenset(m.path for m in copies)
+    )
+
+
 def micro_batch_flops(
     facts: ModelFacts,
     *,
@@ -244,9 +282,7 @@ def micro_batch_flops(
     num_labels: int | None = None,
     lora: LoraSpec | None = None,
     activation_checkpointing: bool = False,
-    tp: int = 1,
-    sp: int = 1,
-    stage: tuple[int, int] | None = None,
+    share: RankShare = RankShare(),
 ) -> Flops:
     """FLOPs of one micro-batch (``micro_batch`` × ``seq_len`` tokens) on one rank.
 
@@ -264,33 +300,25 @@ def micro_batch_flops(
     needs (torch's non-reentrant checkpoint stops there): a pre-norm layer's last product (the
     MLP's output projection, or with an adapter there its lora_B) is not recomputed.
 
-    Tensor parallelism divides the decoder's linear layers and a split head by ``tp`` (and the
-    attention heads); sequence parallelism gives each rank s/sp of the tokens of the linear
-    layers and heads/sp heads over whole sequences. ``stage`` = (first layer, layers) of a
+    Tensor parallelism divides the decoder's linear layers and a split head by ``share.tp`` (and
+    the attention heads); sequence parallelism gives each rank s/sp of the tokens of the linear
+    layers and heads/sp heads over whole sequences. ``share.stage`` = (first layer, layers) of a
     pipeline stage; the embedding's rank computes the rotary, the head's rank the head.
     """
     count = count_parameters(facts, task, num_labels)
     _, modules = model_modules(facts, task, num_labels)
-    targeted: set[str] = set()
-    saved: set[str] = set()
-    if lora is not None:
-        adapted, copies = adapted_modules(modules, lora, task)
-        targeted = {m.path for m in adapted}
-        saved = {m.path for m in copies}
-    rank = lora.r if lora is not None else 0
+    adapters = _adapters(modules, lora, task)
+    tp, sp = share.tp, share.sp
     tokens = micro_batch * seq_len / sp
-    heads = max(count.num_heads, 1)
-    head_dim = _head_dim(facts, count)
-    first, layers = stage if stage is not None else (0, count.num_layers)
-    holds_embedding = first == 0
-    holds_head = first + layers == count.num_layers
+    heads = max(count.num_heads, 1) / (tp * sp)
+    scores = 2 * micro_batch * heads * seq_len * seq_len * _head_dim(facts, count)
+    first, layers = share.stage if share.stage is not None else (0, count.num_layers)
     # does the residual stream entering this rank's first layer require a gradient?
-    embedding_trains = lora is None or any(
-        m.embedding and m.path in saved | targeted for m in modules
-    )
+    changed = adapters.targeted | adapters.saved
+    embedding_trains = lora is None or any(m.embedding and m.path in changed for m in modules)
     stream = embedding_trains or (lora is not None and activation_checkpointing)
-    if not holds_embedding:
-        stream = stream or lora is None or bool(targeted | saved)
+    if first != 0:  # not the embedding's rank
+        stream = stream or lora is None or bool(changed)
     total = Flops()
     # pre-norm layers end with the MLP's output product, whose result nothing saves: torch's
     # checkpoint stops recomputing once the last saved tensor is back, before that product
@@ -301,35 +329,21 @@ def micro_batch_flops(
     )
     for layer in range(first, first + layers):
         in_layer = [m for m in modules if m.layer == layer and m.shape is not None]
-        layer_flops, stream, tail = _layer_flops(
-            in_layer,
-            tokens,
-            micro_batch,
-            seq_len,
-            heads / (tp * sp),
-            head_dim,
-            tp,
-            stream,
-            rank,
-            targeted,
-            saved,
-            lora is None,
-        )
+        layer_flops, stream, tail = _layer_flops(in_layer, tokens, scores, tp, stream, adapters)
         if activation_checkpointing:
             layer_flops += Flops(
                 dense_recompute=layer_flops.dense_forward - (tail if pre_norm else 0.0),
                 attention_recompute=layer_flops.attention_forward,
             )
         total += layer_flops
-    if holds_head:
+    if first + layers == count.num_layers:  # the head's rank
         for module in (
             m for m in modules if m.layer is None and m.shape is not None and not m.embedding
         ):
             rows = micro_batch if _pooled(facts, module) else tokens
             split = tp if module.output_head and count.head_sharded else 1
-            trains = lora is None or module.path in saved
             flops, stream = _linear_flops(
-                module, rows, split, stream, trains, rank if module.path in targeted else 0
+                module, rows, split, stream, adapters.trains(module), adapters.adapter_rank(module)
             )
             total += flops
     return total
@@ -364,19 +378,14 @@ def _linear_flops(
 def _layer_flops(
     modules: list[Module],
     tokens: float,
-    micro_batch: int,
-    seq_len: int,
-    heads: float,
-    head_dim: int,
+    scores: float,
     tp: int,
     stream: bool,
-    rank: int,
-    targeted: set[str],
-    saved: set[str],
-    full: bool,
-) -> tuple[Flops, bool]:
+    adapters: _Adapters,
+) -> tuple[Flops, bool, float]:
     """(FLOPs of one decoder layer, whether the residual stream after it requires a gradient,
-    the forward FLOPs after the last tensor its backward saves: the MLP output's last product)."""
+    the forward FLOPs after the last tensor its backward saves: the MLP output's last product).
+    ``scores``: the FLOPs of one product of its attention scores (2·b·heads·s²·head_dim)."""
     total = Flops()
     tail = 0.0
     # attention: Q, K, V from the stream; the output projection reads the attention's result
@@ -385,8 +394,8 @@ def _layer_flops(
     out_stream = stream
     for module in modules:
         role = _role(module.path)
-        trains = full or module.path in saved
-        adapter = rank if module.path in targeted else 0
+        trains = adapters.trains(module)
+        adapter = adapters.adapter_rank(module)
         if role == "attention_in":
             flops, grad = _linear_flops(module, tokens, tp, stream, trains, adapter)
             path = module.path
@@ -394,7 +403,6 @@ def _layer_flops(
             key |= grad and (path.endswith(("k_proj", "key", "c_attn")))
             value |= grad and (path.endswith(("v_proj", "value", "c_attn")))
         elif role == "attention_out":
-            scores = 2 * micro_batch * heads * seq_len * seq_len * head_dim
             needed = sum((query or key, value, query, key))
             total += Flops(attention_forward=2 * scores, attention_backward=needed * scores)
             attended = query or key or value
@@ -563,7 +571,6 @@ def step_collectives(
     count = count_parameters(facts, workload.task, workload.num_labels)
     mesh = Mesh(dims.dp, dims.tp, dims.pp, dims.sp)
     m = workload.accumulation_steps(dims.dp) or 1
-    b, s = workload.micro_batch, workload.seq_len
     e = _element(workload.mixed_precision)
     trained = model_weights(facts, workload.task, workload.num_labels, workload.lora)
     every = model_weights(facts, workload.task, workload.num_labels)
@@ -578,25 +585,7 @@ def step_collectives(
         norm = clip or (guard and workload.mixed_precision != "fp16")
         _fsdp_collectives(step, dims, count, every, trained, e, m, norm)
     elif dims.pp > 1:
-        pipe = Group(dims.pp, _scope(mesh.pipelines(), dims.gpus_per_node))
-        activation = b * s * count.hidden_size * e
-        for _ in range(m):
-            step.add("send", PIPELINE_META_BYTES, Group(2, pipe.scope), "forward", "metadata")
-            step.add("send", activation, Group(2, pipe.scope), "forward", "activations")
-            step.add("send", b * s * 8, Group(2, pipe.scope), "forward", "attention mask")
-            step.add("recv", activation, Group(2, pipe.scope), "backward", "their gradient")
-        # rank 0 is stage 0: the embedding and the first stage's layers
-        first = layers_per_stage(count.num_layers, dims.pp)[0]
-
-        def stage_0(weights: list[Weight]) -> list[Weight]:
-            return [
-                w
-                for w in weights
-                if w.side == "embedding" or (w.layer is not None and w.layer < first)
-            ]
-
-        _zero_collectives(step, dims, stage_0(every), stage_0(trained), workload, m, data, pipe)
-        step.add("broadcast", 8, pipe, "step", "pipeline: the loss to every stage")
+        _pipeline_collectives(step, dims, count, workload, (every, trained), data)
         return step.collectives
     elif dims.zero_stage > 0 or dims.tp > 1:
         if dims.tp > 1:
@@ -604,22 +593,53 @@ def step_collectives(
         shard = [_tp_weight(w, count, dims.tp) for w in every]
         trained_shard = [_tp_weight(w, count, dims.tp) for w in trained]
         _zero_collectives(
-            step, dims, shard, trained_shard, workload, m, data, Group(dims.tp), overlap=gpu
+            step, dims, shard, trained_shard, workload, data, Group(dims.tp), overlap=gpu
         )
     else:
-        if facts.model_type in LLAMA_LIKE:
-            # the rotary frequencies and their original copy (fp32 buffers), once a step
-            step.add("broadcast", 4 * _head_dim(facts, count), data, "forward", "DDP buffers")
-        # DDP's gradients are fp32, as its weights
-        buckets = _buckets([w.numel * 4 for w in trained], DDP_BUCKET_BYTES)
-        for i, size in enumerate(buckets):
-            last = i == len(buckets) - 1
-            step.add("all_reduce", size, data, "backward", "DDP buckets", overlaps=not last)
+        _ddp_collectives(step, facts, count, trained, data)
     if dims.sp > 1:
         _ulysses_collectives(step, facts, count, dims, workload, m)
     if guard:
         step.add("all_reduce", 4 * (dims.world_size + 1), everyone, "step", "non-finite guard")
     return step.collectives
+
+
+def _pipeline_collectives(step, dims, count, workload, weights, data) -> None:
+    """Per micro-batch the activations sent forward and their gradient back; stage 0's DeepSpeed
+    collectives (WEIGHTS: every tensor, the trained ones); the loss broadcast to every stage."""
+    mesh = Mesh(dims.dp, dims.tp, dims.pp, dims.sp)
+    pipe = Group(dims.pp, _scope(mesh.pipelines(), dims.gpus_per_node))
+    b, s = workload.micro_batch, workload.seq_len
+    activation = b * s * count.hidden_size * _element(workload.mixed_precision)
+    for _ in range(workload.accumulation_steps(dims.dp) or 1):
+        step.add("send", PIPELINE_META_BYTES, Group(2, pipe.scope), "forward", "metadata")
+        step.add("send", activation, Group(2, pipe.scope), "forward", "activations")
+        step.add("send", b * s * 8, Group(2, pipe.scope), "forward", "attention mask")
+        step.add("recv", activation, Group(2, pipe.scope), "backward", "their gradient")
+    # rank 0 is stage 0: the embedding and the first stage's layers
+    first = layers_per_stage(count.num_layers, dims.pp)[0]
+
+    def stage_0(weights: list[Weight]) -> list[Weight]:
+        return [
+            w for w in weights if w.side == "embedding" or (w.layer is not None and w.layer < first)
+        ]
+
+    every, trained = weights
+    _zero_collectives(step, dims, stage_0(every), stage_0(trained), workload, data, pipe)
+    step.add("broadcast", 8, pipe, "step", "pipeline: the loss to every stage")
+
+
+def _ddp_collectives(step, facts, count, trained, data) -> None:
+    """DDP: the model's buffers broadcast in the first forward; the gradients all-reduced in
+    buckets, all but the last overlapping the backward."""
+    if facts.model_type in LLAMA_LIKE:
+        # the rotary frequencies and their original copy (fp32 buffers), once a step
+        step.add("broadcast", 4 * _head_dim(facts, count), data, "forward", "DDP buffers")
+    # DDP's gradients are fp32, as its weights
+    buckets = _buckets([w.numel * 4 for w in trained], DDP_BUCKET_BYTES)
+    for i, size in enumerate(buckets):
+        last = i == len(buckets) - 1
+        step.add("all_reduce", size, data, "backward", "DDP buckets", overlaps=not last)
 
 
 def _ulysses_collectives(step, facts, count, dims, workload, m) -> None:
@@ -679,7 +699,7 @@ def _tensor_parallel_collectives(step, facts, count, dims, workload, m) -> None:
 
 
 def _zero_collectives(
-    step, dims, every, trained, workload, m, data, model_parallel, overlap=False
+    step, dims, every, trained, workload, data, model_parallel, overlap=False
 ) -> None:
     """DeepSpeed's data-parallel collectives over the DATA group: stage 0's (with tp or pp) and
     ZeRO-1/2/3's. EVERY and TRAINED: the tensors this rank holds (its tensor-parallel shard, its
@@ -687,6 +707,7 @@ def _zero_collectives(
     ``overlap``: overlap_comm, ZeRO-2's reductions and ZeRO-3's prefetched gathers and
     reduce-scatters run beside the computation."""
     e = _element(workload.mixed_precision)
+    m = workload.accumulation_steps(dims.dp) or 1
     # bf16 runs reduce in fp32 (rendered communication_data_type); fp16 in 16 bits
     g = 2 if workload.mixed_precision == "fp16" else 4
     stage = dims.zero_stage
@@ -1075,13 +1096,12 @@ def forecast_step(
         num_labels=workload.num_labels,
         lora=workload.lora,
         activation_checkpointing=workload.activation_checkpointing,
-        tp=dims.tp,
-        sp=dims.sp,
     )
     per_stage = []
     first = 0
     for layers in stages:
-        per_stage.append(micro_batch_flops(facts, stage=(first, layers), **flops_options))
+        share = RankShare(dims.tp, dims.sp, (first, layers))
+        per_stage.append(micro_batch_flops(facts, share=share, **flops_options))
         first += layers
     hidden = count.hidden_size / dims.tp
     tokens = b * s / dims.sp
