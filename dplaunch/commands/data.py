@@ -163,7 +163,7 @@ class _SftReport:
         from dplaunch.data.conversations import CONVERSATIONAL
         from dplaunch.data.example_tokens import Encoded, pack_runs, pitfalls
         from dplaunch.data.preview import ExampleFacts, sft_stats, summary_lines, token_texts
-        from dplaunch.train.data import pack_rows, sft_examples_of
+        from dplaunch.train.data import sft_examples_of
 
         data = config.data
         pipeline = sft_examples_of(tokenizer, data, dataset.column_names)
@@ -227,14 +227,29 @@ class _SftReport:
             + (", chat template from data.chat_template" if data.chat_template else ""),
             *summary_lines(report.stats, noun),
         ]
-        # the first blocks that hold several examples show how they are kept apart
-        several = [n for n, block in enumerate(packed or []) if len(block) > 1]
-        for number in (several or list(range(len(packed or []))))[:block_count]:
+        report._add_blocks(packed or [], block_count, tokens_of, tokenizer, data.max_length)
+        return report
+
+    def _add_blocks(
+        self,
+        packed: list[list[int]],
+        block_count: int,
+        tokens_of: Any,
+        tokenizer: Any,
+        max_length: int,
+    ) -> None:
+        """The first BLOCK_COUNT packed blocks, those that hold several examples first: how the
+        examples in them are kept apart (TOKENS_OF: the examples of indices, with their tokens)."""
+        from dplaunch.data.preview import token_texts
+        from dplaunch.train.data import pack_rows
+
+        several = [n for n, block in enumerate(packed) if len(block) > 1]
+        for number in (several or list(range(len(packed))))[:block_count]:
             block_members = packed[number]
             pairs = tokens_of(block_members)
             ids = [tokens.input_ids for _, tokens in pairs]
             labels = [tokens.labels for _, tokens in pairs]
-            (block, _) = pack_rows(ids, labels, data.max_length)
+            (block, _) = pack_rows(ids, labels, max_length)
             pieces, spans, at = [], [], 0
             for index, (example, tokens) in zip(block_members, pairs, strict=True):
                 names = tokenizer.convert_ids_to_tokens(tokens.input_ids)
@@ -242,19 +257,18 @@ class _SftReport:
                 spans.append({"example": index, "tokens": [at, at + len(tokens.input_ids)]})
                 at += len(tokens.input_ids)
             positions = block["position_ids"][0]
-            report.blocks.append(
+            self.blocks.append(
                 {
                     "block": number,
                     "examples": spans,
                     "tokens": len(positions),
-                    "capacity": data.max_length,
+                    "capacity": max_length,
                     # every example starts its own run of position ids: the attention keeps it apart
                     "isolated": sum(p == 0 for p in positions) == len(spans),
                     "pieces": pieces,
                     "trained": [label != IGNORE_INDEX for label in block["labels"][0]],
                 }
             )
-        return report
 
     def as_json(self) -> dict[str, Any]:
         stats = dict(self.stats)

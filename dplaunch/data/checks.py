@@ -73,12 +73,7 @@ def check_data(
     packing = task == "causal-lm" and (data.packing if data.packing is not None else True)
     training: _Summary | None = None
     dataset_classes: tuple[str, ...] | None = None
-    if data.dataset_config is not None and is_local(data.dataset):
-        raise UserError(
-            CONFIG_FIELD,
-            "local files have no configurations",
-            "drop data.dataset_config (it names a configuration of a hub dataset)",
-        )
+    _check_dataset_config(data)
     for field, dataset in (
         ("data.dataset", data.dataset),
         ("data.eval_dataset", data.eval_dataset),
@@ -90,14 +85,7 @@ def check_data(
             _check_stream_folder(dataset, data, needs, notes)
             continue
         if not is_local(dataset):
-            if field == "data.eval_dataset":
-                raise UserError(
-                    field,
-                    f"{dataset} is not a local file",
-                    "give local file(s), or use data.eval_split for a hub dataset",
-                )
-            # a cached copy is checked below; one the ranks will download, only for existing
-            prepared = check_hub_dataset(dataset, data.dataset_config, field)
+            prepared = _hub_dataset(dataset, data.dataset_config, field)
             if prepared is None:
                 continue
         else:
@@ -112,36 +100,13 @@ def check_data(
                 needs, dataset_classes = _classes_of(prepared, data, needs, classes_named)
                 training = _read_prepared(prepared, data, needs, packing, budget)
             continue
-        files = expand_files(dataset, field)
-        for item in files:
-            path = Path(item).expanduser()
-            if path.is_dir():
-                raise UserError(
-                    field,
-                    f"{item} is a directory, and no dataset saved with save_to_disk",
-                    "name the data files in it (a list of paths is fine)",
-                )
-            if not path.is_file():
-                raise UserError(
-                    field,
-                    f"{item} does not exist",
-                    "check the path (relative paths are relative to the run file)",
-                )
+        files = _existing_files(dataset, field)
         fmt = local_format(files, field)
         if streamed:
             _check_stream_files(files, fmt, field, needs, notes)
             continue
         summary = _Summary(count_bytes=packing and field == "data.dataset", bytes_left=budget)
-        for item in files:
-            _read_file(Path(item).expanduser(), fmt, field, needs, summary)
-        if summary.rows == 0 and summary.rows_known:
-            only = Path(files[0]).expanduser()
-            problem = (
-                f"{files[0]}: the file is empty"
-                if len(files) == 1 and only.stat().st_size == 0
-                else f"{', '.join(files)} hold(s) no records"
-            )
-            raise UserError(field, problem, "give a file with data")
+        _read_files(files, fmt, field, needs, summary)
         if field == "data.dataset":
             training = summary
     if (
@@ -160,6 +125,61 @@ def check_data(
     if training is not None and training.rows_known and global_batch_size and task != "sft":
         _check_one_global_batch(training, data, packing, global_batch_size)
     return dataset_classes
+
+
+def _check_dataset_config(data: DataConfig) -> None:
+    if data.dataset_config is not None and is_local(data.dataset):
+        raise UserError(
+            CONFIG_FIELD,
+            "local files have no configurations",
+            "drop data.dataset_config (it names a configuration of a hub dataset)",
+        )
+
+
+def _hub_dataset(dataset: str, dataset_config: str | None, field: str) -> PreparedDataset | None:
+    """The prepared copy of a hub dataset in the datasets cache (None: the ranks download it)."""
+    if field == "data.eval_dataset":
+        raise UserError(
+            field,
+            f"{dataset} is not a local file",
+            "give local file(s), or use data.eval_split for a hub dataset",
+        )
+    # a cached copy is checked by the caller; one the ranks will download, only for existing
+    return check_hub_dataset(dataset, dataset_config, field)
+
+
+def _existing_files(dataset: str | list[str], field: str) -> list[str]:
+    """The data files FIELD names (globs expanded); each must be a file."""
+    files = expand_files(dataset, field)
+    for item in files:
+        path = Path(item).expanduser()
+        if path.is_dir():
+            raise UserError(
+                field,
+                f"{item} is a directory, and no dataset saved with save_to_disk",
+                "name the data files in it (a list of paths is fine)",
+            )
+        if not path.is_file():
+            raise UserError(
+                field,
+                f"{item} does not exist",
+                "check the path (relative paths are relative to the run file)",
+            )
+    return files
+
+
+def _read_files(files: list[str], fmt: str, field: str, needs: _Needs, summary: _Summary) -> None:
+    """Read FILES' records into SUMMARY, within its byte budget; refuse files with no records."""
+    for item in files:
+        _read_file(Path(item).expanduser(), fmt, field, needs, summary)
+    if summary.rows == 0 and summary.rows_known:
+        only = Path(files[0]).expanduser()
+        problem = (
+            f"{files[0]}: the file is empty"
+            if len(files) == 1 and only.stat().st_size == 0
+            else f"{', '.join(files)} hold(s) no records"
+        )
+        raise UserError(field, problem, "give a file with data")
 
 
 def _classes_of(
