@@ -11,7 +11,7 @@ from dplaunch.config.schema import LaunchConfig, ParallelConfig, TrainConfig
 from dplaunch.errors import UserError
 from dplaunch.planning.mesh import Mesh
 from dplaunch.planning.model_facts import ModelFacts
-from dplaunch.planning.plan import Machine, batch_math, make_plan
+from dplaunch.planning.plan import Machine, ModelChoices, batch_math, make_plan
 from dplaunch.planning.rules import ParallelDims
 from dplaunch.planning.workload import Workload
 from dplaunch.rendering.accelerate_config import accelerate_config_dict, render_accelerate_config
@@ -140,7 +140,7 @@ def test_the_plan_and_the_plan_table_allow_the_same_tp_and_pp(gpus, nodes, task)
                     TrainConfig(global_batch_size=48),
                     Machine(render_only=True),
                     LLAMA_6_LAYERS,
-                    task=task,
+                    ModelChoices(task),
                 )
                 planned = True
             except UserError:
@@ -289,8 +289,7 @@ def gpu_plan(*, attn_implementation=None, task="causal-lm", model=LLAMA, **kwarg
         train,
         Machine(render_only=True),
         model,
-        task=task,
-        attn_implementation=attn_implementation,
+        ModelChoices(task, attn_implementation),
     )
 
 
@@ -310,7 +309,7 @@ def test_flex_attention_on_cpu_ranks_is_refused_as_flash_attention_is():
     cpu = dict(launch=LaunchConfig(gpus=2, cpu=True), parallel=ParallelConfig())
     with pytest.raises(UserError, match="flex_attention has no backward on CPU"):
         make_plan(**cpu, train=TrainConfig(), machine=Machine(), model=LLAMA,
-                  attn_implementation="flex_attention")  # fmt: skip
+                  choices=ModelChoices(attn_implementation="flex_attention"))  # fmt: skip
     assert gpu_plan(gpus=2, attn_implementation="flex_attention", mixed_precision="bf16")
 
 
@@ -404,7 +403,7 @@ def test_fsdp_offload_on_gpus_gets_a_gloo_group_beside_nccl_for_the_host_gradien
 
 
 def test_plan_json_rows_name_their_engine_and_fsdp_kind():
-    from dplaunch.planning.candidates import candidate_plans, to_json_rows
+    from dplaunch.planning.candidates import Eligible, candidate_plans, to_json_rows
 
     rows = to_json_rows(
         candidate_plans(
@@ -413,7 +412,7 @@ def test_plan_json_rows_name_their_engine_and_fsdp_kind():
             gpus=4,
             gpus_per_node=2,
             gpu_memory_gb=80,
-            fsdp="full",
+            eligible=Eligible(fsdp="full"),
         )  # fmt: skip
     )
     kinds = {(row["name"], row["engine"], row["fsdp"]) for row in rows}

@@ -711,19 +711,19 @@ def test_qlora_ranks_are_charged_the_quantized_model_they_load_not_a_fp32_one():
     # builds a quantized model whole anyway
     from dplaunch.config.schema import LaunchConfig, ParallelConfig, TrainConfig
     from dplaunch.planning.lora import LoraSpec
-    from dplaunch.planning.plan import make_plan
+    from dplaunch.planning.plan import ModelChoices, make_plan
 
+    qlora = ModelChoices(lora=LoraSpec(r=16, quantize="4bit"))
     facts = ModelFacts.from_config_dict(LLAMA_7B)
     node = Machine(visible_gpus=8, host_memory_gb=128)
     bf16 = TrainConfig(mixed_precision="bf16", global_batch_size=64)
     for zero_stage in (0, 3):
         plan = make_plan(LaunchConfig(gpus=8), ParallelConfig(zero_stage=zero_stage), bf16, node,
-                         facts, lora=LoraSpec(r=16, quantize="4bit"))  # fmt: skip
+                         facts, qlora)  # fmt: skip
         assert not any("host RAM" in note for note in plan.notes)
     small = Machine(visible_gpus=8, host_memory_gb=24)
     with pytest.raises(UserError) as refused:
-        make_plan(LaunchConfig(gpus=8), ParallelConfig(zero_stage=3), bf16, small, facts,
-                  lora=LoraSpec(r=16, quantize="4bit"))  # fmt: skip
+        make_plan(LaunchConfig(gpus=8), ParallelConfig(zero_stage=3), bf16, small, facts, qlora)
     assert "(the quantized model at load)" in str(refused.value)
     assert "ZeRO-3" not in refused.value.fix
 

@@ -50,10 +50,9 @@ from dplaunch.planning.model_facts import (
     check_tokenizer,
     load_config_json,
 )
-from dplaunch.planning.plan import Machine, Plan, make_plan
+from dplaunch.planning.plan import Machine, ModelChoices, Plan, make_plan
 from dplaunch.planning.profiles import Profile
 from dplaunch.planning.rules import check_sequence_length_splits
-from dplaunch.planning.workload import LoraSpec
 from dplaunch.rendering.accelerate_config import accelerate_config_name, render_accelerate_config
 from dplaunch.rendering.deepspeed_config import render_deepspeed_config
 from dplaunch.rendering.launch_command import (
@@ -307,10 +306,8 @@ def plan_training_run(
         config.train,
         machine,
         facts,
-        task=config.model.task,
-        attn_implementation=config.model.attn_implementation,
+        ModelChoices.of(config.model),
         extra_notes=(*auto_notes, *checked.notes),
-        lora=LoraSpec.from_config(config.model.lora),
     )
     if config.model.lora is not None:
         from dplaunch.planning.lora_check import check_lora

@@ -38,6 +38,7 @@ from dplaunch.config.schema import ParallelConfig, RunConfig, TrainConfig
 from dplaunch.errors import UserError
 from dplaunch.planning.candidates import (
     Candidate,
+    Eligible,
     candidate_plans,
     recommendation_line,
     workload_memory,
@@ -135,8 +136,7 @@ def plan_candidates(
         gpus_per_node=gpus_per_node,
         gpu_memory_gb=gpu_memory_gb,
         safety_margin=safety_margin,
-        feasible=_runs_as_configured(workload),
-        fsdp=fsdp,
+        eligible=Eligible(fsdp, _runs_as_configured(workload)),
         profile=profile,
     )
 

@@ -199,6 +199,17 @@ def _stages_and_offloads(dims: ParallelDims):
                 yield changed
 
 
+@dataclass(frozen=True)
+class Eligible:
+    """Which rows that fit the recommendation may pick: those of the engine the run asks for
+    (``fsdp``: FSDP of that kind; None: DDP, ZeRO, tp, pp and sp rows), and, with ``feasible``,
+    those it says run as configured (a global batch that dp divides, data the pipeline takes).
+    The others stay in the table."""
+
+    fsdp: str | None = None
+    feasible: Callable[[Candidate], bool] | None = None
+
+
 def candidate_plans(
     facts: ModelFacts,
     workload: Workload,
@@ -207,8 +218,7 @@ def candidate_plans(
     gpus_per_node: int,
     gpu_memory_gb: float,
     safety_margin: float = 0.1,
-    feasible: Callable[[Candidate], bool] | None = None,
-    fsdp: str | None = None,
+    eligible: Eligible = Eligible(),
     profile: Profile | None = None,
 ) -> list[Candidate]:
     """Every layout for ``gpus`` GPUs with its memory per GPU and traffic per step; one recommended.
@@ -216,11 +226,9 @@ def candidate_plans(
     ``gpu_memory_gb`` is GiB per GPU; a plan fits when total ≤ gpu_memory_gb × (1 − safety_margin).
     The workload's ``global_batch_size`` (optional) sets the micro-batches per step, which scale
     TP/PP traffic and cap the pipeline's in-flight micro-batches; unset = one micro-batch per step
-    for traffic, pp in flight for memory. ``feasible`` (optional) rules plans out of the
-    recommendation that fit but cannot run as configured (e.g. a global batch that dp does not
-    divide); they stay in the table. Its ``attn_implementation``: unset = what transformers picks
-    for the model; only eager keeps the attention scores. ``fsdp``: the run asks for FSDP of that
-    kind; the recommendation is then among its rows (else never them). The workload's
+    for traffic, pp in flight for memory. ``eligible``: the rows the recommendation may pick
+    (Eligible). Its ``attn_implementation``: unset = what transformers picks for the model;
+    only eager keeps the attention scores. The workload's
     ``sequence_parallel``: list sp 2/4/8 rows too (Ulysses; sdpa or flash kernels only); its
     ``profile``: the hardware's rates (planning/profiles.py): every row gets its forecast step
     time (planning/forecast.py; the workload's ``guard`` and ``clip`` as the run's
@@ -266,7 +274,7 @@ def candidate_plans(
                 guard=workload.guard,
                 clip=workload.clip,
             )
-    _recommend(candidates, _only_for_activations(candidates, feasible), fsdp)
+    _recommend(candidates, _only_for_activations(candidates, eligible.feasible), eligible.fsdp)
     return candidates
 
 

@@ -222,24 +222,39 @@ class Machine:
     host_memory_gb: float | None = None
 
 
+@dataclass(frozen=True)
+class ModelChoices:
+    """What the run file's model section decides that the plan checks."""
+
+    # model.task: the pipeline engine trains causal LMs only
+    task: str = "causal-lm"
+    # model.attn_implementation: flash kernels need GPUs and 16-bit compute
+    attn_implementation: str | None = None
+    # model.lora: a quantized base is what a rank holds in host RAM at load
+    lora: LoraSpec | None = None
+
+    @classmethod
+    def of(cls, model: Any) -> ModelChoices:
+        """From the run file's ``model`` section (config.schema.ModelConfig)."""
+        return cls(model.task, model.attn_implementation, LoraSpec.from_config(model.lora))
+
+
 def make_plan(
     launch: LaunchConfig,
     parallel: ParallelConfig,
     train: TrainConfig,
     machine: Machine,
     model: ModelFacts | None = None,
-    task: str = "causal-lm",
-    attn_implementation: str | None = None,
+    choices: ModelChoices = ModelChoices(),
     extra_notes: Sequence[str] = (),
-    lora: LoraSpec | None = None,
 ) -> Plan:
     """Decide the whole layout of a run; raise UserError for anything that cannot work.
 
-    ``task`` is the run file's model.task (the pipeline engine trains causal LMs only);
-    ``attn_implementation`` its model.attn_implementation (flash kernels need GPUs); ``lora``
-    its model.lora (a quantized base is what a rank holds in host RAM at load);
-    ``extra_notes`` what the checks before planning found, shown after the plan's own notes.
+    ``model`` the model's facts (None: not known here, its checks are skipped); ``choices``
+    the run file's model section; ``extra_notes`` what the checks before planning found, shown
+    after the plan's own notes.
     """
+    task, attn_implementation = choices.task, choices.attn_implementation
     notes: list[str] = []
     target, total, nodes, per_node = _placement(launch, machine, notes)
     dims = ParallelDims(
@@ -270,7 +285,7 @@ def make_plan(
             task,
             machine.host_memory_gb,
             refuse=target == "gpu",
-            lora=lora,
+            lora=choices.lora,
         )
         if note:
             notes.append(note)
