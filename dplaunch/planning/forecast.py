@@ -1114,28 +1114,7 @@ def forecast_step(
         compute, bubble = pipeline_seconds(forward_s + backward_s, m, dims.pp)
     else:
         compute, bubble = m * (forward_s + backward_s), 0.0
-    trained = sum(
-        _tp_weight(w, count, dims.tp).numel
-        for w in model_weights(facts, workload.task, workload.num_labels, workload.lora)
-    )
-    if dims.pp > 1:
-        trained = trained * max(stages) / count.num_layers
-    shards = dims.dp * dims.sp if (dims.zero_stage > 0) else 1
-    if dims.fsdp is not None:
-        shards = (
-            dims.world_size if dims.fsdp == "full" else min(dims.gpus_per_node, dims.world_size)
-        )
-    partition = trained / shards
-    held = count.total / shards
-    offload = offload_seconds(
-        partition, _element(workload.mixed_precision), profile, dims.offload, held
-    )
-    if dims.fsdp is not None and dims.offload != "none":
-        # FSDP's offload steps torch's AdamW on the host shards: no CPU Adam, no extra copies
-        offload = 2 * held * _element(workload.mixed_precision) / profile.host_device_bytes_per_s
-        optimizer = optimizer_seconds(partition, profile)
-    else:
-        optimizer = 0.0 if dims.offload != "none" else optimizer_seconds(partition, profile)
+    offload, optimizer = _update_seconds(facts, dims, workload, profile, max(stages))
     communication = sum(exposed.values())
     terms = {
         "compute": compute,
@@ -1162,6 +1141,37 @@ def forecast_step(
         phases=phases,
         collectives=tuple(collectives),
     )
+
+
+def _update_seconds(
+    facts: ModelFacts, dims: ParallelDims, workload: Workload, profile: Profile, stage_layers: int
+) -> tuple[float, float]:
+    """(offload, optimizer) seconds of the optimizer step of the rank with the most layers
+    (STAGE_LAYERS): its partition of the trained weights, their copies to and from the host."""
+    count = count_parameters(facts, workload.task, workload.num_labels)
+    trained = sum(
+        _tp_weight(w, count, dims.tp).numel
+        for w in model_weights(facts, workload.task, workload.num_labels, workload.lora)
+    )
+    if dims.pp > 1:
+        trained = trained * stage_layers / count.num_layers
+    shards = dims.dp * dims.sp if (dims.zero_stage > 0) else 1
+    if dims.fsdp is not None:
+        shards = (
+            dims.world_size if dims.fsdp == "full" else min(dims.gpus_per_node, dims.world_size)
+        )
+    partition = trained / shards
+    held = count.total / shards
+    offload = offload_seconds(
+        partition, _element(workload.mixed_precision), profile, dims.offload, held
+    )
+    if dims.fsdp is not None and dims.offload != "none":
+        # FSDP's offload steps torch's AdamW on the host shards: no CPU Adam, no extra copies
+        offload = 2 * held * _element(workload.mixed_precision) / profile.host_device_bytes_per_s
+        optimizer = optimizer_seconds(partition, profile)
+    else:
+        optimizer = 0.0 if dims.offload != "none" else optimizer_seconds(partition, profile)
+    return offload, optimizer
 
 
 __all__ = [
