@@ -1,1 +1,2 @@
-"""Pure, torch-free planning: devices, mesh, batch math, validation."""
+"""Pure, torch-free layout maths: the parallel layout and its rules, the plan, memory, traffic and
+the step forecast. No data code (dplaunch/data/), no device probes (dplaunch/launching/)."""
