@@ -71,7 +71,7 @@ def read_metrics(run_dir: Path, name: str | None = None) -> RunMetrics:
     path = run_dir / METRICS_FILE if run_dir.is_dir() else run_dir
     if not path.is_file():
         raise UserError(
-            "report", f"{run_dir} has no metrics.jsonl", "give a dplaunch run directory"
+            "report", f"{run_dir} has no {METRICS_FILE}", "give a dplaunch run directory"
         )
     header: dict[str, Any] = {}
     train: dict[int, dict[str, Any]] = {}

@@ -4,6 +4,7 @@ directory's names and DPLAUNCH_* variables written in one place (dplaunch/run_di
 from __future__ import annotations
 
 import ast
+import re
 
 from dplaunch.run_directory import layout
 from tests.helpers import REPO
@@ -90,8 +91,11 @@ def _run_directory_names() -> set[str]:
 
 def names_outside_run_directory(modules: list[tuple[str, ast.Module]]) -> list[str]:
     """String literals (docstrings aside) outside run_directory/ that are a run-directory file
-    name or prefix, or name a DPLAUNCH_ variable: each belongs in run_directory/ as a constant."""
+    name or prefix, name a DPLAUNCH_ variable, or hold a file name (run.yaml) in their words:
+    each is a constant of run_directory/, and a message or help text names it with {RUN_FILE}."""
     names = _run_directory_names()
+    files = sorted((n for n in names if "." in n.strip(".")), key=len, reverse=True)
+    in_words = re.compile(r"(?<![\w.-])(" + "|".join(map(re.escape, files)) + r")(?![\w-])")
     found = []
     for path, tree in modules:
         if path.startswith("dplaunch/run_directory/"):
@@ -102,7 +106,9 @@ def names_outside_run_directory(modules: list[tuple[str, ast.Module]]) -> list[s
                 isinstance(node, ast.Constant)
                 and isinstance(node.value, str)
                 and id(node) not in docstrings
-                and (node.value in names or "DPLAUNCH_" in node.value)
+                and (
+                    node.value in names or "DPLAUNCH_" in node.value or in_words.search(node.value)
+                )
             ):
                 found.append(f"{path}:{node.lineno}: {node.value!r}")
     return found
@@ -114,7 +120,12 @@ def test_run_directory_names_and_variables_are_written_only_in_run_directory():
 
 def test_the_name_check_sees_a_literal_file_name_and_variable():
     source = (
-        'path = run_dir / "metrics.jsonl"\nvariable = "DPLAUNCH_X"\nhelp = "see metrics.jsonl"\n'
+        'path = run_dir / "metrics.jsonl"\nvariable = "DPLAUNCH_X"\nhelp = "see metrics.jsonl."\n'
+        'word = "metrics.jsonl_old"\n'
     )
     found = names_outside_run_directory([("dplaunch/m.py", ast.parse(source))])
-    assert [line.split(": ")[1] for line in found] == ["'metrics.jsonl'", "'DPLAUNCH_X'"]
+    assert [line.split(": ", 1)[1] for line in found] == [
+        "'metrics.jsonl'",
+        "'DPLAUNCH_X'",
+        "'see metrics.jsonl.'",
+    ]

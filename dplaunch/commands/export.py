@@ -27,7 +27,7 @@ import typer
 
 from dplaunch.commands.options import command
 from dplaunch.errors import UserError
-from dplaunch.run_directory.layout import MODEL_FILES_DIR
+from dplaunch.run_directory.layout import MODEL_FILES_DIR, RUN_FILE
 
 if TYPE_CHECKING:
     from dplaunch.config.schema import ModelConfig, RunConfig
@@ -73,7 +73,7 @@ def run_export(checkpoint: Path, out: Path, adapter: bool = False) -> int:
     if adapter and config.model.lora is None:
         raise UserError(
             "--adapter",
-            f"{info.path} is not a LoRA run's checkpoint (its run.yaml has no model.lora)",
+            f"{info.path} is not a LoRA run's checkpoint (its {RUN_FILE} has no model.lora)",
             "drop --adapter to export the full model",
         )
     if config.model.lora is None:
@@ -175,7 +175,7 @@ def export_checkpoint(directory: Path, config: object, engine: str, out: Path) -
         if missing or unexpected:
             raise UserError(
                 "CHECKPOINT",
-                f"{directory} does not fit the model of its run.yaml "
+                f"{directory} does not fit the model of its {RUN_FILE} "
                 f"(missing {missing[:3]}, unexpected {unexpected[:3]})",
                 "export a checkpoint written by dplaunch for this run file",
             )
@@ -199,7 +199,7 @@ def export_lora_checkpoint(
     except ValueError as error:
         raise UserError(
             "CHECKPOINT",
-            f"{directory} does not fit the model of its run.yaml: {error}",
+            f"{directory} does not fit the model of its {RUN_FILE}: {error}",
             "export a checkpoint written by dplaunch for this run file",
         ) from None
     write_exports(

@@ -8,12 +8,12 @@ from typing import Annotated
 import typer
 
 from dplaunch.commands.options import command
-from dplaunch.run_directory.layout import REPORT_DIR
+from dplaunch.run_directory.layout import METRICS_FILE, REPORT_DIR
 
 
 @command()
 def report_command(
-    run_dir: Annotated[Path, typer.Argument(help="A run directory (with metrics.jsonl).")],
+    run_dir: Annotated[Path, typer.Argument(help=f"A run directory (with {METRICS_FILE}).")],
     compare: Annotated[
         list[Path] | None,
         typer.Option("--compare", help="Another run to overlay (repeatable)."),

@@ -121,7 +121,7 @@ class SlurmOptions:
     out: Annotated[
         str | None,
         typer.Option(
-            "--out", help="Where to write the script (default RUN/job.sbatch; '-' = stdout)."
+            "--out", help=f"Where to write the script (default RUN/{SBATCH_SCRIPT}; '-' = stdout)."
         ),
     ] = None
     submit: Annotated[

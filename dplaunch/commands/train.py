@@ -18,7 +18,16 @@ import typer
 from dplaunch.commands.options import command
 from dplaunch.config.flags import Framework, RunFlags
 from dplaunch.errors import UserError
-from dplaunch.run_directory.layout import CHECKPOINTS_DIR, ERRORS_DIR, RESUME_FILE, step_dir
+from dplaunch.run_directory.layout import (
+    ACCELERATE_FILE,
+    CHECKPOINTS_DIR,
+    DEEPSPEED_FILE,
+    ERRORS_DIR,
+    LAUNCH_SCRIPT,
+    RESUME_FILE,
+    RUN_FILE,
+    step_dir,
+)
 from dplaunch.stop_signals import EXIT_CHECKPOINTED, EXIT_NONFINITE, StopSignals
 
 # `dplaunch launch` runs Python scripts; a run file given to it is meant for `dplaunch train`
@@ -56,8 +65,8 @@ def config_command(
         Path | None,
         typer.Option(
             "--out",
-            help="Directory to write accelerate.yaml, deepspeed.json, run.yaml, launch.sh into "
-            "(or -o DIR: the run directory launch.sh then trains in).",
+            help=f"Directory to write {ACCELERATE_FILE}, {DEEPSPEED_FILE}, {RUN_FILE}, "
+            f"{LAUNCH_SCRIPT} into (or -o DIR: the run directory {LAUNCH_SCRIPT} then trains in).",
         ),
     ] = None,
 ) -> int:

@@ -17,6 +17,7 @@ from dplaunch.config.flags import (
     Offload,
     Task,
 )
+from dplaunch.run_directory.layout import METRICS_FILE, TENSORBOARD_DIR
 
 # tasks that train a causal LM (sft: on formatted examples, the loss on their answers)
 CAUSAL_TASKS = ("causal-lm", "sft")
@@ -277,7 +278,7 @@ class TrainConfig(Section):
     log_every: int = Field(
         10,
         ge=1,
-        description="Optimizer steps between log lines (terminal, metrics.jsonl, TensorBoard).",
+        description=f"Optimizer steps between log lines (terminal, {METRICS_FILE}, TensorBoard).",
     )
     eval_every: int | None = Field(
         None,
@@ -301,7 +302,7 @@ class TrainConfig(Section):
     )
     report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
         ["tensorboard"],
-        description="Where rank 0 logs the run's config and metrics.jsonl's scalars besides metrics.jsonl: TensorBoard (RUN/tensorboard), wandb, MLflow, Trackio (`pip install 'dplaunch[trackers]'`); `[]`: metrics.jsonl only.",
+        description=f"Where rank 0 logs the run's config and {METRICS_FILE}'s scalars besides {METRICS_FILE}: TensorBoard (RUN/{TENSORBOARD_DIR}), wandb, MLflow, Trackio (`pip install 'dplaunch[trackers]'`); `[]`: {METRICS_FILE} only.",
     )
     on_nonfinite: Literal["stop", "skip", "off"] = Field(
         "stop",
@@ -322,7 +323,9 @@ class TrainConfig(Section):
     )
     sample_prompts: str | None = Field(
         None,
-        description='sft: a file of prompts (JSON lines `{"prompt": text or messages}`, or one text per line) that rank 0 answers greedily at each evaluation, logged to metrics.jsonl and TensorBoard.',
+        description='sft: a file of prompts (JSON lines `{"prompt": text or messages}`, or one text per line) that rank 0 answers greedily at each evaluation, logged to '
+        + METRICS_FILE
+        + " and TensorBoard.",
     )
 
     @field_validator("on_nonfinite", mode="before")

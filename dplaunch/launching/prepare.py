@@ -67,6 +67,7 @@ from dplaunch.run_directory.layout import (
     DEEPSPEED_FILE,
     DEFAULT_RUNS_DIR,
     ERRORS_DIR,
+    LAUNCH_SCRIPT,
     NCCL_TRACE_FILE_PREFIX,
     PLAN_FILE,
     RUN_FILE,
@@ -581,7 +582,9 @@ def openmp_threads(
     if not needs_cores:
         return None
     if not here:
-        return node_threads(ranks), f"the cores of the node that runs launch.sh ÷ {ranks} ranks"
+        return node_threads(
+            ranks
+        ), f"the cores of the node that runs {LAUNCH_SCRIPT} ÷ {ranks} ranks"
     cores = usable_cores()
     return str(max(1, cores // ranks)), f"{cores} cores here ÷ {ranks} ranks per node"
 
