@@ -426,7 +426,11 @@ class RankWatch:
         )
 
     def _read_report_line(self, line: str) -> None:
-        # torchrun's report: a border of '=', Failures: [i]: entries, Root Cause: [0]:, a border
+        # torchrun's report: a border of '=', Failures: [i]: entries, Root Cause: [0]:, a border.
+        # Read for the ranks that died without a word: torch elastic's @record error files hold
+        # only Python exceptions, which every rank already writes to RUN/errors/ itself
+        # (train/__main__.py); a rank killed by a signal writes none, and its rank, exit status
+        # and time of death are in this report only.
         stripped = line.strip()
         if re.fullmatch(r"=+", stripped):
             self._in_report += 1
