@@ -14,6 +14,7 @@ conversations, another seed.
 import json
 import random
 import sys
+from collections.abc import Callable
 
 from make_sentiment_data import SUBJECTS, review
 
@@ -39,19 +40,28 @@ def conversation(rng: random.Random) -> dict:
     return {"messages": messages}
 
 
-def main(train_path: str, eval_path: str, train_rows: int = 2000, eval_rows: int = 200) -> None:
+def write_held_out(
+    make: Callable[[random.Random], dict],
+    train: tuple[str, int, int],
+    evaluation: tuple[str, int, int],
+) -> None:
+    """JSON lines of MAKE(rng) into the training and evaluation files, each (path, rows, seed);
+    no evaluation record is also a training one."""
     seen: set[str] = set()
-    for path, rows, seed in ((train_path, train_rows, 1), (eval_path, eval_rows, 2)):
+    for path, rows, seed in (train, evaluation):
         rng = random.Random(seed)
         lines: list[str] = []
         while len(lines) < rows:
-            line = json.dumps(conversation(rng))
-            # held out: no evaluation conversation is also a training one
-            if path == train_path or line not in seen:
+            line = json.dumps(make(rng))
+            if path == train[0] or line not in seen:
                 lines.append(line)
         seen.update(lines)
         with open(path, "w") as out:
             out.writelines(line + "\n" for line in lines)
+
+
+def main(train_path: str, eval_path: str, train_rows: int = 2000, eval_rows: int = 200) -> None:
+    write_held_out(conversation, (train_path, train_rows, 1), (eval_path, eval_rows, 2))
 
 
 if __name__ == "__main__":

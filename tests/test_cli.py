@@ -165,7 +165,9 @@ def test_the_embedded_default_fine_tunes_the_pretrained_model_on_two_ranks(tmp_p
     assert AutoModelForSequenceClassification.from_pretrained(fsdp / "model").config.num_labels == 2
 
 
-@pytest.mark.parametrize("name", ["default", "ddp", "zero2", "zero3-offload", "tp", "pp", "sft"])
+@pytest.mark.parametrize(
+    "name", ["default", "ddp", "zero2", "zero3-offload", "tp", "pp", "sft", "dpo"]
+)
 def test_every_shipped_run_file_plans_cleanly(tmp_path, name):
     result = run_dplaunch(
         "train",

@@ -23,7 +23,7 @@ from dplaunch.errors import UserError
 MixedPrecision = Literal["no", "fp16", "bf16"]
 Offload = Literal["none", "optimizer", "all"]
 FsdpMode = Literal["full", "hybrid"]
-Task = Literal["causal-lm", "sequence-classification", "sft"]
+Task = Literal["causal-lm", "sequence-classification", "sft", "dpo"]
 # attention kernels transformers runs (from_pretrained/from_config attn_implementation)
 AttentionImplementation = Literal[
     "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"

@@ -19,8 +19,14 @@ from dplaunch.config.flags import (
 )
 from dplaunch.run_directory.layout import METRICS_FILE, TENSORBOARD_DIR
 
-# tasks that train a causal LM (sft: on formatted examples, the loss on their answers)
-CAUSAL_TASKS = ("causal-lm", "sft")
+# tasks that train a causal LM (sft: on formatted examples, the loss on their answers; dpo: on
+# preference pairs, the loss on their two responses)
+CAUSAL_TASKS = ("causal-lm", "sft", "dpo")
+# tasks whose records are rendered examples (chat template, answers found in them)
+EXAMPLE_TASKS = ("sft", "dpo")
+PreferenceLoss = Literal["sigmoid", "ipo", "orpo", "simpo"]
+# the losses that compare the policy with a reference model (the others need none)
+REFERENCE_LOSSES = ("sigmoid", "ipo")
 SftFormat = Literal["conversational", "prompt-completion", "text"]
 Scheduler = Literal[
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"
@@ -88,7 +94,7 @@ class ModelConfig(Section):
     )
     task: Task = Field(
         "causal-lm",
-        description="`causal-lm`, `sequence-classification`, or `sft`: a causal LM on conversations or prompt–completion pairs, the loss on their answers (see Fine-tuning chat models).",
+        description="`causal-lm`, `sequence-classification`, `sft`: a causal LM on conversations or prompt–completion pairs, the loss on their answers (see Fine-tuning chat models), or `dpo`: preference tuning on chosen/rejected pairs (see Preference tuning).",
     )
     num_labels: int = Field(
         2,
@@ -158,7 +164,7 @@ class DataConfig(Section):
     max_length: int = Field(
         128,
         ge=8,
-        description=f"Tokens per sample (the block size when packing); unset: {SFT_MAX_LENGTH} for sft (as TRL: chat examples are long; the plan says how many the limit cuts), 128 otherwise.",
+        description=f"Tokens per sample (the block size when packing; each response with its prompt for dpo); unset: {SFT_MAX_LENGTH} for sft and dpo (as TRL: chat examples are long; the plan says how many the limit cuts), 128 otherwise.",
     )
     packing: bool | None = Field(
         None,
@@ -170,15 +176,15 @@ class DataConfig(Section):
     )
     chat_template: str | None = Field(
         None,
-        description="sft: a Jinja chat template (the text, or a file holding it, relative to the run file) used instead of the tokenizer's.",
+        description="sft and dpo: a Jinja chat template (the text, or a file holding it, relative to the run file) used instead of the tokenizer's.",
     )
     tools: list[dict[str, Any]] | None = Field(
         None,
-        description="sft: tool definitions (JSON schemas, as `apply_chat_template(tools=…)` takes them) the chat template renders with every conversation; a record's own `tools` column (a list, or its JSON text) wins.",
+        description="sft and dpo: tool definitions (JSON schemas, as `apply_chat_template(tools=…)` takes them) the chat template renders with every conversation; a record's own `tools` column (a list, or its JSON text) wins.",
     )
     chat_template_kwargs: dict[str, Any] = Field(
         {},
-        description="sft: extra variables for the chat template, as `apply_chat_template(**kwargs)`, e.g. `{enable_thinking: false}`; a record's own `chat_template_kwargs` column adds to them.",
+        description="sft and dpo: extra variables for the chat template, as `apply_chat_template(**kwargs)`, e.g. `{enable_thinking: false}`; a record's own `chat_template_kwargs` column adds to them.",
     )
     loss_on: Literal["answers", "all"] = Field(
         "answers",
@@ -186,7 +192,7 @@ class DataConfig(Section):
     )
     truncation: Literal["truncate", "drop"] = Field(
         "truncate",
-        description="sft: an example longer than `max_length` is cut to it, or left out; one with no answer token left after the cut is always left out (both counted before launch).",
+        description="sft and dpo: an example longer than `max_length` is cut to it, or left out; one with no answer token left after the cut is always left out (both counted before launch; dpo leaves out the whole pair).",
     )
     num_workers: int = Field(
         0,
@@ -239,6 +245,32 @@ class DataConfig(Section):
                 "set only one of data.eval_split, data.eval_dataset and data.eval_fraction"
             )
         return self
+
+
+class PreferenceConfig(Section):
+    loss: PreferenceLoss = Field(
+        "sigmoid",
+        description="`sigmoid` (DPO), `ipo` (IPO: the log-ratio margin per response token, squared to 1/(2·beta)), or the reference-free `orpo` (the chosen response's NLL + beta × the odds-ratio term) and `simpo` (length-normalised log-probabilities, margin `simpo_gamma`).",
+    )
+    beta: float = Field(
+        0.1,
+        gt=0,
+        description="DPO's β: how far the policy may move from the reference (IPO's τ, ORPO's λ, SimPO's β).",
+    )
+    label_smoothing: float = Field(
+        0.0,
+        ge=0,
+        lt=0.5,
+        description="`sigmoid` and `simpo`: the probability that a pair's preference is flipped (conservative DPO); 0: none.",
+    )
+    simpo_gamma: float = Field(
+        0.5, ge=0, description="`simpo`: the target reward margin γ (divided by beta in the loss)."
+    )
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss compares the policy with a reference model."""
+        return self.loss in REFERENCE_LOSSES
 
 
 class TrainConfig(Section):
@@ -321,9 +353,17 @@ class TrainConfig(Section):
         False,
         description="Long sequences: run each MLP and the logits/loss over tiles of the sequence (ALST), same loss, less activation memory.",
     )
+    preference: PreferenceConfig = Field(
+        PreferenceConfig(),
+        description="dpo: the preference loss and its settings (see Preference tuning).",
+    )
+    precompute_ref: bool = Field(
+        False,
+        description="dpo: the reference model's log-probabilities of every pair computed once before training (by the model before its first step) and kept beside the tokenised data cache, so no reference model is held while training.",
+    )
     sample_prompts: str | None = Field(
         None,
-        description='sft: a file of prompts (JSON lines `{"prompt": text or messages}`, or one text per line) that rank 0 answers greedily at each evaluation, logged to '
+        description='sft and dpo: a file of prompts (JSON lines `{"prompt": text or messages}`, or one text per line) that rank 0 answers greedily at each evaluation, logged to '
         + METRICS_FILE
         + " and TensorBoard.",
     )
@@ -477,33 +517,46 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _sft_keys(self) -> RunConfig:
+    def _task_keys(self) -> RunConfig:
         # values other than the defaults (run.yaml, as the ranks read it, lists every key)
-        if self.model.task == "sft":
-            if "max_length" not in self.data.model_fields_set:
-                self.data.max_length = SFT_MAX_LENGTH
-            return self
-        data, train = self.data, self.train
-        given = [
-            f"data.{key}"
-            for key in (
-                "format",
-                "chat_template",
-                "loss_on",
-                "truncation",
-                "tools",
-                "chat_template_kwargs",
-            )
-            if getattr(data, key) != DataConfig.model_fields[key].default
-        ]
-        if train.sample_prompts is not None:
-            given.append("train.sample_prompts")
-        if given:
+        task, data, train = self.model.task, self.data, self.train
+        if task in EXAMPLE_TASKS and "max_length" not in data.model_fields_set:
+            data.max_length = SFT_MAX_LENGTH
+        given = {
+            f"data.{key}": getattr(data, key) != DataConfig.model_fields[key].default
+            for key in ("format", "loss_on", "chat_template", "truncation", "tools")
+        }
+        given["data.chat_template_kwargs"] = bool(data.chat_template_kwargs)
+        given["train.sample_prompts"] = train.sample_prompts is not None
+        given["train.preference"] = train.preference != PreferenceConfig()
+        given["train.precompute_ref"] = train.precompute_ref
+        allowed = {
+            "sft": ("data.", "train.sample_prompts"),
+            "dpo": ("data.chat_template", "data.truncation", "data.tools", "train."),
+        }.get(task, ())
+        for key, is_given in given.items():
+            if not is_given or key.startswith(allowed):
+                continue
+            if key.startswith("train.pre"):
+                raise FieldProblem(
+                    key,
+                    f"is for preference tuning, but model.task is {task}",
+                    "remove it, or set model.task: dpo",
+                )
+            if task == "dpo":
+                raise FieldProblem(
+                    key,
+                    "is for supervised fine-tuning: dpo finds the pairs' format from their "
+                    "columns and trains on their responses",
+                    "remove it",
+                )
             raise FieldProblem(
-                given[0],
-                f"is for supervised fine-tuning, but model.task is {self.model.task}",
+                key,
+                f"is for supervised fine-tuning, but model.task is {task}",
                 "remove it, or set model.task: sft",
             )
+        if task == "dpo":
+            self._check_preference()
         return self
 
     @model_validator(mode="after")
@@ -538,6 +591,28 @@ class RunConfig(Section):
                 "launch (then train.epochs sets the length)",
             )
         return self
+
+    def _check_preference(self) -> None:
+        if self.data.streaming:
+            raise FieldProblem(
+                "data.streaming",
+                "dpo reads its pairs whole (tokenised and cached, the reference's values kept "
+                "beside them): pairs are not streamed",
+                "set data.streaming: false",
+            )
+        if self.data.packing:
+            raise FieldProblem(
+                "data.packing",
+                "dpo trains each pair in rows of its own: pairs are not packed",
+                "remove it",
+            )
+        preference = self.train.preference
+        if self.train.precompute_ref and not preference.needs_reference:
+            raise FieldProblem(
+                "train.precompute_ref",
+                f"the {preference.loss} loss has no reference model to precompute",
+                f"remove it, or use train.preference.loss {' or '.join(REFERENCE_LOSSES)}",
+            )
 
     @field_validator("parallel", mode="before")
     @classmethod

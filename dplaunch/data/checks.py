@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dplaunch.config.schema import DataConfig
+from dplaunch.config.schema import EXAMPLE_TASKS, DataConfig
 from dplaunch.data.arrow_datasets import (
     CONFIG_FIELD,
     PreparedDataset,
@@ -121,8 +121,9 @@ def check_data(
             f"local files have a single split, so {data.eval_split!r} does not exist",
             "use data.eval_fraction or data.eval_dataset",
         )
-    # sft: examples may be left out, so sft_checks.py counts what is kept
-    if training is not None and training.rows_known and global_batch_size and task != "sft":
+    # sft and dpo leave examples out: sft_checks.py and preference_checks.py count what is kept
+    counted_elsewhere = task in EXAMPLE_TASKS
+    if training is not None and training.rows_known and global_batch_size and not counted_elsewhere:
         _check_one_global_batch(training, data, packing, global_batch_size)
     return dataset_classes
 
@@ -466,8 +467,9 @@ class _Needs:
 
     @classmethod
     def of(cls, data: DataConfig, task: str, num_labels: int | None) -> _Needs:
-        if task == "sft":
-            return cls(())  # the examples' columns: sft_checks.py reads every record
+        if task in EXAMPLE_TASKS:
+            # the examples' columns: sft_checks.py and preference_checks.py read every record
+            return cls(())
         texts = [("data.text_column", data.text_column)]
         if data.text_pair_column:
             texts.append(("data.text_pair_column", data.text_pair_column))

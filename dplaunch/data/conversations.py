@@ -60,7 +60,7 @@ def record_problem(record: Mapping[str, Any], fmt: str) -> tuple[str, str] | Non
     the record's place ("line 3 of data.jsonl ")."""
     if fmt == CONVERSATIONAL:
         column = MESSAGES_COLUMN if MESSAGES_COLUMN in record else SHAREGPT_COLUMN
-        return _messages_problem(record.get(column), column, need_answer=True)
+        return messages_problem(record.get(column), column, need_answer=True)
     if fmt != PROMPT_COMPLETION:
         return None
     prompt, completion = record.get(PROMPT_COLUMN), record.get(COMPLETION_COLUMN)
@@ -74,7 +74,7 @@ def record_problem(record: Mapping[str, Any], fmt: str) -> tuple[str, str] | Non
         )
     if isinstance(prompt, str):
         return None
-    return _messages_problem(prompt, PROMPT_COLUMN, need_answer=False) or _messages_problem(
+    return messages_problem(prompt, PROMPT_COLUMN, need_answer=False) or messages_problem(
         completion, COMPLETION_COLUMN, need_answer=True
     )
 
@@ -124,7 +124,9 @@ def _without_none(value: Any) -> Any:
     return value
 
 
-def _messages_problem(messages: Any, column: str, *, need_answer: bool) -> tuple[str, str] | None:
+def messages_problem(messages: Any, column: str, *, need_answer: bool) -> tuple[str, str] | None:
+    """(problem, fix) of a list of messages in COLUMN the ranks cannot train on, else None;
+    NEED_ANSWER: it must hold an assistant turn."""
     if messages is None:
         return f"has no {column!r}", FIX_RECORD
     if not isinstance(messages, list):
@@ -209,7 +211,7 @@ def read_sample_prompts(path: str) -> list[str | list[dict]]:
                 record = None
             prompt = record.get("prompt") if isinstance(record, dict) else None
             problem = (
-                _messages_problem(prompt, "prompt", need_answer=False)
+                messages_problem(prompt, "prompt", need_answer=False)
                 if isinstance(prompt, list)
                 else None
                 if isinstance(prompt, str)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ def sft_data_task(config: RunConfig) -> str:
     """The task checks.py checks the data for: "causal-lm" for sft on plain texts (today's
     packing), else "sft". The format is data.format, or the first record's columns."""
     data = config.data
-    columns = () if data.format else _first_columns(config)
+    columns = () if data.format else first_columns(config)
     if columns is None:
         return "sft"  # unreadable: checks.py names the problem
     fmt = conversations.resolve_format(data.format, columns, data.text_column)
@@ -66,7 +66,7 @@ def check_sft_examples(config: RunConfig) -> list[str]:
             f"(parallel.pp {config.parallel.pp})",
             "set data.packing: false, or use --pp 1",
         )
-    columns = () if data.format else _first_columns(config)
+    columns = () if data.format else first_columns(config)
     if columns is None:
         return []  # a hub dataset the ranks will download: its records are checked there
     tokenizer = launch_tokenizer(config)
@@ -75,31 +75,21 @@ def check_sft_examples(config: RunConfig) -> list[str]:
     if renderer.template is None and pipeline.fmt == CONVERSATIONAL:
         raise _no_template(tokenizer, f"the conversations of {data.dataset}")
     if config.train.sample_prompts:
-        _check_sample_prompts(config, renderer)
+        check_sample_prompts(config, renderer)
     budget = [_check_budget()]
     examples: list[Example] = []
     places: list[str] = []
-    for field, source in (("data.dataset", data.dataset), ("data.eval_dataset", data.eval_dataset)):
-        if source is None:
-            continue
-        split = data.split if field == "data.dataset" else ""
-        for where, record in _records(source, split, data, budget):
-            problem = conversations.record_problem(record, pipeline.fmt)
-            if problem is not None:
-                raise UserError(field, f"{where} {problem[0]}", problem[1])
-            if renderer.template is None and _needs_template(record, pipeline.fmt):
-                raise _no_template(tokenizer, f"the messages of {where}")
-            try:
-                example = renderer.example(record, pipeline.fmt)
-            except TemplateError as error:
-                raise UserError(
-                    "data.chat_template",
-                    f"{error} ({where})",
-                    "fix the template (data.chat_template) or that record",
-                ) from None
-            if field == "data.dataset":
-                examples.append(example)
-                places.append(where)
+    for field, where, example in rendered_records(
+        config,
+        budget,
+        tokenizer,
+        lambda record: conversations.record_problem(record, pipeline.fmt),
+        lambda record: renderer.template is None and _needs_template(record, pipeline.fmt),
+        lambda record: renderer.example(record, pipeline.fmt),
+    ):
+        if field == "data.dataset":
+            examples.append(example)
+            places.append(where)
     if tokenizer.encode is None or not examples:
         return []
     encoded = pipeline.tokens(examples)
@@ -110,7 +100,41 @@ def check_sft_examples(config: RunConfig) -> list[str]:
     return [f"{pitfall.text} (e.g. {places[pitfall.first]})" for pitfall in found]
 
 
-def _check_sample_prompts(config: RunConfig, renderer: Renderer) -> None:
+def rendered_records(
+    config: RunConfig,
+    budget: list[int],
+    tokenizer: TokenizerView,
+    problem_of: Callable[[dict], tuple[str, str] | None],
+    lacks_template: Callable[[dict], bool],
+    render: Callable[[dict], Any],
+) -> Iterator[tuple[str, str, Any]]:
+    """(field, where, RENDER(record)) of every record of the training and evaluation data within
+    the BUDGET; refuses the first whose PROBLEM_OF is not None, that LACKS_TEMPLATE, or that the
+    chat template fails to render."""
+    data = config.data
+    for field, source in (("data.dataset", data.dataset), ("data.eval_dataset", data.eval_dataset)):
+        if source is None:
+            continue
+        split = data.split if field == "data.dataset" else ""
+        for where, record in _records(source, split, data, budget):
+            problem = problem_of(record)
+            if problem is not None:
+                raise UserError(field, f"{where} {problem[0]}", problem[1])
+            if lacks_template(record):
+                raise _no_template(tokenizer, f"the messages of {where}")
+            try:
+                rendered = render(record)
+            except TemplateError as error:
+                raise UserError(
+                    "data.chat_template",
+                    f"{error} ({where})",
+                    "fix the template (data.chat_template) or that record",
+                ) from None
+            yield field, where, rendered
+
+
+def check_sample_prompts(config: RunConfig, renderer: Renderer) -> None:
+    """Refuse train.sample_prompts the ranks cannot read or render."""
     field, path = "train.sample_prompts", config.train.sample_prompts
     if config.parallel.pp > 1:
         raise UserError(
@@ -160,12 +184,21 @@ def _needs_template(record: dict, fmt: str) -> bool:
 
 
 def _check_one_global_batch(config: RunConfig, encoded: Encoded, noun: str) -> None:
+    lengths = [len(ids) for ids in encoded.input_ids] if config.data.packing else None
+    left_out = encoded.too_long_dropped + encoded.no_answer_dropped
+    check_kept_fill_a_batch(config, len(encoded.input_ids), left_out, noun, lengths)
+
+
+def check_kept_fill_a_batch(
+    config: RunConfig, kept: int, left_out: int, noun: str, packed: list[int] | None = None
+) -> None:
+    """Refuse training data whose KEPT examples (LEFT_OUT others) fill no global batch; PACKED:
+    their token lengths, when packed into blocks."""
     data, wanted = config.data, config.train.global_batch_size
-    kept = len(encoded.input_ids)
-    if data.packing:
+    if packed is not None:
         if data.eval_fraction is not None:
             return  # which examples share blocks depends on the split the ranks make
-        samples = len(pack_runs([len(ids) for ids in encoded.input_ids], data.max_length))
+        samples = len(pack_runs(packed, data.max_length))
         what = f"{kept:,} {noun} kept pack into {samples:,} blocks"
     else:
         samples = kept
@@ -174,7 +207,6 @@ def _check_one_global_batch(config: RunConfig, encoded: Encoded, noun: str) -> N
         what = f"{samples:,} training {noun} are kept"
     if samples >= wanted:
         return
-    left_out = encoded.too_long_dropped + encoded.no_answer_dropped
     raise UserError(
         "train.global_batch_size",
         f"{what} ({left_out:,} left out), fewer than one global batch of {wanted}",
@@ -240,7 +272,7 @@ def _json_object(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _first_columns(config: RunConfig) -> tuple[str, ...] | None:
+def first_columns(config: RunConfig) -> tuple[str, ...] | None:
     """The columns of the training data's first record, None when it cannot be read here."""
     try:
         for _, record in _records(config.data.dataset, config.data.split, config.data, [1]):

@@ -271,6 +271,10 @@ def check_training_run(
         from dplaunch.data.sft_checks import check_sft_examples
 
         notes.extend(check_sft_examples(config))
+    elif data_task == "dpo":
+        from dplaunch.data.preference_checks import check_preference_examples
+
+        notes.extend(check_preference_examples(config))
     if config.data.streaming and config.data.count_stream:
         config = _count_stream(config, data_task, notes)
     if dataset_classes is not None:

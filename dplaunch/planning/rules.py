@@ -73,12 +73,12 @@ AUTOTP_FAMILIES = (
 )
 # families dplaunch can cut into pipeline stages (dplaunch/train/pipeline.py)
 PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
-# the pipeline engine's last stage computes a causal-LM loss
-PIPELINE_TASKS = CAUSAL_TASKS
+# the pipeline engine's last stage computes a causal-LM loss (dpo's pair loss it does not)
+PIPELINE_TASKS = tuple(task for task in CAUSAL_TASKS if task != "dpo")
 # families whose attention DeepSpeed's Ulysses wraps and whose MLP train.tiled_mlp tiles
 # (dplaunch/train/sequence_parallel.py); Ulysses and the tiled loss train causal LMs
 SEQUENCE_PARALLEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-SEQUENCE_PARALLEL_TASKS = CAUSAL_TASKS
+SEQUENCE_PARALLEL_TASKS = PIPELINE_TASKS
 # the attention kernels Ulysses runs with a mask of the whole gathered sequence (None: the key is
 # unset, transformers picks sdpa for the families above)
 SEQUENCE_PARALLEL_KERNELS = (None, "sdpa", "flash_attention_2", "flash_attention_3")
@@ -415,6 +415,21 @@ def check_attention_kernel(attn_implementation: str | None, target: str, precisi
         )
 
 
+def check_preference_layout(task: str, tp: int, pp: int, sp: int) -> None:
+    """dpo trains data-parallel only (DDP, ZeRO-1/2/3, FSDP2): its reference model is built and
+    sharded as the policy is on those, and its pair loss needs whole sequences on one stage."""
+    if task != "dpo":
+        return
+    for axis, degree in (("tp", tp), ("pp", pp), ("sp", sp)):
+        if degree > 1:
+            raise UserError(
+                f"parallel.{axis}",
+                f"model.task dpo trains on data-parallel layouts only, and {axis} is {degree}",
+                f"use --{axis} 1: DDP, ZeRO-1/2/3 (--zero) or FSDP2 (--fsdp) shard the policy and "
+                "its reference model",
+            )
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """One layout, valid by construction: ``world_size`` ranks on nodes of ``gpus_per_node``,
@@ -479,7 +494,8 @@ class ParallelDims:
         return Mesh(self.dp, self.tp, self.pp, self.sp)
 
     def check(self, model: ModelFacts | None = None, task: str = "causal-lm") -> None:
-        """Raise the first rule ``model`` and ``task`` break with this layout (none without a model)."""
+        """Raise the first rule ``model`` and ``task`` break with this layout."""
+        check_preference_layout(task, self.tp, self.pp, self.sp)
         if model is not None:
             check_tensor_parallel_model(self.tp, model, self.fsdp)
             check_pipeline_model(self.pp, model, task)

@@ -26,13 +26,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from dplaunch.config.schema import DataConfig
-from dplaunch.data import answer_spans, conversations, example_tokens, sft_examples
+from dplaunch.config.schema import EXAMPLE_TASKS, DataConfig
+from dplaunch.data import answer_spans, conversations, example_tokens, preference, sft_examples
 from dplaunch.data.answer_spans import Renderer, TemplateError
 from dplaunch.data.arrow_datasets import hub_layout_folder, saved_folder
 from dplaunch.data.conversations import TEXT
 from dplaunch.data.example_tokens import IGNORE_INDEX, leading_special_ids, pack_runs
 from dplaunch.data.formats import class_number, expand_files, is_local, label_ids, local_format
+from dplaunch.data.preference import REFERENCE_COLUMNS, RESPONSES
 from dplaunch.data.sft_examples import SftExamples, TokenizerView, make_renderer
 
 
@@ -115,7 +116,7 @@ def tokenized_cache_file(dataset: Any, tokenizer: Any, data: DataConfig, task: s
             }
         ),
         # the template's text, not its file's name
-        "chat_template": sft_renderer(tokenizer, data).template if task == "sft" else None,
+        "chat_template": sft_renderer(tokenizer, data).template if task in EXAMPLE_TASKS else None,
         "task": task,
         "code": _tokenize_source(),
     }
@@ -132,10 +133,17 @@ def _tokenize_source() -> str:
             + inspect.getsource(row_encoder)
             + inspect.getsource(class_number)
             + inspect.getsource(_sft_rows)
+            + inspect.getsource(_pair_rows)
             + inspect.getsource(tokenizer_view)
             + "".join(
                 inspect.getsource(module)
-                for module in (conversations, answer_spans, example_tokens, sft_examples)
+                for module in (
+                    conversations,
+                    answer_spans,
+                    example_tokens,
+                    sft_examples,
+                    preference,
+                )
             )
         )
     except OSError:
@@ -235,6 +243,8 @@ def row_encoder(tokenizer: Any, data: DataConfig, task: str, columns: list[str])
     task = data_task(task, data, columns)
     if task == "sft":
         return _sft_rows(tokenizer, data, columns)
+    if task == "dpo":
+        return _pair_rows(tokenizer, data)
     packing = packs_texts(task, data)
     eos = tokenizer.eos_token_id
     ids = label_ids(data.label_names)
@@ -314,7 +324,7 @@ def sft_renderer(tokenizer: Any, data: DataConfig) -> Renderer:
 def attach_chat_template(tokenizer: Any, data: DataConfig, task: str) -> None:
     """Give the tokenizer the run's chat template, so the exported tokenizer renders prompts as
     training did (apply_chat_template)."""
-    if task == "sft" and data.chat_template:
+    if task in EXAMPLE_TASKS and data.chat_template:
         tokenizer.chat_template = conversations.read_chat_template(data.chat_template)
 
 
@@ -342,6 +352,40 @@ def _sft_rows(tokenizer: Any, data: DataConfig, columns: list[str]) -> Any:
         ]
         encoded = pipeline.tokens([sft_example(pipeline, record) for record in records])
         return {"input_ids": encoded.input_ids, "labels": encoded.labels}
+
+    return encode
+
+
+def preference_examples_of(tokenizer: Any, data: DataConfig) -> preference.PreferenceExamples:
+    """The run's preference records → tokens pipeline (data/preference.py) with an HF tokenizer."""
+    return preference.PreferenceExamples.of(data, tokenizer_view(tokenizer))
+
+
+def preference_pair(
+    pipeline: preference.PreferenceExamples, record: dict
+) -> tuple[answer_spans.Example, answer_spans.Example]:
+    """RECORD's two responses rendered; a ValueError naming it when the ranks cannot train on it
+    (the launch check reads within its budget only)."""
+    problem = preference.pair_problem(record)
+    try:
+        if problem is not None:
+            raise TemplateError(" — ".join(part for part in problem if part))
+        return pipeline.examples(record)
+    except TemplateError as error:
+        raise ValueError(f"a record {error}: {json.dumps(record, default=str)[:200]}") from None
+
+
+def _pair_rows(tokenizer: Any, data: DataConfig) -> Any:
+    """The row pass of dpo: preference records → each response's input_ids and labels
+    (IGNORE_INDEX where not trained), a pair kept or left out whole (data/preference.py)."""
+    pipeline = preference_examples_of(tokenizer, data)
+
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        records = [
+            dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)
+        ]
+        pairs = [preference_pair(pipeline, record) for record in records]
+        return pipeline.tokens(pairs).columns
 
     return encode
 
@@ -383,15 +427,19 @@ def batch_tokens(batch: dict[str, torch.Tensor]) -> int:
 
 
 def set_loss_scales(
-    batches: list[dict[str, torch.Tensor]], tokens: list[int], total: int, sharding: Sharding
+    batches: list[dict[str, torch.Tensor]],
+    tokens: list[int],
+    total: int,
+    sharding: Sharding,
+    key: str = "loss_scale",
 ) -> None:
-    """Give each micro-batch its loss_scale n·accum·dp / N: n its TOKENS, N the TOTAL of the
-    whole step over every data-parallel rank (Batcher._weight_by_tokens says why)."""
+    """Give each micro-batch its loss_scale (KEY) n·accum·dp / N: n its TOKENS, N the TOTAL of
+    the whole step over every data-parallel rank (Batcher._weight_by_tokens says why)."""
     copies = sharding.gradient_accumulation_steps * sharding.data_parallel_size
     total = max(total, 1)
     for batch, count in zip(batches, tokens, strict=True):
         # integer numerator: exactly 1.0 when every micro-batch holds as many tokens
-        batch["loss_scale"] = torch.tensor(count * copies / total, dtype=torch.float32)
+        batch[key] = torch.tensor(count * copies / total, dtype=torch.float32)
 
 
 def collate_blocks(blocks: np.ndarray) -> dict[str, torch.Tensor]:
@@ -408,6 +456,8 @@ def collate_rows(
     causal-LM labels are the inputs with padding ignored."""
     if own_labels:
         return _collate_sft(rows, pad_id, flatten_packed)
+    if task == "dpo":
+        return _collate_pairs(rows, pad_id)
     width = max(len(row["input_ids"]) for row in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
@@ -451,6 +501,28 @@ def _collate_sft(
         batch["position_ids"] = positions
     else:
         batch["attention_mask"] = attention
+    return batch
+
+
+def _collate_pairs(rows: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Preference pairs as one batch (one forward): the chosen rows, then the rejected rows,
+    right-padded to the longest; the reference's log-probabilities when precomputed."""
+    sides = [
+        (row[f"{side}_input_ids"], row[f"{side}_labels"]) for side in RESPONSES for row in rows
+    ]
+    width = max(len(ids) for ids, _ in sides)
+    input_ids = torch.full((len(sides), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(sides), width), IGNORE_INDEX, dtype=torch.long)
+    attention = torch.zeros((len(sides), width), dtype=torch.long)
+    for r, (ids, row_labels) in enumerate(sides):
+        input_ids[r, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+        labels[r, : len(ids)] = torch.as_tensor(row_labels, dtype=torch.long)
+        attention[r, : len(ids)] = 1
+    batch = {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
+    if REFERENCE_COLUMNS[0] in rows[0]:
+        batch["reference_logps"] = torch.tensor(
+            [row[column] for column in REFERENCE_COLUMNS for row in rows], dtype=torch.float32
+        )
     return batch
 
 
@@ -539,6 +611,12 @@ class Batcher:
             self._weight_by_tokens(batches, mine, step)
         return batches
 
+    @property
+    def pairs(self) -> bool:
+        """Preference pairs (dpo): a micro-batch holds its pairs' chosen rows, then their
+        rejected rows."""
+        return self.task == "dpo"
+
     def _weight_by_tokens(
         self, batches: list[dict[str, torch.Tensor]], mine: list[int], step: np.ndarray
     ) -> None:
@@ -549,11 +627,15 @@ class Batcher:
         ÷accum (Accelerate, DeepSpeed) and the gradient average over dp ranks leave the mean over
         every token of the global batch, as one big batch would give: the same gradient on any
         rank count and micro-batch size (HF Trainer's num_items_in_batch). Equal-length rows
-        (packed blocks) need none: every micro-batch then holds the same number of tokens."""
-        tokens = self._trained_tokens if self.own_labels else self._predicted_tokens
+        (packed blocks) need none: every micro-batch then holds the same number of tokens.
+
+        Preference pairs: the loss is a mean over pairs (every micro-batch holds as many), but
+        ORPO's NLL term is a mean over the chosen responses' tokens: their ``nll_scale``."""
+        tokens = self._trained_tokens if self.own_labels or self.pairs else self._predicted_tokens
         micro = self.sharding.micro_batch_size
         counts = [int(tokens[mine[i * micro : (i + 1) * micro]].sum()) for i in range(len(batches))]
-        set_loss_scales(batches, counts, int(tokens[step].sum()), self.sharding)
+        key = "nll_scale" if self.pairs else "loss_scale"
+        set_loss_scales(batches, counts, int(tokens[step].sum()), self.sharding, key)
 
     @cached_property
     def _predicted_tokens(self) -> np.ndarray:
@@ -567,10 +649,11 @@ class Batcher:
 
     @cached_property
     def _trained_tokens(self) -> np.ndarray:
-        """Labels each sft sample's loss averages over (the first is never one), in dataset order."""
+        """Labels each sft sample's loss averages over (the first is never one; of a pair, the
+        chosen response's), in dataset order."""
         import pyarrow.compute as pc
 
-        column = self.dataset.with_format("arrow")["labels"]
+        column = self.dataset.with_format("arrow")["chosen_labels" if self.pairs else "labels"]
         parents = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
         values = pc.list_flatten(column).to_numpy(zero_copy_only=False)
         return np.bincount(parents[values != IGNORE_INDEX], minlength=len(column)).astype(np.int64)
@@ -597,6 +680,7 @@ class Batcher:
         if (
             self.task == "sequence-classification"
             or self.own_labels
+            or self.pairs
             or not hasattr(dataset, "data")
             or getattr(dataset, "_indices", None) is not None  # a select/shuffle mapping
             or len(dataset) == 0

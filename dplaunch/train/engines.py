@@ -66,6 +66,8 @@ class EngineBase:
     saves_rng = False
     evaluates_slices = False
     clock: Any = None
+    # model.task dpo: the preference loss of a micro-batch of pairs (train/preference.py)
+    objective: Any = None
     model: Any
     optimizer: Any
     device: Any
@@ -83,8 +85,16 @@ class EngineBase:
         """(summed loss, counted items, correct predictions) of one evaluation batch."""
         self.model.eval()
         batch = {k: v.to(self.device) for k, v in batch.items()}
+        if self.objective is not None:
+            return self.objective.eval_sums(self.model, batch)
         output = self.model(**batch, **self.forward_options)
         return loss_sums(output.logits, batch["labels"], self.task)
+
+    def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The micro-batch's loss: the model's own, or the preference objective's."""
+        if self.objective is not None:
+            return self.objective.loss(self.model, batch)
+        return self.model(**batch, **self.forward_options).loss
 
     def current_lr(self) -> float:
         """The learning rate of the last step."""
@@ -210,10 +220,6 @@ class AccelerateEngine(EngineBase):
                 self.optimizer.zero_grad(set_to_none=True)
                 clock.lap("step")
         return total / len(micro_batches)
-
-    def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The micro-batch's loss: the model's own (sequence parallelism computes its own)."""
-        return self.model(**batch, **self.forward_options).loss
 
     def _loss_scale(self) -> float | None:
         # fp16 under DDP: torch's GradScaler (DeepSpeed keeps its own and reports its overflows)

@@ -129,9 +129,12 @@ def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Ten
     return total
 
 
-def shard_model(model: torch.nn.Module, plan: Plan, compile_blocks: bool) -> list[str]:
+def shard_model(
+    model: torch.nn.Module, plan: Plan, compile_blocks: bool, *, reference: bool = False
+) -> list[str]:
     """fully_shard each decoder block, then the root (embeddings, final norm, head); returns what
-    the start-up log says about it."""
+    the start-up log says about it. A REFERENCE model (dpo) only runs forwards: its root is
+    resharded after each, as its blocks are."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     mesh, tp_mesh = device_mesh(plan)
@@ -156,7 +159,7 @@ def shard_model(model: torch.nn.Module, plan: Plan, compile_blocks: bool) -> lis
             block.forward = torch.compile(block.forward)
         fully_shard(block, **options)
     # the root's parameters are needed again at once by the backward: not resharded after forward
-    fully_shard(model, reshard_after_forward=False, **options)
+    fully_shard(model, reshard_after_forward=reference, **options)
     shard, replicate = mesh.size(-1), (mesh.size(0) if mesh.ndim == 2 else 1)
     lines = [
         f"FSDP2 {plan.fsdp}: {len(blocks)} × {kind} + root sharded over {shard} rank(s)"
@@ -222,7 +225,7 @@ class FsdpEngine(EngineBase):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             # rows of unequal length: this micro-batch's share of the step's tokens (data.py)
             scale = batch.pop("loss_scale", None)
-            loss = model(**batch, **self.forward_options).loss
+            loss = self.forward_loss(batch)
             if scale is not None:
                 loss = loss * scale
             total += loss.detach().float()

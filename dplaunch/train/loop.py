@@ -57,6 +57,7 @@ from dplaunch.train.metrics import (
 from dplaunch.train.modeling import load_model, load_tokenizer
 from dplaunch.train.nonfinite import EXIT_NONFINITE, NonFiniteGuard
 from dplaunch.train.phase_clock import StepTimes
+from dplaunch.train.preference import disable_dropout, start_preference
 from dplaunch.train.sequence_parallel import LongSequenceEngine, prepare_long_sequences
 from dplaunch.train.trackers import open_trackers
 
@@ -201,6 +202,8 @@ class RankRun:
     resumed: bool
     # train.sample_prompts: answered at each evaluation (None: no prompts)
     sampler: Any = None
+    # model.task dpo: the preference objective, whose metrics join each log line
+    objective: Any = None
 
 
 def train(run_dir: Path) -> int:
@@ -238,10 +241,7 @@ def start_run(run_dir: Path, signals: StopSignals) -> tuple[RankRun, int]:
     if train_set is None:  # data.streaming: the workers start reading now, beside the model
         batcher = _stream_batcher(accelerator, tokenizer, config, plan, place, resume)
     model, parameters = _build_model(config, plan, tokenizer, say, (batcher, eval_batcher))
-    guard = NonFiniteGuard(
-        config.train.on_nonfinite, config.train.max_skipped_steps, accelerator, plan.mixed_precision
-    )
-    guard.install_fault(model)
+    guard = _nonfinite_guard(config, plan, accelerator, model)
     long_sequences = prepare_long_sequences(model, plan, config, place.rank, tokenizer.pad_token_id)
     engine = build_engine(
         plan, config, accelerator, model, total_steps, run_dir, long_sequences=long_sequences
@@ -249,6 +249,9 @@ def start_run(run_dir: Path, signals: StopSignals) -> tuple[RankRun, int]:
     engine.guard = guard
     for line in engine.layout_lines():
         say(f"[dplaunch] {line}")
+    objective, reference = start_preference(
+        config, plan, accelerator, engine, run_dir, tokenizer, (batcher, eval_batcher), say
+    )
     checkpointer = Checkpointer(
         run_dir,
         engine,
@@ -273,6 +276,7 @@ def start_run(run_dir: Path, signals: StopSignals) -> tuple[RankRun, int]:
         resumed_from_step=start_step if resume is not None else None,
         # the model and engine built, no step taken: what each step's peak adds activations to
         memory_at_start_gb=memory_now_gb(accelerator.device),
+        **({"reference": reference} if reference is not None else {}),
     )
     _say_start(say, plan, batcher, train_set, total_steps, parameters)
     run = RankRun(
@@ -294,8 +298,18 @@ def start_run(run_dir: Path, signals: StopSignals) -> tuple[RankRun, int]:
         tokenizer=tokenizer,
         resumed=resume is not None,
         sampler=_prompt_sampler(config, tokenizer),
+        objective=objective,
     )
     return run, start_step
+
+
+def _nonfinite_guard(config: RunConfig, plan: Plan, accelerator: Any, model: Any) -> NonFiniteGuard:
+    """train.on_nonfinite's guard, its test fault (if any) installed in MODEL."""
+    guard = NonFiniteGuard(
+        config.train.on_nonfinite, config.train.max_skipped_steps, accelerator, plan.mixed_precision
+    )
+    guard.install_fault(model)
+    return guard
 
 
 def _build_model(
@@ -315,6 +329,8 @@ def _build_model(
         config.data.label_names,
         on_gpu=plan.target == "gpu",
     )
+    if config.model.task == "dpo":
+        disable_dropout(model)  # as TRL: the log-probability ratios must not be noise
     partition = _partition_line(model)
     if partition is not None:
         say(f"[dplaunch] {partition}")
@@ -784,6 +800,8 @@ def _log_step(run: RankRun, progress: _Progress, step: int, step_lr: float) -> N
         "elapsed_s": round(time.time() - run.metrics.start, 3),
         **memory_fields(run.accelerator.device),
     }
+    if run.objective is not None:  # dpo: rewards and log-probabilities, as TRL names them
+        record.update(run.objective.log_record(run.accelerator.reduce))
     run.metrics.write("train", **record)
     run.say.train_step(step, run.total_steps, record, progress.start_step)
     progress.interval.zero_()
@@ -865,6 +883,8 @@ def _evaluate(run: RankRun, step: int) -> None:
     record: dict[str, Any] = {"step": step, "eval_loss": eval_loss}
     if batcher.task == "sequence-classification":
         record["eval_accuracy"] = float(totals[2] / totals[1])
+    elif batcher.task == "dpo":
+        record["eval_rewards/accuracies"] = float(totals[2] / totals[1])
     else:
         record["eval_perplexity"] = math.exp(min(eval_loss, 50.0))
         record["eval_token_accuracy"] = float(totals[2] / totals[1])

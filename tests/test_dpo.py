@@ -1,0 +1,385 @@
+"""Preference tuning (model.task: dpo): bad pairs are refused before launch in one line; the
+planner counts the reference model per layout; every layout trains as DDP does with the reference
+sharded as the policy; LoRA's reference is its base; precomputed reference log-probabilities
+train as a live reference; a resumed run continues exactly.
+
+TRL equivalence (masks, per-step losses and rewards): tests/test_dpo_parity.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dplaunch.config.flags import RunFlags
+from dplaunch.errors import UserError
+from tests.helpers import (
+    REPO,
+    files_under,
+    read_metrics,
+    refusal_line,
+    run_dplaunch,
+    train,
+)
+
+DPO_CONFIG = REPO / "configs" / "dpo.yaml"
+TINY = {
+    "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 259,
+    "max_position_embeddings": 256, "tie_word_embeddings": False,
+}  # fmt: skip
+PROMPT = [{"role": "user", "content": "Review: the film was great.\nPositive or negative?"}]
+
+
+def _said(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": text}]
+
+
+GOOD = {"prompt": PROMPT, "chosen": _said("positive"), "rejected": _said("negative")}
+
+
+def dpo_run_file(path: Path, **train_keys) -> Path:
+    """configs/dpo.yaml with a tiny model, no evaluation set, 4 steps of 8 pairs in
+    micro-batches of 2, and TRAIN_KEYS."""
+    data = yaml.safe_load(DPO_CONFIG.read_text())
+    data["model"]["config"] = dict(TINY)
+    data["data"].pop("eval_dataset", None)
+    data["train"].update(
+        {
+            "max_steps": 4, "global_batch_size": 8, "micro_batch_size": 2, "lr": 5e-3,
+            "warmup_steps": 0, "log_every": 1, "eval_every": None, "report_to": [],
+            **train_keys,
+        }
+    )  # fmt: skip
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+# -- refused before launch ---------------------------------------------------------------------
+
+
+def _prepare(tmp: Path, records: list[dict] | None = None, *assignments: str, **train_keys):
+    """prepare_training_run (nothing written) for the tiny run on RECORDS (GOOD ones before
+    them, enough for a global batch); the UserError's line."""
+    from dplaunch.launching.prepare import prepare_training_run
+
+    settings = list(assignments)
+    if records is not None:
+        path = tmp / "pairs.jsonl"
+        rows = [GOOD] * 8 + records
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        settings.append(f"data.dataset={path}")
+    flags = RunFlags(
+        config=dpo_run_file(tmp / "dpo.yaml", **train_keys), gpus=2, cpu=True,
+        assignments=settings,
+    )  # fmt: skip
+    with pytest.raises(UserError) as refused:
+        prepare_training_run(flags, render_only=True)
+    return refused.value.line()
+
+
+REFUSED = [
+    (
+        "same-responses",
+        [{"prompt": PROMPT, "chosen": _said("yes"), "rejected": _said("yes")}],
+        "line 9 of {tmp}/pairs.jsonl has the same chosen and rejected response: nothing to prefer",
+    ),
+    (
+        "same-texts",
+        [{"prompt": "a", "chosen": " b", "rejected": " b"}] * 0
+        + [{"prompt": PROMPT, "chosen": _said("x"), "rejected": _said("x")}],
+        "the same chosen and rejected response",
+    ),
+    (
+        "empty-response",
+        [{"prompt": PROMPT, "chosen": _said("positive"), "rejected": _said("  ")}],
+        "line 9 of {tmp}/pairs.jsonl has an empty rejected response — fix that record or drop it",
+    ),
+    (
+        "empty-list",
+        [{"prompt": PROMPT, "chosen": [], "rejected": _said("no")}],
+        "line 9 of {tmp}/pairs.jsonl has an empty 'chosen' list",
+    ),
+    (
+        "missing-column",
+        [{"prompt": PROMPT, "chosen": _said("positive")}],
+        "line 9 of {tmp}/pairs.jsonl has no 'rejected' — give every record a chosen and a "
+        "rejected response",
+    ),
+    (
+        "mixed-kinds",
+        [{"prompt": "Review: great.", "chosen": _said("positive"), "rejected": " negative"}],
+        "has a text prompt, a message-list chosen, a text rejected — make them all texts, or all "
+        "lists of messages",
+    ),
+    (
+        "no-shared-prompt",
+        [{"chosen": PROMPT + _said("a"), "rejected": _said("b")}],
+        "has no 'prompt', and its chosen and rejected responses do not start alike",
+    ),
+    (
+        "response-without-answer",
+        [
+            {
+                "prompt": PROMPT,
+                "chosen": [{"role": "user", "content": "hm"}],
+                "rejected": _said("no"),
+            }
+        ],
+        "'chosen' has no assistant turn: nothing to train on",
+    ),
+]
+
+
+@pytest.mark.parametrize("records,expected", [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])
+def test_a_pair_the_ranks_cannot_train_on_is_refused_naming_its_line(tmp_path, records, expected):
+    line = _prepare(tmp_path, records)
+    assert line.startswith("data.dataset: ")
+    assert expected.replace("{tmp}", str(tmp_path)) in line
+
+
+def test_records_without_the_pairs_columns_are_refused_at_the_first(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": PROMPT + _said("positive")}) + "\n" * 1)
+    line = _prepare(tmp_path, None, f"data.dataset={path}")
+    assert line.startswith(
+        f"data.dataset: the records of {path} have no 'chosen' and 'rejected' column (the first "
+        "one's: messages), which model.task dpo trains on"
+    )
+
+
+@pytest.mark.parametrize(
+    "assignments,train_keys,expected",
+    [
+        (["data.format=conversational"], {}, "data.format: is for supervised fine-tuning"),
+        (["data.packing=true"], {}, "data.packing: dpo trains each pair in rows of its own"),
+        (
+            [],
+            {"precompute_ref": True, "preference": {"loss": "simpo"}},
+            "train.precompute_ref: the simpo loss has no reference model to precompute",
+        ),
+        (["model.task=sft"], {"precompute_ref": True}, "is for preference tuning, but model.task is sft"),
+        (["parallel.tp=2"], {}, "parallel.tp: model.task dpo trains on data-parallel layouts only"),
+        (["parallel.pp=2"], {}, "parallel.pp: model.task dpo trains on data-parallel layouts only"),
+        (["data.chat_template=null"], {}, "has no chat template to render the messages of line 1"),
+        (
+            ["data.max_length=16", "data.truncation=drop"],
+            {},
+            "train.global_batch_size: 0 training pairs are kept (8 left out), fewer than one",
+        ),
+    ],
+    ids=["sft-key", "packing", "precompute-simpo", "dpo-key-with-sft", "tp", "pp", "no-template", "too-few-kept"],
+)  # fmt: skip
+def test_a_run_file_dpo_cannot_train_is_refused_naming_the_key(
+    tmp_path, assignments, train_keys, expected
+):
+    assert expected in _prepare(tmp_path, [], *assignments, **train_keys)
+
+
+def test_a_refused_pair_is_one_line_exit_2_and_nothing_written(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": PROMPT, "chosen": _said("a"), "rejected": _said("a")}))
+    out = tmp_path / "run"
+    result = run_dplaunch(
+        "train", dpo_run_file(tmp_path / "dpo.yaml"), "--set", f"data.dataset={path}", "-o", out
+    )
+    refusal_line(result, "nothing to prefer")
+    assert not out.exists() and files_under(tmp_path) == ["dpo.yaml", "pairs.jsonl"]
+
+
+# -- LoRA: the reference is the base ---------------------------------------------------------
+
+
+def test_the_lora_reference_is_a_full_frozen_copy_of_the_base(tmp_path):
+    """The policy with its adapters disabled gives the log-probabilities of the base it started
+    from, however far the adapters (and modules_to_save copies) have moved; and what trains
+    still trains afterwards."""
+    import torch
+
+    from dplaunch.config.schema import LoraConfig, ModelConfig
+    from dplaunch.train.modeling import load_model
+    from dplaunch.train.preference import DisabledAdapters, FrozenCopy
+    from dplaunch.train.tokenizer import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer()
+    base = ModelConfig(config=TINY, tokenizer="byte-level", task="dpo")
+    lora = base.model_copy(update={"lora": LoraConfig(r=4, modules_to_save=["lm_head"])})
+    policy = load_model(lora, tokenizer, seed=3)
+    copy = load_model(base, tokenizer, seed=3).eval()
+    with torch.no_grad():  # as if trained: every adapter and saved copy moved
+        for parameter in policy.parameters():
+            if parameter.requires_grad:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 259, (4, 12), generator=generator)
+    labels = ids.clone()
+    labels[:, :5] = -100
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    trains = [p.requires_grad for p in policy.parameters()]
+    disabled = DisabledAdapters(policy).logps(policy, batch)
+    assert torch.equal(disabled, FrozenCopy(copy).logps(copy, batch))
+    assert [p.requires_grad for p in policy.parameters()] == trains
+    # the adapters do count when enabled
+    from dplaunch.train.preference import response_logps
+
+    with torch.no_grad():
+        assert not torch.allclose(response_logps(policy, batch)[0], disabled)
+
+
+# -- every layout, launched ----------------------------------------------------------------------
+
+LAYOUTS = {
+    "ddp": (),
+    "zero1": ("--zero", "1"),
+    "zero2": ("--zero", "2"),
+    "zero3": ("--zero", "3"),
+    "fsdp": ("--fsdp", "full"),
+}
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory) -> dict[str, Path]:
+    """The tiny run on 2 CPU ranks under each layout (one launch each)."""
+    folder = tmp_path_factory.mktemp("dpo-layouts")
+    config = dpo_run_file(folder / "dpo.yaml")
+    runs = {}
+    for name, flags in LAYOUTS.items():
+        runs[name] = folder / name
+        train(runs[name], "--cpu", "--gpus", "2", *flags, config=config)
+    return runs
+
+
+def _train_records(run_dir: Path) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if r["type"] == "train"]
+
+
+def _header(run_dir: Path) -> dict:
+    return next(r for r in read_metrics(run_dir) if r["type"] == "header")
+
+
+KEYS = (
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+def assert_trains_as(run_dir: Path, reference_run: Path, tolerance: float = 1e-5) -> None:
+    ours, theirs = _train_records(run_dir), _train_records(reference_run)
+    assert len(ours) == len(theirs) == 4
+    for mine, ddp in zip(ours, theirs, strict=True):
+        for key in KEYS:
+            assert mine[key] == pytest.approx(ddp[key], abs=tolerance), (mine["step"], key)
+        assert mine["rewards/accuracies"] == ddp["rewards/accuracies"]
+
+
+@pytest.mark.parametrize("layout", ["zero1", "zero2", "zero3", "fsdp"])
+def test_every_layout_trains_as_ddp_does(layouts, layout):
+    assert_trains_as(layouts[layout], layouts["ddp"])
+    # the rewards moved: the policy left its reference
+    assert _train_records(layouts["ddp"])[-1]["rewards/margins"] != 0
+
+
+def test_the_reference_is_sharded_as_the_policy_rank_0_holding_a_share(layouts):
+    held = {name: _header(run)["reference"] for name, run in layouts.items()}
+    total = held["ddp"]["parameters"]
+    for name in ("ddp", "zero1", "zero2"):
+        assert held[name]["held"] == held[name]["parameters"] == total, name
+    for name in ("zero3", "fsdp"):
+        assert held[name]["parameters"] == total
+        assert 0 < held[name]["held"] <= total / 2 + 64, (name, held[name])  # one of 2 shares
+    assert "ZeRO-3 partitioned" in held["zero3"]["kind"] and "FSDP2" in held["fsdp"]["kind"]
+
+
+@pytest.fixture(scope="module")
+def resumed_ddp(tmp_path_factory) -> Path:
+    """The DDP run stopped at step 2 and resumed: the reference is built again."""
+    folder = tmp_path_factory.mktemp("dpo-resume")
+    config = dpo_run_file(folder / "dpo.yaml")
+    run = folder / "run"
+    train(run, "--cpu", "--gpus", "2", "--set", "train.stop_after_steps=2", config=config)
+    train(run, "--cpu", "--gpus", "2", "--resume", "auto", config=config)
+    return run
+
+
+def test_a_resumed_run_continues_bit_exactly(resumed_ddp, layouts):
+    resumed = [r["loss"] for r in _train_records(resumed_ddp)]
+    straight = [r["loss"] for r in _train_records(layouts["ddp"])]
+    assert resumed == straight
+
+
+def test_checkpoints_and_exports_hold_the_policy_only(resumed_ddp):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(resumed_ddp / "model")
+    (checkpoint,) = resumed_ddp.glob("checkpoints/*/model.safetensors")
+    assert set(load_file(checkpoint)) == set(exported.state_dict())
+    held = _header(resumed_ddp)["reference"]["parameters"]
+    assert sum(p.numel() for p in exported.parameters()) == held
+
+
+@pytest.fixture(scope="module")
+def precomputed(tmp_path_factory) -> tuple[Path, list[str]]:
+    """train.precompute_ref under ZeRO-3 (partitioned forwards), stopped at step 2 and resumed
+    (the kept values read back); the two launches' outputs."""
+    folder = tmp_path_factory.mktemp("dpo-precomputed")
+    config = dpo_run_file(folder / "dpo.yaml", precompute_ref=True)
+    run = folder / "run"
+    first = train(
+        run,
+        "--cpu",
+        "--gpus",
+        "2",
+        "--zero",
+        "3",
+        "--set",
+        "train.stop_after_steps=2",
+        config=config,
+    )
+    second = train(run, "--cpu", "--gpus", "2", "--zero", "3", "--resume", "auto", config=config)
+    return run, [first.stdout, second.stdout]
+
+
+def test_precomputed_reference_values_train_as_a_live_reference(precomputed, layouts):
+    run, (first, second) = precomputed
+    assert_trains_as(run, layouts["ddp"])
+    assert _header(run)["reference"] == {
+        "kind": "precomputed log-probabilities (train.precompute_ref)"
+    }
+    assert "reference log-probabilities computed before training, kept in" in first
+    assert "reference log-probabilities read from" in second
+
+
+@pytest.fixture(scope="module")
+def lora_fsdp(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("dpo-lora")
+    config = dpo_run_file(folder / "dpo.yaml")
+    run = folder / "run"
+    lora = '{"r": 4, "modules_to_save": ["lm_head"]}'
+    train(
+        run, "--cpu", "--gpus", "2", "--fsdp", "full", "--set", f"model.lora={lora}", config=config
+    )
+    return run
+
+
+def test_lora_under_fsdp_trains_its_saved_modules_against_the_disabled_adapters(lora_fsdp):
+    """The reference forward disables the adapters; peft turns modules_to_save's gradients off
+    and on around it, under FSDP2 on the unsharded parameters only: the sharded lm_head copy
+    stayed frozen and the export found no trained value for it (fixed in DisabledAdapters)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    assert _header(lora_fsdp)["reference"]["kind"] == "the policy with its adapters disabled"
+    records = _train_records(lora_fsdp)
+    assert records[-1]["rewards/margins"] != 0
+    adapter = load_file(lora_fsdp / "adapter" / "adapter_model.safetensors")
+    assert any("lm_head" in key for key in adapter)
+    base = AutoModelForCausalLM.from_pretrained(lora_fsdp / "model")
+    assert PeftModel.from_pretrained(base, lora_fsdp / "adapter") is not None
