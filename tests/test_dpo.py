@@ -189,6 +189,117 @@ def test_a_refused_pair_is_one_line_exit_2_and_nothing_written(tmp_path):
     assert not out.exists() and files_under(tmp_path) == ["dpo.yaml", "pairs.jsonl"]
 
 
+# -- the plan ------------------------------------------------------------------------------------
+
+
+def _big_run(tmp: Path, gpu_memory: float, *assignments: str):
+    from tests.test_planning_tools import LLAMA_7B, run_config
+
+    path = dpo_run_file(tmp / "big.yaml")
+    data = yaml.safe_load(path.read_text())
+    data["model"]["config"] = {**LLAMA_7B, "num_hidden_layers": 8}
+    data["data"]["max_length"] = 1024
+    data["train"].update({"mixed_precision": "bf16", "global_batch_size": 64})
+    data["parallel"] = "auto"
+    path.write_text(yaml.safe_dump(data))
+    return run_config(path, "launch.gpus=8", f"launch.gpu_memory_gb={gpu_memory}", *assignments)
+
+
+def test_the_plan_counts_the_reference_model_as_the_policys_weights_are_held(tmp_path):
+    from dplaunch.planning.auto import plan_candidates, run_workload
+    from dplaunch.planning.estimate import GIB, count_parameters
+    from dplaunch.planning.model_facts import ModelFacts
+
+    config = _big_run(tmp_path, 80)
+    facts = ModelFacts.from_config_dict(config.model.config)
+    psi = count_parameters(facts, "dpo").total
+    workload = run_workload(config)
+    assert workload.reference == "copy" and workload.rows_per_sample == 2
+    rows = {
+        c.name: c.memory
+        for c in plan_candidates(facts, workload, gpus=8, gpus_per_node=8, gpu_memory_gb=80)
+    }
+    # DDP keeps fp32 weights; DeepSpeed's 16-bit ones whole (ZeRO-1/2) or in 8 parts (ZeRO-3);
+    # FSDP fp32 shards; offloaded parameters take the reference's to the host
+    expected = {
+        "DDP": 4 * psi,
+        "ZeRO-1": 2 * psi,
+        "ZeRO-2": 2 * psi,
+        "ZeRO-3": 2 * psi / 8,
+        "FSDP": 4 * psi / 8,
+    }
+    for name, held in expected.items():
+        assert rows[name].reference_gb == pytest.approx(held / GIB), name
+    assert rows["ZeRO-3 + offload all"].reference_gb == 0
+    # a pair is two rows in the forward: twice an sft example's activations
+    sft = plan_candidates(
+        facts, workload.__class__(**{**workload.__dict__, "task": "sft", "reference": None}),
+        gpus=8, gpus_per_node=8, gpu_memory_gb=80,
+    )  # fmt: skip
+    by_name = {c.name: c.memory for c in sft if c.tp * c.pp * c.sp == 1}  # sp rows share names
+    assert rows["ZeRO-1"].activations_gb == pytest.approx(2 * by_name["ZeRO-1"].activations_gb)
+    # LoRA's reference is its base, a precomputed one none: nothing held
+    lora = run_workload(_big_run(tmp_path, 80, 'model.lora={"r": 8}'))
+    precomputed = run_workload(_big_run(tmp_path, 80, "train.precompute_ref=true"))
+    assert (lora.reference, precomputed.reference) == ("adapters", None)
+    assert not (lora.holds_reference or precomputed.holds_reference)
+
+
+def test_parallel_auto_shards_further_to_hold_the_reference_model(tmp_path):
+    from dplaunch.planning.auto import resolve_auto_parallel
+    from dplaunch.planning.model_facts import ModelFacts
+    from dplaunch.planning.plan import Machine
+
+    def choose(gpu_memory: float, *assignments: str):
+        config = _big_run(tmp_path, gpu_memory, *assignments)
+        facts = ModelFacts.from_config_dict(config.model.config)
+        return resolve_auto_parallel(config, facts, Machine(visible_gpus=8))
+
+    def zero1(choice) -> float:
+        return next(c.total_gb for c in choice.candidates if c.name == "ZeRO-1" and c.sp == 1)
+
+    # a GPU between what ZeRO-1 needs without and with the reference (10% kept free)
+    without, held = zero1(choose(80, "train.precompute_ref=true")), zero1(choose(80))
+    assert held > without
+    memory = (without + held) / 2 / 0.9
+    precomputed, live = choose(memory, "train.precompute_ref=true"), choose(memory)
+    assert precomputed.parallel.zero_stage == 1
+    assert live.parallel.zero_stage >= 2, live.note
+    chosen = next(c for c in live.candidates if c.recommended)
+    assert chosen.memory.reference_gb > 0 and chosen.fits
+
+
+def test_the_forecast_counts_both_rows_of_a_pair_and_the_reference_forward():
+    from dataclasses import replace
+
+    from dplaunch.planning.forecast import forecast_step
+    from dplaunch.planning.model_facts import ModelFacts
+    from dplaunch.planning.rules import ParallelDims
+    from dplaunch.planning.workload import Workload
+    from tests.test_forecast import small_profile
+    from tests.test_planning_tools import LLAMA_7B
+
+    facts, dims, profile = (
+        ModelFacts.from_config_dict(LLAMA_7B),
+        ParallelDims(8, 8),
+        small_profile(),
+    )
+    sft = Workload(micro_batch=2, seq_len=512, task="sft", global_batch_size=16)
+    precomputed = replace(sft, task="dpo")
+    live = replace(precomputed, reference="copy")
+    flops = {
+        name: forecast_step(facts, dims, work, profile).model_flops_per_step
+        for name, work in (("sft", sft), ("precomputed", precomputed), ("live", live))
+    }
+    assert flops["precomputed"] == pytest.approx(2 * flops["sft"])
+    # a forward is a third of a forward and backward (no recomputation)
+    assert flops["live"] == pytest.approx(flops["precomputed"] * 4 / 3, rel=0.01)
+    steps = {
+        w: forecast_step(facts, dims, w, profile).terms["compute"] for w in (precomputed, live)
+    }
+    assert steps[live] > steps[precomputed]
+
+
 # -- LoRA: the reference is the base ---------------------------------------------------------
 
 

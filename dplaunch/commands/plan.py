@@ -312,6 +312,8 @@ def _from_model(options: PlanOptions) -> tuple[ModelFacts, str, Workload]:
         attn_implementation=options.attn_implementation,
         sequence_parallel=options.seq_len is not None,
         lora=LoraSpec(r=options.lora, quantize=options.quantize) if options.lora else None,
+        # dpo's reference model, unless LoRA's adapters disabled give it
+        reference=("adapters" if options.lora else "copy") if options.task == "dpo" else None,
     )
     return facts, str(options.model), workload
 
@@ -425,6 +427,8 @@ def describe(setting: PlanSetting, safety_margin: float) -> list[str]:
     picked = "" if work.attn_implementation else ", as transformers picks it"
     scores = "keeps" if attention == "eager" else "never builds"
     micro = str(work.micro_batch)
+    if work.rows_per_sample > 1:
+        micro += f" pairs ({work.micro_batch * work.rows_per_sample} rows: chosen and rejected in one forward)"
     if work.fixed_micro_batch is None:
         micro += " (the largest one dplaunch would derive; set train.micro_batch_size)"
     lora = []
@@ -445,6 +449,7 @@ def describe(setting: PlanSetting, safety_margin: float) -> list[str]:
         "activations; other = logits, buffers, CUDA context (the breakdown below); "
         "comm/step = GB each GPU sends per optimizer step; cpu = host memory for offload",
         *lora,
+        *([_reference_line(work)] if work.task == "dpo" else []),
         *forecast_lines(setting),
     ]
 
@@ -471,6 +476,14 @@ def forecast_lines(setting: PlanSetting) -> list[str]:
         f"FLOPs / (step × GPUs × peak), hours and GPU-hours to {steps}",
         *(f"  profile note: {note}" for note in profile.notes),
     ]
+
+
+def _reference_line(work: Workload) -> str:
+    if work.holds_reference:
+        return "reference model: a frozen copy of the weights, held as the policy's are (counted)"
+    if work.reference == "adapters":
+        return "reference model: the policy with its LoRA adapters disabled (none held)"
+    return "reference model: none (precomputed, or a reference-free loss)"
 
 
 def plan_table(options: PlanOptions) -> tuple[PlanSetting, list[Candidate]]:

@@ -94,7 +94,19 @@ def run_workload(config: RunConfig) -> Workload:
         guard=config.train.on_nonfinite != "off",
         clip=config.train.max_grad_norm > 0,
         packed=config.model.task == "sft" and bool(config.data.packing),
+        reference=reference_kind(config),
     )
+
+
+def reference_kind(config: RunConfig) -> str | None:
+    """Workload.reference of a run: dpo with a loss that needs a reference, not precomputed,
+    holds a frozen "copy" of the model, or (LoRA) asks the policy with its "adapters" disabled."""
+    train = config.train
+    if not (
+        config.model.task == "dpo" and train.preference.needs_reference and not train.precompute_ref
+    ):
+        return None
+    return "adapters" if config.model.lora is not None else "copy"
 
 
 def _runs_as_configured(workload: Workload) -> Callable[[Candidate], bool] | None:

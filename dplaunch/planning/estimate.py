@@ -462,6 +462,8 @@ class MemoryEstimate:
     # parameters with gradients and optimizer states on this GPU before ZeRO partitions them
     # (params_per_gpu, or LoRA's adapters and saved copies); None: not computed
     trainable_params: int | None = None
+    # dpo: the reference model, a frozen copy of the weights held as the policy's are
+    reference_gb: float = 0.0
 
     @property
     def forward_backward_gb(self) -> float:
@@ -495,6 +497,7 @@ class MemoryEstimate:
             "weights_gb": "weights",
             "gradients_gb": "gradients",
             "optimizer_gb": "optimizer states (Adam)",
+            "reference_gb": "reference model (frozen copy, dpo)",
             "activations_gb": f"activations ({self.layers_per_gpu} layers, "
             f"{self.attn_implementation} attention)",
             "logits_gb": f"logits in the loss ({LOSS_BYTES_PER_LOGIT} bytes each)",
@@ -683,7 +686,8 @@ class _Layout:
     steps: int | None
     # DDP keeps fp32 weights and computes under autocast; DeepSpeed and FSDP hold 16-bit ones
     ddp: bool
-    # FSDP2: ZeRO-3's states, its own unsharded units and reduce-scatter input
+    # FSDP2: ZeRO-3's states, its own unsharded units and reduce-scatter input (its frozen
+    # weights, a LoRA base or dpo's reference, stay fp32 shards)
     fsdp: bool = False
 
     @classmethod
@@ -781,6 +785,11 @@ def estimate_memory(
     model (4 bytes × all parameters: TP and PP cut it afterwards) — except ZeRO-3, where
     ``zero.Init`` builds each rank's partition only (4·Ψ/Nd), and QLoRA, whose base is
     quantized as it loads (the quantized model, whole: transformers skips zero.Init for it).
+
+    dpo (``workload.task``): a pair is two rows in the forward (chosen, rejected): the
+    activations and logits of 2 × the micro batch; with ``workload.holds_reference`` a frozen copy of
+    the weights held as the policy's are (:func:`reference_bytes`), ``reference_gb``, whose
+    forward runs before the policy's and adds no activation peak.
     """
     layout = _Layout.of(dims, workload)
     count = count or count_parameters(facts, workload.task, workload.num_labels)
@@ -801,7 +810,8 @@ def _stage_fixed(
     lora: AdapterCount | None,
 ) -> _StageFixed:
     # what every stage of the layout shares: one layer's activations, the logits, the buffers
-    seq_len, micro_batch = workload.seq_len / layout.sp, workload.micro_batch
+    seq_len = workload.seq_len / layout.sp
+    micro_batch = workload.micro_batch * workload.rows_per_sample
     implementation = attention_implementation(facts.model_type, workload.attn_implementation)
     sixteen_bit = workload.mixed_precision in ("bf16", "fp16")
     layer_full = activation_bytes_per_layer(
@@ -902,12 +912,15 @@ def _stage_memory(
         trainable, (weights, gradients, optimizer, cpu) = lora.state_bytes(
             share, ddp=layout.ddp, tp=layout.tp, **state_shape
         )
+    reference = reference_bytes(share.params, layout, workload) if workload.holds_reference else 0.0
+    if offload == "all":  # the reference's partition lives with the policy's, on the host
+        cpu, reference = cpu + reference, 0.0
     fp32_partition = 4 * trainable / dp if zero_stage >= 1 else 0
     step = fp32_partition if offload == "none" else 0
     cpu += fp32_partition if offload != "none" else 0
     gathered = fixed.element * fixed.largest_unit if zero_stage == 3 else 0
     gathered = fixed.fsdp_unsharded if layout.fsdp else gathered
-    states = weights + gradients + optimizer
+    states = weights + gradients + optimizer + reference
     forward_backward = (
         activations + stage_logits + fixed.autocast + masks + gathered + fixed.buckets
     )
@@ -937,7 +950,18 @@ def _stage_memory(
         host_load_quantized=fixed.quantized_load,
         mask_gb=masks / GIB,
         fsdp=layout.fsdp,
+        reference_gb=reference / GIB,
     )
+
+
+def reference_bytes(params: int, layout: _Layout, workload: Workload) -> float:
+    """Bytes of dpo's reference model on one GPU: a frozen copy of Ψ = ``params`` held as the
+    policy's weights are (train/preference.py): whole under DDP (fp32, as its weights) and
+    ZeRO-1/2 (DeepSpeed's 16-bit weights in mixed precision), partitioned over Nd under ZeRO-3,
+    fp32 shards under FSDP."""
+    sixteen_bit = workload.mixed_precision in ("bf16", "fp16")
+    element = 4 if layout.ddp or layout.fsdp or not sixteen_bit else 2
+    return element * params / (layout.state_ranks if layout.zero_stage == 3 else 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1048,5 +1072,6 @@ __all__ = [
     "estimate_memory",
     "layers_per_stage",
     "model_state_bytes",
+    "reference_bytes",
     "stage_shares",
 ]

@@ -1087,7 +1087,8 @@ def forecast_step(
     dtype = DTYPES.get(workload.mixed_precision, "fp32")
     kernel = attention_implementation(facts.model_type, workload.attn_implementation)
     m = workload.accumulation_steps(dims.dp) or 1
-    b, s = workload.micro_batch, workload.seq_len
+    # dpo: a micro-batch's pairs are two rows each (chosen, rejected), in one forward
+    b, s = workload.micro_batch * workload.rows_per_sample, workload.seq_len
     stages = layers_per_stage(count.num_layers, dims.pp)
     flops_options = dict(
         micro_batch=b,
@@ -1107,6 +1108,9 @@ def forecast_step(
     tokens = b * s / dims.sp
     timed = [compute_seconds(f, profile, dtype, hidden, tokens, s, kernel) for f in per_stage]
     forward_s, backward_s = max(timed, key=sum)
+    if workload.reference is not None:
+        # dpo's reference forward of the same rows (no backward) before the policy's
+        forward_s *= 2
     gpu = not profile.device.upper().startswith("CPU")
     collectives = step_collectives(facts, dims, workload, guard=guard, clip=clip, gpu=gpu)
     exposed = communication_seconds(collectives, profile, forward_s * m, backward_s * m)
@@ -1125,6 +1129,9 @@ def forecast_step(
     }
     step = sum(terms.values())
     model_flops = sum(f.model for f in per_stage) * m * dims.dp * dims.tp * dims.sp
+    if workload.reference is not None:
+        reference = sum(f.dense_forward + f.attention_forward for f in per_stage)
+        model_flops += reference * m * dims.dp * dims.tp * dims.sp
     phases = {
         "forward": {"compute": m * forward_s, "communication": exposed["forward"]},
         "backward": {"compute": m * backward_s, "communication": exposed["backward"]},

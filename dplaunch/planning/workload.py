@@ -71,6 +71,21 @@ class Workload:
     clip: bool = True
     # rows of packed examples (sft with data.packing): SDPA keeps their L × L masks (estimate)
     packed: bool = False
+    # dpo: where each micro-batch's reference log-probabilities come from, "copy" (a frozen
+    # copy of the model held beside the policy) or "adapters" (LoRA's base: the policy with its
+    # adapters disabled); None: no reference forward (another task, a reference-free loss, or
+    # train.precompute_ref's values)
+    reference: str | None = None
+
+    @property
+    def rows_per_sample(self) -> int:
+        """Rows one sample puts through the forward: dpo's pair is two (chosen, rejected)."""
+        return 2 if self.task == "dpo" else 1
+
+    @property
+    def holds_reference(self) -> bool:
+        """Whether a reference model is held beside the policy (its memory counts)."""
+        return self.reference == "copy"
 
     def accumulation_steps(self, dp: int) -> int | None:
         """Micro-batches per optimizer step on dp data-parallel ranks (rounded up); None: unknown."""
