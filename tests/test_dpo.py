@@ -189,6 +189,37 @@ def test_a_refused_pair_is_one_line_exit_2_and_nothing_written(tmp_path):
     assert not out.exists() and files_under(tmp_path) == ["dpo.yaml", "pairs.jsonl"]
 
 
+def test_dplaunch_data_shows_each_pairs_chosen_and_rejected_masks_as_the_ranks_train_them(capsys):
+    from dplaunch.commands.data import run_data
+    from dplaunch.config.load import load_run_config
+    from dplaunch.train.data import attach_chat_template, load_splits, tokenize
+    from dplaunch.train.modeling import load_tokenizer
+
+    options = {"show": 3, "start": 2, "blocks": 0, "boundaries": False}
+    assert run_data(RunFlags(config=DPO_CONFIG), as_json=True, **options) == 0
+    shown = json.loads(capsys.readouterr().out)
+    config = load_run_config(DPO_CONFIG)
+    tokenizer = load_tokenizer(config.model)
+    attach_chat_template(tokenizer, config.data, "dpo")
+    rows = tokenize(load_splits(config.data, config.train.seed)[0], tokenizer, config.data, "dpo")
+    assert shown["stats"]["pairs"] == shown["stats"]["kept"] == len(rows) == 1200
+    assert [e["index"] for e in shown["examples"]] == [2, 3, 4]
+    for example in shown["examples"]:
+        row = rows[example["index"]]
+        for side in ("chosen", "rejected"):
+            assert example[side]["trained"] == [label != -100 for label in row[f"{side}_labels"]]
+            trained = "".join(
+                t
+                for t, on in zip(example[side]["tokens"], example[side]["trained"], strict=True)
+                if on
+            )
+            assert trained.endswith("</s>") and "user" not in trained
+    assert run_data(RunFlags(config=DPO_CONFIG), as_json=False, **options) == 0
+    out = capsys.readouterr().out
+    assert "pairs: 1,200 — 1,200 kept, 0 left out whole" in out
+    assert "pair 2, chosen: " in out and "pair 2, rejected: " in out and "[[" in out
+
+
 # -- the plan ------------------------------------------------------------------------------------
 
 

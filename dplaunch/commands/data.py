@@ -8,7 +8,9 @@ statistics a user checks (examples kept, cut, dropped; tokens per example; train
 their share; packing efficiency; global batches per epoch), each pitfall once with its count and
 an example, `--show N` examples with their trained tokens highlighted (colours on a terminal,
 [[…]] otherwise), and the first packed blocks with the examples they hold, kept apart by their
-position ids. `--json` prints {"stats": …, "examples": [{index, tokens, trained}…]}.
+position ids. `--json` prints {"stats": …, "examples": [{index, tokens, trained}…]}. A dpo run
+(data/preference.py) shows each pair's chosen and rejected responses, tokens and masks
+({"index", "chosen": {tokens, trained}, "rejected": {…}} in JSON).
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ def run_data(
         training, _ = load_splits(config.data, config.train.seed)
     if data_task == "sft":
         report = _SftReport.build(config, tokenizer, training, range(start, start + show), blocks)
+    elif data_task == "dpo":
+        report = _PairReport.build(config, tokenizer, training, range(start, start + show))
     else:
         report = _CausalReport.build(config, tokenizer, training, range(start, start + show))
     if as_json:
@@ -320,6 +324,142 @@ class _SftReport:
                 )
             )
             out.tokens(block["pieces"], block["trained"])
+
+
+class _PairReport:
+    """dpo pairs through the ranks' pipeline: statistics, pitfalls, and the shown pairs' chosen
+    and rejected responses with their trained tokens."""
+
+    def __init__(self, stats: dict[str, Any], shown: list[dict[str, Any]], lines: list[str]):
+        self.stats, self.shown, self.lines = stats, shown, lines
+
+    @classmethod
+    def build(cls, config: Any, tokenizer: Any, dataset: Any, wanted: range) -> _PairReport:
+        from dplaunch.data.example_tokens import Encoded, pitfalls
+        from dplaunch.data.preference import RESPONSES
+        from dplaunch.data.preview import percentile, token_texts
+        from dplaunch.train.data import preference_examples_of
+
+        data = config.data
+        pipeline = preference_examples_of(tokenizer, data)
+        responses, shown = Encoded(keep_tokens=False), []
+        kept = dropped = tokens = trained = 0
+        lengths: list[int] = []
+        for first in range(0, len(dataset), 1000):
+            indices = list(range(first, min(first + 1000, len(dataset))))
+            pairs = [_rendered_pair(pipeline, dataset[index], index) for index in indices]
+            details: list = []
+            encoded = pipeline.tokens(pairs, details)
+            responses.absorb(encoded.responses, 2 * first)
+            kept, dropped = kept + encoded.kept, dropped + encoded.pairs_dropped
+            for index, pair, both in zip(indices, pairs, details, strict=True):
+                lengths += [side.length for side in both]
+                if all(side.kept for side in both):
+                    tokens += sum(len(side.input_ids) for side in both)
+                    trained += sum(sum(side.trained) for side in both)
+                if index in wanted:
+                    entry: dict[str, Any] = {"index": index}
+                    for name, example, side in zip(RESPONSES, pair, both, strict=True):
+                        names = tokenizer.convert_ids_to_tokens(side.input_ids)
+                        entry[name] = {
+                            "tokens": token_texts(example.text, side, names),
+                            "trained": side.trained,
+                            "fate": side.fate,
+                        }
+                    shown.append(entry)
+        found = pitfalls(responses, 2 * len(dataset), "responses", data.max_length, data.truncation)
+        global_batch = config.train.global_batch_size
+        stats = {
+            "task": "dpo",
+            "pairs": len(dataset),
+            "kept": kept,
+            "dropped": dropped,
+            "max_length": data.max_length,
+            "truncation": data.truncation,
+            "tokens_per_response": {
+                "p50": percentile(lengths, 50),
+                "p90": percentile(lengths, 90),
+                "max": max(lengths, default=0),
+            },
+            "tokens": tokens,
+            "trained_tokens": trained,
+            "trained_share": round(trained / tokens, 4) if tokens else 0.0,
+            "global_batch_size": global_batch,
+            "global_batches_per_epoch": kept // global_batch,
+            "warnings": [
+                {"name": p.name, "count": p.count, "example": p.first // 2, "text": p.text}
+                for p in found
+            ],
+        }
+        return cls(stats, shown, _pair_lines(config, stats))
+
+    def as_json(self) -> dict[str, Any]:
+        examples = [
+            {
+                "index": e["index"],
+                **{
+                    side: {key: e[side][key] for key in ("tokens", "trained")}
+                    for side in ("chosen", "rejected")
+                },
+            }
+            for e in self.shown
+        ]
+        return {"stats": self.stats, "examples": examples}
+
+    def print(self, out: _Printer) -> None:
+        for line in self.lines:
+            out.line(line)
+        for warning in self.stats["warnings"]:
+            out.line(f"warning: {warning['text']} (e.g. pair {warning['example']})", "bold yellow")
+        for pair in self.shown:
+            for side in ("chosen", "rejected"):
+                response = pair[side]
+                out.line()
+                out.line(
+                    f"pair {pair['index']}, {side}: {len(response['tokens']):,} tokens, "
+                    f"{sum(response['trained']):,} trained"
+                    + ("" if response["fate"] == "kept" else f" ({response['fate']})"),
+                    "bold",
+                )
+                out.tokens(response["tokens"], response["trained"])
+
+
+def _rendered_pair(pipeline: Any, record: dict, index: int) -> Any:
+    """RECORD's two responses rendered; refused naming pair INDEX when the ranks cannot train
+    on it."""
+    from dplaunch.data.answer_spans import TemplateError
+    from dplaunch.data.preference import pair_problem
+
+    try:
+        problem = pair_problem(record)
+        if problem is not None:
+            raise TemplateError(" — ".join(problem))
+        return pipeline.examples(record)
+    except TemplateError as error:
+        raise UserError(
+            "data.dataset",
+            f"pair {index} {error}",
+            "fix that record, or the template (data.chat_template)",
+        ) from None
+
+
+def _pair_lines(config: Any, stats: dict[str, Any]) -> list[str]:
+    """The summary lines of a dpo report (STATS: _PairReport's)."""
+    data, lengths = config.data, stats["tokens_per_response"]
+    kept, tokens = stats["kept"], stats["tokens"]
+    return [
+        f"data: {_source(data.dataset)} (preference pairs), tokenizer "
+        f"{config.model.tokenizer or config.model.name_or_path}"
+        + (", chat template from data.chat_template" if data.chat_template else ""),
+        f"pairs: {stats['pairs']:,} — {kept:,} kept, {stats['dropped']:,} left out whole (a "
+        f"response too long for data.max_length {data.max_length:,}, or without a trained token)",
+        f"tokens per response with its prompt: median {lengths['p50']:,}, p90 "
+        f"{lengths['p90']:,}, max {lengths['max']:,} (before the cut)",
+        f"trained tokens (the responses): {stats['trained_tokens']:,} of {tokens:,} "
+        f"({stats['trained_share']:.1%})",
+        f"global batches per epoch: {stats['global_batches_per_epoch']:,} ({kept:,} pairs ÷ "
+        f"global batch {stats['global_batch_size']:,})",
+    ]
 
 
 class _CausalReport:
