@@ -707,10 +707,161 @@ def test_a_checkpoint_of_a_pretrained_model_exports_without_the_pretrained_model
     # the trained weights, as the run's own end-of-training export wrote them
     assert_same_logits(exported, run / "model")
     assert (exported / "tokenizer.json").is_file()
-    # a checkpoint without hf/ (written before it was saved with them) needs the base model:
-    # gone, that is one line naming it, not a traceback
+    # a checkpoint without hf/ (written before it was saved with them, and with file digests)
+    # needs the base model: gone, that is one line naming it, not a traceback
     shutil.rmtree(checkpoint / "hf")
+    forget_digests(checkpoint)
     result = run_dplaunch("export", checkpoint, "--out", tmp_path / "never")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert result.stderr.startswith("dplaunch: error: model.name_or_path: "), result.stderr
     assert not (tmp_path / "never").exists()
+
+
+# --- damaged checkpoints: verified before a resume or an export, never resumed over -----------
+
+
+def forget_digests(checkpoint: Path) -> None:
+    """Make CHECKPOINT look written by a dplaunch before file digests (no "files" record)."""
+    meta = json.loads((checkpoint / "checkpoint.json").read_text())
+    meta.pop("files")
+    (checkpoint / "checkpoint.json").write_text(json.dumps(meta))
+
+
+def test_a_checkpoint_records_the_size_and_crc32_of_every_file_it_holds(ddp_runs):
+    import zlib
+
+    _, stopped = ddp_runs
+    checkpoint = stopped / "checkpoints" / "step-4"
+    records = json.loads((checkpoint / "checkpoint.json").read_text())["files"]
+    on_disk = sorted(
+        str(path.relative_to(checkpoint))
+        for path in checkpoint.rglob("*")
+        if path.is_file() and path.name != "checkpoint.json"
+    )
+    assert sorted(records) == on_disk and "model.safetensors" in records
+    for name, record in records.items():
+        data = (checkpoint / name).read_bytes()
+        assert record == {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
+
+
+def test_the_ranks_share_the_digests_of_a_save_and_rank_0_adds_the_files_of_the_commit(tmp_path):
+    from dplaunch.train.checkpoint import merge_digests, record_digests
+
+    folder = tmp_path / ".tmp-step-2"
+    for index, name in enumerate(["a.pt", "b/c.pt", "b/d.bin", "e.safetensors", "f.pkl"]):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(bytes([index]) * (index + 1) * 1000)
+    for rank in range(3):
+        record_digests(folder, rank, 3)
+    parts = [json.loads(p.read_text()) for p in sorted(folder.glob(".digests-rank-*.json"))]
+    assert len(parts) == 3 and all(parts)
+    assert sorted(name for part in parts for name in part) == sorted(  # each file once
+        ["a.pt", "b/c.pt", "b/d.bin", "e.safetensors", "f.pkl"]
+    )
+    (folder / "run.yaml").write_text("written at the commit\n")
+    merged = merge_digests(folder)
+    assert sorted(merged) == ["a.pt", "b/c.pt", "b/d.bin", "e.safetensors", "f.pkl", "run.yaml"]
+    assert not list(folder.glob(".digests-rank-*"))
+
+
+def test_a_damaged_checkpoint_is_named_in_one_line_never_resumed_over_nor_exported(
+    tmp_path, ddp_runs, run_file
+):
+    _, stopped = ddp_runs
+    one_rank = ("--cpu", "--gpus", "1")
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    step_4 = run / "checkpoints" / "step-4"
+    weights = step_4 / "model.safetensors"
+    with open(weights, "r+b") as handle:  # a copy cut short, a full disk
+        handle.truncate(weights.stat().st_size // 2)
+    before = files_under(run)
+    # before: every rank failed with a SafetensorError, and the message advised --resume auto
+    damaged = f"{step_4} is damaged (model.safetensors holds"
+    refusal_line(
+        run_dplaunch("train", run_file, "-o", run, *one_rank, "--resume", "auto", "--dry-run"),
+        f"--resume: no checkpoint of this run verifies ({damaged}",
+        "starting from step 0 would train the whole run again over them",
+        "give --start-over",
+    )
+    refusal_line(
+        run_dplaunch("train", run_file, "-o", run, *one_rank, "--resume", step_4, "--dry-run"),
+        f"--resume: {damaged}",
+    )
+    # before: a 49-line traceback and an empty --out folder
+    out = tmp_path / "exports" / "model"
+    refusal_line(run_dplaunch("export", step_4, "--out", out), f"CHECKPOINT: {damaged}")
+    assert not (tmp_path / "exports").exists()
+    assert files_under(run) == before  # refused: nothing renamed, nothing written
+
+    # a committed checkpoint whose checkpoint.json is unreadable (before: "no complete
+    # checkpoint … starting from step 0", and the whole run trained again over it)
+    shutil.copy2(stopped / "checkpoints" / "step-4" / "model.safetensors", weights)
+    (step_4 / "checkpoint.json").write_text('{"step": 4, "epo')
+    refusal_line(
+        run_dplaunch("train", run_file, "-o", run, *one_rank, "--resume", "auto", "--dry-run"),
+        f"no checkpoint of this run verifies ({step_4} is damaged (its checkpoint.json is "
+        "missing or unreadable))",
+    )
+    result = run_dplaunch(
+        "train", run_file, "-o", run, *one_rank, "--resume", "auto", "--start-over", "--dry-run"
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "resume: no checkpoint verifies: starting from step 0 (--start-over)" in result.stdout
+    refusal_line(
+        run_dplaunch("train", run_file, "-o", tmp_path / "new", *one_rank, "--start-over"),
+        "--start-over: ",
+        "add --resume auto",
+    )
+
+
+def test_a_checkpoint_of_an_older_dplaunch_without_digests_resumes_and_a_cut_one_is_found(
+    tmp_path, ddp_runs, run_file
+):
+    _, stopped = ddp_runs
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    step_4 = run / "checkpoints" / "step-4"
+    forget_digests(step_4)
+    flags = ("--cpu", "--gpus", "1", "--resume", "auto", "--dry-run")
+    result = run_dplaunch("train", run_file, "-o", run, *flags)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"resume: {step_4} (step 4" in result.stdout
+    assert "step-4 records no file digests (an older dplaunch wrote it)" in result.stdout
+    # its safetensors header still tells how long the file must be, torch's zip how it ends
+    for name in ("model.safetensors", "optimizer.bin"):
+        shutil.copytree(stopped, tmp_path / name)
+        checkpoint = tmp_path / name / "checkpoints" / "step-4"
+        forget_digests(checkpoint)
+        with open(checkpoint / name, "r+b") as handle:
+            handle.truncate((checkpoint / name).stat().st_size - 100)
+        refusal_line(
+            run_dplaunch("train", run_file, "-o", tmp_path / name, *flags),
+            f"{checkpoint} is damaged ({name}: ",
+        )
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_continues_from_the_one_before(
+    tmp_path, ddp_runs, run_file
+):
+    straight, stopped = ddp_runs
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    one_rank = ("--cpu", "--gpus", "1", "--set", "train.checkpoint_every=2", "--resume", "auto")
+    train(run, *one_rank, "--set", "train.stop_after_steps=6", config=run_file)
+    step_6 = run / "checkpoints" / "step-6"
+    with open(step_6 / "optimizer.bin", "r+b") as handle:  # one flipped byte, mid-file
+        handle.seek(1000)
+        byte = handle.read(1)
+        handle.seek(1000)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    result = train(run, *one_rank, config=run_file)
+    kept = run / "checkpoints" / "damaged-step-6"
+    assert (
+        f"resume: {step_6} is damaged (optimizer.bin does not hold the bytes that were written"
+        in result.stderr
+    )
+    assert f"set aside as {kept} (kept, not read again)" in result.stderr
+    assert f"resume: {run / 'checkpoints' / 'step-4'} (step 4" in result.stdout
+    assert losses_by_step(run) == losses_by_step(straight)  # steps 5-8 trained again, exactly
+    assert (kept / "optimizer.bin").is_file()  # never deleted

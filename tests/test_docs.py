@@ -62,7 +62,7 @@ def test_every_key_and_flag_is_in_the_reference():
         assert f"| `{key}` |" in text
     train = typer.main.get_command(app).commands["train"]
     flags = [opt for param in train.params for opt in param.opts if opt.startswith("--")]
-    own = {"--dry-run", "--resume", "--set", "--help"}
+    own = {"--dry-run", "--resume", "--start-over", "--set", "--help"}
     assert "--gpus" in flags and "--fsdp" in flags
     for flag in set(flags) - own:
         assert f"`{flag}`" in text, flag

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+import yaml
 
 from dplaunch.commands.options import command
 from dplaunch.errors import UserError
@@ -68,8 +69,19 @@ def run_export(checkpoint: Path, out: Path, adapter: bool = False) -> int:
     from dplaunch.run_directory.checkpoints import find_checkpoint
     from dplaunch.run_directory.files import read_plan_file, read_run_file
 
-    info = find_checkpoint(checkpoint.expanduser(), field="CHECKPOINT")
-    config = RunConfig.model_validate(read_run_file(info.path))
+    found = find_checkpoint(checkpoint.expanduser(), field="CHECKPOINT")
+    info = found.info
+    for damage in found.damaged:
+        typer.echo(f"skipped: {damage.line()}", err=True)
+    try:
+        config = RunConfig.model_validate(read_run_file(info.path))
+        saved_plan = read_plan_file(info.path)
+    except (OSError, ValueError, yaml.YAMLError) as error:  # pydantic's errors are ValueErrors
+        raise UserError(
+            "CHECKPOINT",
+            f"cannot read the run file or plan of {info.path} ({type(error).__name__})",
+            "it is damaged: export another checkpoint",
+        ) from None
     if adapter and config.model.lora is None:
         raise UserError(
             "--adapter",
@@ -88,7 +100,7 @@ def run_export(checkpoint: Path, out: Path, adapter: bool = False) -> int:
 
         if looks_like_path(name):
             find_model_file(name, ("config.json",), "model.name_or_path")
-    plan = Plan.from_dict(read_plan_file(info.path))
+    plan = Plan.from_dict(saved_plan)
     if (out / "config.json").exists() or (out / "adapter_config.json").exists():
         raise UserError("--out", f"{out} already holds a model", "choose an empty or new directory")
     check_output_dir(out, "--out")
@@ -98,7 +110,13 @@ def run_export(checkpoint: Path, out: Path, adapter: bool = False) -> int:
     if plan.tensor_parallel_size > 1 and plan.engine != "fsdp":
         _check_weight_files(info.path, plan.tensor_parallel_size)
         job = export_job_plan(config, plan)
-    created = not out.exists()
+    # the outermost folder this export creates: removed whole if it fails
+    created = None
+    if not out.exists():
+        created = out.absolute()
+        while not created.parent.exists():
+            created = created.parent
+    before = set() if created else set(out.iterdir())
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -107,6 +125,7 @@ def run_export(checkpoint: Path, out: Path, adapter: bool = False) -> int:
             f"cannot create {out} ({error.strerror or error})",
             "choose a writable directory",
         ) from None
+    _quiet_export()
     typer.echo(
         f"exporting {info.path} (step {info.step}, {plan.engine}"
         + (f" ZeRO-{plan.zero_stage}" if plan.zero_stage else "")
@@ -114,16 +133,31 @@ def run_export(checkpoint: Path, out: Path, adapter: bool = False) -> int:
         + f", {plan.world_size} rank(s)) to {out}"
     )
     started = time.perf_counter()
-    if job is not None:
-        code = run_export_job(info.path, *job, out)
-        if code != 0:
-            if created and not any(out.iterdir()):
-                out.rmdir()
-            return code
-    elif config.model.lora is not None:
-        export_lora_checkpoint(info.path, config, plan.engine, out, adapter)
-    else:
-        export_checkpoint(info.path, config, plan.engine, out)
+    try:
+        if job is not None:
+            code = run_export_job(info.path, *job, out)
+            if code != 0:
+                _remove_partial(out, created, before)
+                return code
+        elif config.model.lora is not None:
+            export_lora_checkpoint(info.path, config, plan.engine, out, adapter)
+        else:
+            export_checkpoint(info.path, config, plan.engine, out)
+    except UserError:
+        _remove_partial(out, created, before)
+        raise
+    except Exception as error:  # noqa: BLE001 — a checkpoint that does not load: one line
+        _remove_partial(out, created, before)
+        message = " ".join(str(error).split())[:300]
+        raise UserError(
+            "CHECKPOINT",
+            f"{info.path} could not be read ({type(error).__name__}: {message})",
+            "it is damaged or not a dplaunch checkpoint: export another one (a run directory "
+            "exports its newest checkpoint that verifies)",
+        ) from None
+    except BaseException:  # Ctrl-C: nothing half-written either
+        _remove_partial(out, created, before)
+        raise
     size = sum(item.stat().st_size for item in out.iterdir() if item.is_file())
     how = "PeftModel.from_pretrained(base, OUT)" if adapter else "from_pretrained"
     typer.echo(
@@ -131,6 +165,32 @@ def run_export(checkpoint: Path, out: Path, adapter: bool = False) -> int:
         f"load it with {how}"
     )
     return 0
+
+
+def _quiet_export() -> None:
+    # the export runs on this process's CPU: DeepSpeed (imported with transformers' integrations)
+    # would warn that it found no GPU, and save_pretrained and zero_to_fp32 draw progress bars
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # zero_to_fp32's bars ("Loading checkpoint shards", "Gathering sharded weights"); tqdm reads
+    # it when imported, which is later
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+
+
+def _remove_partial(out: Path, created: Path | None, before: set[Path]) -> None:
+    # a failed export leaves nothing: the folders it created, or what it added to one that existed
+    if created is not None:
+        shutil.rmtree(created, ignore_errors=True)
+        return
+    for item in set(out.iterdir()) - before:
+        if item.is_dir():
+            shutil.rmtree(item, ignore_errors=True)
+        else:
+            item.unlink(missing_ok=True)
 
 
 def checkpoint_model(directory: Path, model: ModelConfig) -> ModelConfig:

@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from dplaunch.launching import restarts
     from dplaunch.launching.prepare import PreparedRun
     from dplaunch.launching.process import RankWatch
-    from dplaunch.launching.resume import ResumePoint
+    from dplaunch.launching.resume import ResumeChoice, ResumePoint
+    from dplaunch.run_directory.checkpoints import DamagedCheckpoint
 
 
 @command()
@@ -51,11 +52,21 @@ def train_command(
     ] = False,
     resume: Annotated[
         str | None,
-        typer.Option("--resume", help="'auto' (newest complete checkpoint) or a checkpoint path."),
+        typer.Option(
+            "--resume", help="'auto' (newest checkpoint that verifies) or a checkpoint path."
+        ),
     ] = None,
+    start_over: Annotated[
+        bool,
+        typer.Option(
+            "--start-over",
+            help="With --resume auto: train from step 0 when no checkpoint of the run "
+            "directory verifies (they are kept, renamed damaged-step-N).",
+        ),
+    ] = False,
 ) -> int:
     """Train a Hugging Face model with the planned parallel layout."""
-    return run_train(flags, dry_run=dry_run, resume=resume)
+    return run_train(flags, dry_run=dry_run, resume=resume, start_over=start_over)
 
 
 @command()
@@ -100,10 +111,13 @@ def launch_command(
     return run_launch(flags, argv, dry_run=dry_run, framework=framework)
 
 
-def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
+def run_train(
+    flags: RunFlags, *, dry_run: bool, resume: str | None, start_over: bool = False
+) -> int:
     """Plan, write the run directory and start the ranks; return their exit status.
 
     75 (EXIT_CHECKPOINTED) means the ranks checkpointed on SIGUSR1/SIGTERM: continue with --resume auto.
+    START_OVER: with --resume auto, train from step 0 when no checkpoint of the run verifies.
     """
     from dplaunch.launching.prepare import prepare_training_run
     from dplaunch.launching.preview import print_prepared
@@ -112,6 +126,13 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
     from dplaunch.requirements import check_installed_versions
     from dplaunch.run_directory.files import clear_stop_record, read_stop_record
 
+    if start_over and resume != "auto":
+        raise UserError(
+            "--start-over",
+            "it trains from step 0 when no checkpoint of the run directory verifies, which only "
+            "--resume auto looks for",
+            "add --resume auto",
+        )
     check_installed_versions()
     prepared = prepare_training_run(flags)
     disk_line = check_run_dir(prepared.run_dir, resuming=resume is not None)
@@ -120,20 +141,21 @@ def run_train(flags: RunFlags, *, dry_run: bool, resume: str | None) -> int:
         from dplaunch.commands.slurm import run_under_srun
 
         return run_under_srun(prepared, relaunch, dry_run=dry_run)
-    point = (
-        plan_resume(prepared.run_dir, resume, prepared.config, prepared.plan)
+    choice = (
+        plan_resume(prepared.run_dir, resume, prepared.config, prepared.plan, start_over=start_over)
         if resume is not None
         else None
     )
+    point = choice.point if choice is not None else None
     # always written: a stale resume.json of an earlier launch must not be read by these ranks
     prepared.files[RESUME_FILE] = resume_file_text(point)
     if dry_run:
         print_prepared(prepared, show_files=True)
-        _print_resume(point, resume)
+        _print_resume(choice, resume, set_aside=False)
         return 0
     print_prepared(prepared, show_files=False)
     typer.echo(f"run directory: {prepared.run_dir} ({disk_line})")
-    _print_resume(point, resume)
+    _print_resume(choice, resume, set_aside=prepared.plan.node_rank == 0)
     if point is not None and point.reshard == "universal":
         interrupted = _reshard(prepared, point)
         if interrupted is not None:
@@ -203,7 +225,7 @@ def _train_with_restarts(prepared: PreparedRun, point: ResumePoint | None) -> in
             previous=previous,
             restarts_done=done,
             max_restarts=max_restarts,
-            checkpoint_step=_restart_step(run_dir, point),
+            checkpoint_step=_restart_step(run_dir, point, plan.node_rank),
         )
         if agreement is not None:
             verdict = agreement.decide(done + 1, failure, verdict_for, say=typer.echo)
@@ -239,18 +261,21 @@ def _train_with_restarts(prepared: PreparedRun, point: ResumePoint | None) -> in
             return EXIT_CHECKPOINTED
         if verdict.checkpoint_step is not None:
             checkpoint = run_dir / CHECKPOINTS_DIR / step_dir(verdict.checkpoint_step)
-            point = plan_resume(run_dir, str(checkpoint), prepared.config, plan)
+            point = plan_resume(run_dir, str(checkpoint), prepared.config, plan).point
         prepared.files[RESUME_FILE] = resume_file_text(point)
-        _print_resume(point, "auto")
+        _print_resume(ResumeChoice(point), "auto", set_aside=False)
         previous = failure
 
 
-def _restart_step(run_dir: Path, point: ResumePoint | None) -> int | None:
-    """The step of this run's newest complete checkpoint, the one a restart continues from;
-    None: none newer than where this launch started (it starts there again)."""
-    from dplaunch.run_directory.checkpoints import newest_checkpoint
+def _restart_step(run_dir: Path, point: ResumePoint | None, node_rank: int) -> int | None:
+    """The step of this run's newest checkpoint that verifies, the one a restart continues from
+    (newer damaged ones are named and set aside); None: none newer than where this launch
+    started (it starts there again)."""
+    from dplaunch.run_directory.checkpoints import newest_intact_checkpoint
 
-    newest = newest_checkpoint(run_dir / CHECKPOINTS_DIR)
+    found = newest_intact_checkpoint(run_dir / CHECKPOINTS_DIR)
+    _say_damaged(found.damaged, set_aside=node_rank == 0)
+    newest = found.info
     if newest is None or (point is not None and newest.step < point.checkpoint.step):
         return None
     return newest.step
@@ -358,15 +383,33 @@ def _failure_hints(run_dir: Path) -> list[str] | None:
         return []
     return [
         f"dplaunch: the newest complete checkpoint is {newest.path} (step {newest.step}): "
-        "continue with --resume auto"
+        "continue with --resume auto (it verifies the checkpoints first and skips damaged ones)"
     ]
 
 
-def _print_resume(point: ResumePoint | None, resume: str | None) -> None:
-    if resume is None:
+def _say_damaged(damaged: tuple[DamagedCheckpoint, ...], *, set_aside: bool) -> None:
+    # never deleted: renamed damaged-step-N (node 0 only, once), so nothing reads, rotates or
+    # replaces it again; a dry run only says so
+    from dplaunch.run_directory.checkpoints import set_aside as rename_aside
+
+    for damage in damaged:
+        if set_aside and damage.path.exists():
+            kept = f"set aside as {rename_aside(damage)} (kept, not read again)"
+        else:
+            kept = "skipped"
+        typer.echo(f"resume: {damage.line()}: {kept}", err=True)
+
+
+def _print_resume(choice: ResumeChoice | None, resume: str | None, *, set_aside: bool) -> None:
+    if resume is None or choice is None:
         return
+    _say_damaged(choice.damaged, set_aside=set_aside)
+    point = choice.point
     if point is None:
-        typer.echo("resume: no complete checkpoint in this run directory: starting from step 0")
+        if choice.damaged:
+            typer.echo("resume: no checkpoint verifies: starting from step 0 (--start-over)")
+        else:
+            typer.echo("resume: no complete checkpoint in this run directory: starting from step 0")
         return
     info = point.checkpoint
     # a stream's checkpoint has no epoch: its position is each lane's (data-position-N.json)

@@ -22,7 +22,12 @@ from typing import Any
 import yaml
 
 from dplaunch.errors import UserError
-from dplaunch.run_directory.checkpoints import CheckpointInfo, find_checkpoint, newest_checkpoint
+from dplaunch.run_directory.checkpoints import (
+    CheckpointInfo,
+    DamagedCheckpoint,
+    find_checkpoint,
+    newest_intact_checkpoint,
+)
 from dplaunch.run_directory.files import finished_at, read_plan_file, read_run_file, resume_text
 from dplaunch.run_directory.layout import (
     CHECKPOINTS_DIR,
@@ -62,6 +67,14 @@ class ResumePoint:
         return self.checkpoint.path
 
 
+@dataclass(frozen=True)
+class ResumeChoice:
+    """What a launch continues from (None: step 0), and the newer checkpoints that did not verify."""
+
+    point: ResumePoint | None
+    damaged: tuple[DamagedCheckpoint, ...] = ()
+
+
 def resume_file_text(point: ResumePoint | None) -> str:
     """resume.json for the ranks of a launch: where they continue from, or a fresh start."""
     if point is None:
@@ -71,26 +84,49 @@ def resume_file_text(point: ResumePoint | None) -> str:
     )
 
 
-def plan_resume(run_dir: Path, resume: str, config: Any, plan: Any) -> ResumePoint | None:
+def plan_resume(
+    run_dir: Path, resume: str, config: Any, plan: Any, *, start_over: bool = False
+) -> ResumeChoice:
     """The checkpoint a launch continues from (None: a fresh start), checked against the new run.
 
-    Raises UserError, before anything starts, when the checkpoint cannot continue in this run:
-    another model, data or data order, no step left to train (max_steps or epochs at or
-    below the checkpoint's step), or a layout that cannot be re-sharded.
+    Every checkpoint is verified first (each file's size and CRC-32 as checkpoint.json recorded
+    them): `auto` takes the newest that verifies and names the newer ones that did not. Raises
+    UserError, before anything starts, when the checkpoint cannot continue in this run: damaged,
+    another model, data or data order, no step left to train (max_steps or epochs at or below
+    the checkpoint's step), or a layout that cannot be re-sharded; and when `auto` finds only
+    damaged checkpoints, unless START_OVER (from step 0 over them) is asked for.
     """
     if resume == "auto":
-        info = newest_checkpoint(run_dir / CHECKPOINTS_DIR)
-        if info is None:
-            _refuse_retraining_a_finished_run(run_dir)
-            return None
+        found = newest_intact_checkpoint(run_dir / CHECKPOINTS_DIR)
+        if found.info is None:
+            if found.damaged and not start_over:
+                raise UserError(
+                    "--resume",
+                    "no checkpoint of this run verifies ("
+                    + "; ".join(damage.line() for damage in found.damaged)
+                    + "): starting from step 0 would train the whole run again over them",
+                    "give --start-over to train from step 0 anyway (they are kept, renamed "
+                    "damaged-step-N), or --resume PATH of an intact copy",
+                )
+            if not found.damaged:
+                _refuse_retraining_a_finished_run(run_dir)
+            return ResumeChoice(None, found.damaged)
     else:
-        info = find_checkpoint(Path(resume).expanduser())
+        found = find_checkpoint(Path(resume).expanduser())
+    info = found.info  # find_checkpoint found one or raised
     saved_config = _read_run_file(info.path)
     saved_plan = read_plan_file(info.path)
     notes = _check_same_training(saved_config, config, info)
     notes += _check_steps_left(config, info)
     reshard, layout_notes = _check_layout(saved_plan, plan, info)
-    return ResumePoint(info, run_dir, reshard, tuple(notes + layout_notes))
+    if not info.has_digests:
+        # written before dplaunch recorded digests: it resumes as it always did
+        notes.append(
+            f"{info.name} records no file digests (an older dplaunch wrote it): only the "
+            "structure of its safetensors and torch files was checked"
+        )
+    point = ResumePoint(info, run_dir, reshard, tuple(notes + layout_notes))
+    return ResumeChoice(point, found.damaged)
 
 
 def _refuse_retraining_a_finished_run(run_dir: Path) -> None:

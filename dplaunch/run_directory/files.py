@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -237,6 +238,29 @@ def read_checkpoint_meta(checkpoint: Path) -> Any:
 def write_checkpoint_meta(checkpoint: Path, meta: dict[str, Any]) -> None:
     """checkpoint.json, durably: its presence is what makes a checkpoint complete."""
     write_text_atomic(checkpoint / META_FILE, json.dumps(meta, indent=2) + "\n", durable=True)
+
+
+# the digest of a checkpoint's files: CRC-32 finds accidental damage (a truncated, zero-filled or
+# overwritten block), not tampering. zlib's runs at ~4 GB/s a core and releases the GIL, so the
+# ranks split a save's files and the launcher checks a resume with threads; SHA-256 runs at
+# ~1.8 GB/s with SHA extensions, ~0.4 GB/s on CPUs without them
+DIGEST_CHUNK_BYTES = 8 << 20
+
+
+def file_digest(path: Path) -> str:
+    """The CRC-32 of a file's bytes, 8 hex digits."""
+    crc = 0
+    buffer = bytearray(DIGEST_CHUNK_BYTES)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as handle:
+        while count := handle.readinto(buffer):
+            crc = zlib.crc32(view[:count], crc)
+    return f"{crc:08x}"
+
+
+def file_record(path: Path) -> dict[str, Any]:
+    """What checkpoint.json records of one file: its size and digest."""
+    return {"bytes": path.stat().st_size, "crc32": file_digest(path)}
 
 
 def read_latest(checkpoints_dir: Path) -> str:

@@ -19,7 +19,8 @@
 
     RUN/checkpoints/
       step-4/               complete: every rank finished writing before it got this name
-        checkpoint.json     the data position (step, epoch) and the layout that wrote it; written last
+        checkpoint.json     the data position (step, epoch), the layout that wrote it, and the size
+                            and CRC-32 of every other file (checked before a resume); written last
         run.yaml, plan.json the resolved run file and plan of the run that wrote it
         hf/                 the model's HF config files and tokenizer (`dplaunch export` needs no Hub)
         pytorch_model/      DeepSpeed's checkpoint under ZeRO/TP (pipeline/ for the pipeline engine)
@@ -28,6 +29,7 @@
       latest                "step-4": the newest complete checkpoint
       .tmp-step-6/          a save in progress (or killed): never read, removed by the next save
       universal-step-4/     step-4 re-sharded for another data-parallel size; `done` when finished
+      damaged-step-8/       a checkpoint whose files did not verify, set aside (never deleted)
 
 Pure names: no file is read or written here (dplaunch.run_directory.files does that).
 """
@@ -103,6 +105,9 @@ META_FILE = "checkpoint.json"
 # `dplaunch export` builds the model from them, without the pretrained weights or the Hub
 MODEL_FILES_DIR = "hf"
 TEMP_PREFIX = ".tmp-"
+# a committed checkpoint whose files do not verify, set aside by the launcher (never deleted):
+# RUN/checkpoints/damaged-step-N, no longer read, rotated or replaced
+DAMAGED_PREFIX = "damaged-"
 # a ZeRO checkpoint converted for another data-parallel size: RUN/checkpoints/universal-step-N
 UNIVERSAL_PREFIX = "universal-"
 # written last into a universal conversion: what it was made from
@@ -173,6 +178,12 @@ def data_position_file(data_parallel_rank: int) -> str:
 
 
 DATA_POSITION_PREFIX = "data-position-"
+
+
+def digests_part_file(rank: int | str) -> str:
+    """A save in progress: the sizes and digests of the files rank RANK read back (merged into
+    checkpoint.json by rank 0, then removed)."""
+    return f".digests-rank-{rank}.json"
 
 
 def rng_state_file(rank: int) -> str:

@@ -12,6 +12,7 @@ what resume.json names. The top of this module imports no torch.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -22,6 +23,7 @@ from typing import Any
 
 from dplaunch.run_directory.checkpoints import complete_checkpoints, newest_checkpoint
 from dplaunch.run_directory.files import (
+    file_record,
     fsync_directory,
     fsync_file,
     read_checkpoint_meta,
@@ -29,14 +31,18 @@ from dplaunch.run_directory.files import (
     write_checkpoint_meta,
     write_latest,
     write_stop_record,
+    write_text_atomic,
 )
 from dplaunch.run_directory.layout import (
     CHECKPOINTS_DIR,
+    META_FILE,
     MODEL_FILES_DIR,
     PLAN_FILE,
     RUN_FILE,
     TEMP_PREFIX,
     UNIVERSAL_PREFIX,
+    digests_part_file,
+    rank_of,
     rng_state_file,
     step_dir,
 )
@@ -130,6 +136,9 @@ class Checkpointer:
             ) from error
         self.control.barrier()  # every rank has written its part
         try:
+            # the ranks read the files back (from the page cache) and record each one's size and
+            # CRC-32, a share each: checkpoint.json lists them, a resume verifies them
+            record_digests(temp, self.rank, _world_size())
             # on disk before checkpoint.json says "complete": a node that crashes after the
             # commit must not leave a complete checkpoint of truncated files
             sync_to_disk(temp, *_local_place())
@@ -178,6 +187,7 @@ class Checkpointer:
         if self.write_model_files is not None:
             self.write_model_files(temp / MODEL_FILES_DIR)
             sync_to_disk(temp / MODEL_FILES_DIR, 0, 1)
+        files = merge_digests(temp)
         meta = {
             "step": step,
             # a stream's epoch is unknown: its position is in data-position-N.json
@@ -188,7 +198,8 @@ class Checkpointer:
             **self.meta,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "save_seconds": round(time.perf_counter() - started, 3),
-            "size_bytes": _tree_size(temp),
+            "size_bytes": sum(record["bytes"] for record in files.values()),
+            "files": files,
         }
         write_checkpoint_meta(temp, meta)
         fsync_directory(temp)
@@ -286,10 +297,45 @@ def load_rng_state(directory: Path, rank: int) -> None:
         torch.cuda.set_rng_state(state["cuda"]["state"], torch.cuda.current_device())
 
 
+def record_digests(folder: Path, rank: int, world_size: int) -> None:
+    """Write the sizes and digests of this rank's share of FOLDER's files (every world_size-th
+    file of the sorted list) to its part file, durably."""
+    names = _checkpoint_files(folder)
+    records = {name: file_record(folder / name) for name in names[rank::world_size]}
+    write_text_atomic(folder / digests_part_file(rank), json.dumps(records) + "\n", durable=True)
+
+
+def merge_digests(folder: Path) -> dict[str, dict[str, Any]]:
+    """Rank 0 at the commit: every file's record, from the ranks' parts (removed after) and, for
+    the files the parts miss (written at the commit), read here."""
+    records: dict[str, dict[str, Any]] = {}
+    for part in folder.glob(digests_part_file("*")):
+        records.update(json.loads(part.read_text()))
+        part.unlink()
+    names = _checkpoint_files(folder)
+    for name in names:
+        if name not in records:
+            records[name] = file_record(folder / name)
+    return {name: records[name] for name in names}
+
+
+def _checkpoint_files(folder: Path) -> list[str]:
+    """The files a checkpoint.json records: all but itself and the digests' part files (which
+    other ranks may be writing meanwhile, through a temporary name)."""
+    return sorted(
+        str(path.relative_to(folder))
+        for path in folder.rglob("*")
+        if path.is_file()
+        and path.name != META_FILE
+        and not path.name.startswith(TEMP_PREFIX)
+        and rank_of(path.name, digests_part_file) is None
+    )
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
 def _local_place() -> tuple[int, int]:
     """(this rank's index on its node, ranks on the node), as torchrun sets them."""
     return int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-
-
-def _tree_size(path: Path) -> int:
-    return sum(item.stat().st_size for item in path.rglob("*") if item.is_file())
