@@ -38,17 +38,35 @@ def exit_handle(pid: int) -> int | None:
 class StopSignals:
     """SIGUSR1/SIGTERM set a flag; the loop stops at the next step boundary. Repeats are harmless.
 
-    The launcher notes SIGUSR1 alone the same way while it re-shards a checkpoint (``signals``).
+    ``starting`` (a rank before its first step): SIGTERM keeps its default action and ends the
+    rank at once, even inside a collective or a C++ call where no Python handler runs: nothing
+    is trained yet to save, and torchrun would kill it 30 s later anyway (SLURM after its
+    KillWait). SIGUSR1, SLURM's warning minutes before the time limit, waits for the first step
+    still. ``started()`` hands SIGTERM to the flag too. The launcher notes SIGUSR1 alone the same
+    way while it re-shards a checkpoint (``signals``).
     """
 
-    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
+    def __init__(
+        self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS, *, starting: bool = False
+    ) -> None:
         self.received: str | None = None
+        self.starting = starting
         self._signals = signals
         self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
         for sig in self._signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
+            if self.starting and sig == signal.SIGTERM:
+                self._previous[sig] = signal.signal(sig, signal.SIG_DFL)
+            else:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def started(self) -> None:
+        """The first step begins: from now on SIGTERM checkpoints at a step boundary as well."""
+        if self.starting:
+            self.starting = False
+            if signal.SIGTERM in self._signals:
+                signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum: int, _frame: Any) -> None:
         # only a flag: the save in progress (if any) goes on untouched, a second signal changes nothing

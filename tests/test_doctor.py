@@ -53,6 +53,15 @@ def test_two_nodes_on_loopback_pass_with_a_bus_bandwidth_row_per_size(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_the_doctor_without_flags_passes_on_one_cpu_rank(tmp_path):
+    # one rank: Accelerate starts it without torchrun (no RANK): before, two tracebacks and FAIL
+    result = run_dplaunch("doctor", "-o", tmp_path / "run", timeout=BOUND_S)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0 and "doctor: PASS" in out, out[-3000:]
+    assert "Traceback" not in out and "all-reduce over 1 rank(s) (gloo):" in out
+
+
+@pytest.mark.multiprocess
 def test_preflight_of_a_node_that_cannot_reach_the_rendezvous_port_fails_naming_it(tmp_path):
     # node 1 of a 2-node training run with launch.preflight; node 0 never starts, so nothing
     # answers on the port, as behind a firewall that refuses it

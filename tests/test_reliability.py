@@ -205,6 +205,56 @@ def test_a_rank_the_launcher_stopped_is_not_reported_as_failed(tmp_path):
     assert run_processes(str(script)) == []
 
 
+def test_a_single_failing_rank_is_its_own_error_not_accelerates_traceback(tmp_path):
+    # one rank: Accelerate runs it without torchrun and raised CalledProcessError at us
+    script = tmp_path / "fails.py"
+    script.write_text('raise ValueError("the one rank broke")\n')
+    result = run_dplaunch("launch", script, "--cpu", "--gpus", "1", "-o", tmp_path / "run")
+    assert result.returncode == 1
+    assert "CalledProcessError" not in result.stderr and "simple_launcher" not in result.stderr
+    assert "ValueError: the one rank broke" in result.stderr  # the script's own traceback
+    assert last_line(result.stderr) == "[rank 0] exited with status 1 (its output is above)"
+
+
+def test_ctrl_c_while_the_ranks_start_is_one_line_without_tracebacks(tmp_path):
+    dplaunch = start_dplaunch(
+        tmp_path, "train", TINY_LLAMA, "--cpu", "--gpus", "2", "-o", tmp_path / "run"
+    )
+    # the launcher and the ranks are importing torch: each would print a KeyboardInterrupt
+    wait_for(lambda: len(run_processes(str(tmp_path / "run"))) >= 3, 60, "the ranks")
+    dplaunch.send_signal(signal.SIGINT)
+    code = dplaunch.wait(timeout=120)
+    stdout, stderr = output(tmp_path)
+    assert code != 0
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert last_line(stderr) == (
+        "dplaunch: stopped by SIGINT (sent to dplaunch, passed on to every rank)"
+    )
+    assert run_processes(str(tmp_path / "run")) == []
+
+
+def test_sigterm_while_the_ranks_load_stops_them_at_once_not_after_torchruns_30_s(tmp_path):
+    # the ranks sit in start-up with their signal handlers installed (as while a large model
+    # loads): before, they kept SIGTERM for a first step that never came, and torchrun killed
+    # them after 30 s
+    env = child_environment(DPLAUNCH_TEST_CHECKPOINT_FAULT="0:start_sleep=300")
+    run_dir = tmp_path / "run"
+    dplaunch = start_dplaunch(
+        tmp_path, "train", TINY_LLAMA, "--cpu", "--gpus", "2", "-o", run_dir, env=env
+    )
+    # rank 0 says it started (its process group exists), then sleeps in start-up
+    wait_for(lambda: "[dplaunch] 2 rank(s)" in output(tmp_path)[0], 120, "the ranks' start")
+    dplaunch.send_signal(signal.SIGTERM)
+    code = dplaunch.wait(timeout=25)  # torchrun's own kill comes at 30 s
+    stdout, stderr = output(tmp_path)
+    assert code != 0
+    assert last_line(stderr) == (
+        "dplaunch: stopped by SIGTERM (sent to dplaunch, passed on to every rank)"
+    )
+    assert "Traceback" not in stderr and not list(run_dir.glob("errors/rank-*.txt")), stderr
+    assert run_processes(str(run_dir)) == []
+
+
 def test_a_rank_killed_with_sigkill_in_training_ends_the_job_within_30_s(tmp_path):
     dplaunch, run_dir = long_training_run(tmp_path)
     seen = run_processes(str(run_dir))

@@ -131,6 +131,15 @@ CASES = [
         "data.chat_template: the chat template fails to render it (only user turns, please)",
     ),
     (
+        # before: "0 conversations kept pack into 0 blocks … use a larger data.max_length"
+        "template-renders-no-assistant-turn",
+        _template_file(
+            "{% for m in messages %}{% if m.role != 'assistant' %}{{ m.content }}{% endif %}"
+            "{% endfor %}"
+        ),
+        "data.chat_template: the chat template renders no assistant turn of line 1 of",
+    ),
+    (
         "no-chat-template",
         lambda t: ["train", SFT_CONFIG, "--set", "data.chat_template=null"],
         "data.chat_template: the tokenizer byte-level has no chat template to render the "

@@ -79,14 +79,22 @@ def check_sft_examples(config: RunConfig) -> list[str]:
     budget = [_check_budget()]
     examples: list[Example] = []
     places: list[str] = []
-    for field, where, example in rendered_records(
+    for field, where, (record, example) in rendered_records(
         config,
         budget,
         tokenizer,
         lambda record: conversations.record_problem(record, pipeline.fmt),
         lambda record: renderer.template is None and _needs_template(record, pipeline.fmt),
-        lambda record: renderer.example(record, pipeline.fmt),
+        lambda record: (record, renderer.example(record, pipeline.fmt)),
     ):
+        if not example.answers and _needs_template(record, pipeline.fmt) and data.loss_on != "all":
+            # the record has an answer (record_problem checked): the template dropped it
+            raise UserError(
+                "data.chat_template",
+                f"the chat template renders no assistant turn of {where}: the loss is on "
+                "the answers, so no token of it would be trained",
+                "make the template write each assistant message's content",
+            )
         if field == "data.dataset":
             examples.append(example)
             places.append(where)

@@ -279,10 +279,15 @@ def build_op(
                 if time.monotonic() >= next_note:
                     say(f"dplaunch: still building {name} ({time.monotonic() - started:.0f} s)")
                     next_note += note_every
-        except BaseException:
-            # Ctrl-C reaches the child too (same process group); anything else stops it here
-            child.terminate()
-            child.wait()
+        except BaseException as stop:
+            if isinstance(stop, KeyboardInterrupt):
+                # Ctrl-C reached the child too (one process group): torch releases its lock
+                # on the way out, unless a SIGTERM cuts that short
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.wait(timeout=10)
+            if child.poll() is None:
+                child.terminate()
+                child.wait()
             raise
     if child.returncode != 0:
         raise UserError(

@@ -241,10 +241,28 @@ EXCEPTHOOK_RE = re.compile(r"^\[rank(\d+)\]: (.*)$")
 ELASTIC_LOG_RE = re.compile(
     r"^[IWE]\d{4} \S+ \d+ \S*torch/distributed/elastic/multiprocessing/\S+\] "
 )
+ELASTIC_AGENT_LOG_RE = re.compile(r"^[IWE]\d{4} \S+ \d+ \S*torch/distributed/elastic/\S+\] ")
 ELASTIC_FAILED_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 LAUNCHER_EXCEPTION_RE = re.compile(
     r"^torch\.distributed\.elastic\.\S*(ChildFailedError|SignalException)\b"
 )
+# Accelerate runs a single rank without torchrun and raises this when it fails: its traceback only
+# repeats that the rank failed, which the rank said itself
+ONE_RANK_FAILED_RE = re.compile(
+    r"^subprocess\.CalledProcessError: Command .* "
+    r"(?:returned non-zero exit status (\d+)|died with <Signals\.\w+: (\d+)>)\.$"
+)
+ONE_RANK_LAUNCHER = "in simple_launcher"
+# after dplaunch was asked to stop (Ctrl-C), what ranks and launchers still starting print:
+# their KeyboardInterrupt tracebacks, interleaved
+INTERRUPTED_TRACEBACK = (
+    "Traceback (most recent call last):",
+    "KeyboardInterrupt",
+    "During handling of the above exception",
+    "The above exception was the direct cause",
+)
+# every rank's DeepSpeed says it "built" the op it only loaded: the launcher built it and said so
+DEEPSPEED_OP_LOADED_RE = re.compile(r"^DeepSpeed deepspeed\.ops\.\S+ built successfully$")
 WATCHDOG_TIMEOUT = "Watchdog caught collective operation timeout"
 MAX_BUFFERED_LINES = 400
 
@@ -318,6 +336,8 @@ class RankWatch:
         if self._in_report:
             self._read_report_line(line)
             return []
+        if self.signal_received and ELASTIC_AGENT_LOG_RE.match(line):
+            return []  # "Received 15 death signal, shutting down workers"
         if ELASTIC_LOG_RE.match(line):
             failed = ELASTIC_FAILED_RE.search(line)
             if failed and not self.failures:
@@ -332,12 +352,24 @@ class RankWatch:
             if TIMEOUT_RE.search(match.group(2)):
                 self._request_stacks()
             return []  # held back: the first failure is printed once, at the end
+        if DEEPSPEED_OP_LOADED_RE.match(line):
+            return []
         match = EXCEPTHOOK_RE.match(line)
         if match:
             self._read_rank_traceback(int(match.group(1)), match.group(2), now)
             return [line]
         if not is_stderr:
             return [line]
+        if self.signal_received and (
+            line.startswith(INTERRUPTED_TRACEBACK)
+            or not line.strip()
+            or line[:1] in (" ", "\t")
+            or LAUNCHER_EXCEPTION_RE.match(line)
+        ):
+            # Ctrl-C during start-up: every process still importing prints a traceback, and
+            # torchrun's agent its SignalException; dplaunch says in one line who stopped the job
+            self._traceback = None
+            return []
         # the launcher's own traceback (ChildFailedError, SignalException) only repeats what the
         # ranks said; a rank's traceback before its process group exists looks the same until
         # its last line, so hold tracebacks until then
@@ -351,6 +383,12 @@ class RankWatch:
             held, self._traceback = self._traceback, None
             if LAUNCHER_EXCEPTION_RE.match(line):
                 self._in_report = 1 if line.rstrip().endswith("ChildFailedError:") else 0
+                return []
+            one_rank = ONE_RANK_FAILED_RE.match(line)
+            if one_rank and any(ONE_RANK_LAUNCHER in each for each in held):
+                status = one_rank.group(1)
+                code = int(status) if status is not None else -int(one_rank.group(2))
+                self.failures.append(TorchrunFailure(0, code, root=True))
                 return []
             return held
         return [line]

@@ -5,7 +5,9 @@ The tests set DPLAUNCH_TEST_CHECKPOINT_FAULT in the ranks' environment (tests/te
 - "STEP:sleep=SECONDS" sleeps in every rank after it wrote its part of checkpoint step STEP and
   before the commit (a window to kill -9 a rank mid-save);
 - "STEP:max_file_bytes=N" caps the size of files the ranks write from that save on (RLIMIT_FSIZE:
-  the kernel then fails the writes, as on a full disk).
+  the kernel then fails the writes, as on a full disk);
+- "0:start_sleep=SECONDS" sleeps in every rank during its start-up, once its process group
+  exists (a window to signal a rank that is still loading, as a large model keeps it).
 
 Unset, as in every real run, nothing here does anything. It lives in the ranks because the faults
 must happen inside a real save of real ranks started by `dplaunch train`.
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 from dplaunch.run_directory.environment import CHECKPOINT_FAULT_ENV
 
-_KINDS = ("sleep", "max_file_bytes")
+_KINDS = ("sleep", "max_file_bytes", "start_sleep")
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class CheckpointFault:
         """Inject the fault when the save of ``step`` reaches the point ``kind``."""
         if self.step != step or self.kind != kind:
             return
-        if kind == "sleep":
+        if kind in ("sleep", "start_sleep"):
             time.sleep(self.value)
         elif kind == "max_file_bytes":
             import resource
@@ -51,6 +53,7 @@ def fault_from_environment() -> CheckpointFault | None:
     kind, _, value = action.partition("=")
     if kind not in _KINDS:
         raise ValueError(
-            f"{CHECKPOINT_FAULT_ENV}={text!r}: expected STEP:sleep=SECONDS or STEP:max_file_bytes=N"
+            f"{CHECKPOINT_FAULT_ENV}={text!r}: expected STEP:sleep=SECONDS, "
+            "STEP:max_file_bytes=N or 0:start_sleep=SECONDS"
         )
     return CheckpointFault(int(step), kind, float(value))

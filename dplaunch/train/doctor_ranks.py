@@ -63,7 +63,17 @@ def main(out: Path, backend: str, timeout_s: float) -> None:
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    else:
+        # one rank: Accelerate starts it without torchrun, so without RANK or MASTER_ADDR
+        dist.init_process_group(
+            backend,
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=timedelta(seconds=timeout_s),
+        )
     rank, world = dist.get_rank(), dist.get_world_size()
     hosts: list[str | None] = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())

@@ -32,6 +32,7 @@ from dplaunch.run_directory.files import (
 from dplaunch.run_directory.layout import ADAPTER_DIR, DEEPSPEED_FILE, EXPORT_DIR
 from dplaunch.stop_signals import EXIT_CHECKPOINTED, StopSignals
 from dplaunch.train.checkpoint import Checkpointer, SaveHooks
+from dplaunch.train.checkpoint_faults import fault_from_environment
 from dplaunch.train.collective_spy import spy_from_environment, watched
 from dplaunch.train.control import ControlChannel
 from dplaunch.train.data import (
@@ -208,12 +209,15 @@ class RankRun:
 
 def train(run_dir: Path) -> int:
     """Train as planned; return the process exit status."""
-    # first of all: a SIGUSR1/SIGTERM during start-up is kept for the first step boundary
-    signals = StopSignals()
+    # first of all: a SIGUSR1 during start-up is kept for the first step boundary; a SIGTERM
+    # ends the rank at once (nothing trained yet to checkpoint)
+    signals = StopSignals(starting=True)
     signals.install()
     run, start_step = start_run(run_dir, signals)
     if run.config.train.eval_every and run.eval_batcher is not None and not run.resumed:
         _evaluate(run, 0)
+    # from here a stop signal checkpoints at the next step boundary
+    run.signals.started()
     step, stop_reason = _run_steps(run, start_step)
     if stop_reason is not None:
         return _stop_early(run, step, stop_reason)
@@ -232,6 +236,10 @@ def start_run(run_dir: Path, signals: StopSignals) -> tuple[RankRun, int]:
         config, plan, run_dir, load_universal=bool(resume and resume["universal"])
     )
     control = ControlChannel(plan.timeout_minutes)
+    fault = fault_from_environment()  # TEST ONLY: None in every real run
+    if fault is not None:
+        fault.apply(0, "start_sleep")
+
     tokenizer = load_tokenizer(config.model)
     attach_chat_template(tokenizer, config.data, config.model.task)
     train_set, eval_set = _load_data(accelerator, tokenizer, config, say)
