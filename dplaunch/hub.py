@@ -7,7 +7,10 @@ huggingface_hub, transformers and datasets do, without importing them.
 from __future__ import annotations
 
 import os
+import socket
+import threading
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from dplaunch.errors import UserError
 
@@ -83,8 +86,44 @@ def find_model_file(
     raise UserError(
         field,
         f"{name_or_path!r} is neither a local folder nor in the Hugging Face cache",
-        "download it first (huggingface-cli download) or give a local path",
+        "download it first (hf download ID) or give a local path",
     )
+
+
+# how long `dplaunch plan --model ID` waits to reach the Hub before saying it cannot
+HUB_CONNECT_SECONDS = 5
+_PROXY_VARIABLES = (
+    "HTTPS_PROXY",
+    "https_proxy",
+    "HTTP_PROXY",
+    "http_proxy",
+    "ALL_PROXY",
+    "all_proxy",
+)
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hub endpoint (HF_ENDPOINT, else huggingface.co) takes no connection within
+    HUB_CONNECT_SECONDS, or None when it does; None too behind a proxy, which decides itself.
+    huggingface_hub would retry a refused connection five times over 24 s first."""
+    if any(os.environ.get(name) for name in _PROXY_VARIABLES):
+        return None
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+    problem: list[str] = [f"no answer within {HUB_CONNECT_SECONDS} s"]
+
+    def connect() -> None:
+        # in a thread: the name lookup has no timeout of its own
+        try:
+            socket.create_connection((host, port), timeout=HUB_CONNECT_SECONDS).close()
+            problem.clear()
+        except OSError as error:
+            problem[0] = str(error.strerror or error)
+
+    probe = threading.Thread(target=connect, daemon=True)
+    probe.start()
+    probe.join(HUB_CONNECT_SECONDS + 1)
+    return f"{host}:{port}: {problem[0]}" if problem else None
 
 
 def hub_cache_dir() -> Path:

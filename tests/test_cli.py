@@ -129,6 +129,18 @@ def test_the_embedded_default_fine_tunes_the_pretrained_model_on_two_ranks(tmp_p
         "train.log_every=2",
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    # what the demo prints: dplaunch's lines only (before: transformers' LOAD REPORT table for
+    # the new head, DeepSpeed's accelerator warning), and at the end the result in one line
+    output = result.stdout + result.stderr
+    ours = ("world size ", "mesh: ", "engine: ", "micro batch ", "mixed precision: ", "note: ",
+            "launch: ", "run directory: ", "[dplaunch] ", "step ", "eval  ", "dplaunch: ")  # fmt: skip
+    strays = [line for line in output.splitlines() if line.strip() and not line.startswith(ours)]
+    assert not strays, strays
+    assert "[dplaunch] newly initialised (not in " in result.stdout
+    assert "classifier.bias, classifier.weight; this run trains them" in result.stdout
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("dplaunch: done: 4 steps in "), last
+    assert "eval_accuracy" in last and last.endswith(f"the model: {run / 'model'}"), last
     records = read_metrics(run)
     assert (
         records[0]["type"] == "header"

@@ -402,6 +402,26 @@ def test_fsdp_offload_on_gpus_gets_a_gloo_group_beside_nccl_for_the_host_gradien
     assert cpu.process_group_backend == "gloo"
 
 
+def test_a_run_shorter_than_its_warm_up_says_the_warm_up_never_ends():
+    short = plan_for(gpus=2, cpu=True, max_steps=10, warmup_steps=20)
+    assert any(
+        "train.warmup_steps 20 is not below the run's 10 steps (train.max_steps): the warm-up "
+        "never ends, the learning rate rises the whole run to 10/20 of train.lr" in note
+        for note in short.notes
+    ), short.notes
+    assert not any(
+        "warm-up" in n for n in plan_for(gpus=2, cpu=True, max_steps=30, warmup_steps=20).notes
+    )
+
+
+def test_hsdp_on_one_node_says_it_is_full_sharding():
+    one_node = gpu_plan(gpus=4, fsdp="hybrid")
+    note = "--fsdp hybrid on one node is full sharding"
+    assert one_node.fsdp_shard_size == 4 and any(note in n for n in one_node.notes)
+    two_nodes = gpu_plan(gpus=8, gpus_per_node=4, fsdp="hybrid")
+    assert two_nodes.fsdp_shard_size == 4 and not any(note in n for n in two_nodes.notes)
+
+
 def test_plan_json_rows_name_their_engine_and_fsdp_kind():
     from dplaunch.planning.candidates import Eligible, candidate_plans, to_json_rows
 

@@ -93,6 +93,27 @@ def test_plan_for_a_7b_llama_on_16_x_80gb_recommends_zero1_and_says_why(tmp_path
     assert not any(r["tp"] > 1 and r["pp"] > 1 for r in rows)
 
 
+def test_plan_of_a_hub_model_with_the_hub_unreachable_is_one_line_at_once(tmp_path):
+    # a closed local port stands for the Hub: before, huggingface_hub retried for 24 s and
+    # printed 11 lines before the message
+    import socket
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # nothing listens on it once closed
+    env = child_environment(HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HOME=str(tmp_path / "hf"))
+    env.pop("HF_HUB_OFFLINE")
+    result = run_dplaunch(
+        "plan", "--model", "someorg/some-model", "--gpus", "8", env=env, timeout=20
+    )
+    refusal_line(
+        result,
+        "--model: 'someorg/some-model' is neither a local folder, in the Hugging Face cache, nor "
+        f"reachable (127.0.0.1:{port}: Connection refused) — download its config first (hf "
+        "download ID config.json)",
+    )
+
+
 def test_plan_takes_the_workload_from_a_run_file():
     result = run_cli("plan", TINY_LLAMA, "--gpus", "2", "--gpu-memory", "16")
     assert result.returncode == 0, result.stderr

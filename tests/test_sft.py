@@ -311,9 +311,11 @@ def test_sft_on_two_ranks_matches_one_rank_on_the_same_global_batch(tmp_path):
     # generates): neither may change the training
     samples = ("--set", f"train.sample_prompts={REPO / 'examples' / 'sft-prompts.jsonl'}")
     samples += ("--set", f"data.eval_dataset={REPO / 'dplaunch/resources/data/chat-eval.jsonl'}")
+    printed = {}
     for (gpus, micro), run in runs.items():
-        extra = samples if gpus == 2 else ()
-        train(
+        # the 1-rank run keeps its last step's checkpoint, for `dplaunch export`
+        extra = samples if gpus == 2 else ("--set", "train.checkpoint_every=3")
+        printed[gpus] = train(
             run,
             "--cpu",
             "--gpus",
@@ -346,6 +348,27 @@ def test_sft_on_two_ranks_matches_one_rank_on_the_same_global_batch(tmp_path):
     (sampled,) = [r for r in read_metrics(runs[2, 3]) if r["type"] == "samples"]
     assert sampled["step"] == 3 and len(sampled["samples"]) == 3
     assert all(isinstance(s["answer"], str) for s in sampled["samples"])
+    # `dplaunch export` of a checkpoint writes the tokenizer files of the run's own export, chat
+    # template included (before: dropped, and examples/sft_accuracy.py failed on the export)
+    from dplaunch.commands.export import run_export
+
+    exported, own = tmp_path / "exported", runs[1, 4] / "model"
+    assert run_export(runs[1, 4] / "checkpoints" / "step-3", exported) == 0
+
+    def tokenizer_files(folder):
+        return {
+            path.name: path.read_text()
+            for path in folder.iterdir()
+            if path.suffix in (".json", ".jinja")
+            and "config" not in path.name
+            or path.name == "tokenizer_config.json"
+        }
+
+    assert tokenizer_files(exported) == tokenizer_files(own)
+    assert "{% for message in messages %}" in "".join(tokenizer_files(own).values())
+    # the log shows each prompt's question, not the repr of its message list
+    assert "sample  'What is reviewed?' → '" in printed[2].stdout, printed[2].stdout[-2000:]
+    assert "{'role'" not in printed[2].stdout
     assert any(runs[2, 3].glob("tensorboard/events.*"))
 
 

@@ -198,3 +198,19 @@ def test_a_bad_conversation_in_a_process_is_one_line_and_no_traceback(tmp_path):
 
 def test_the_catalogue_is_large_enough():
     assert len(CASES) >= 12
+
+
+def test_sample_prompts_may_be_one_text_per_line(tmp_path):
+    # as the reference says; before: "line 1 … is not a JSON object with a prompt"
+    from dplaunch.data.conversations import read_sample_prompts
+
+    texts = tmp_path / "prompts.txt"
+    texts.write_text("Review: dull.\nPositive or negative?\n\nName a colour.\n")
+    assert read_sample_prompts(str(texts)) == [
+        "Review: dull.",
+        "Positive or negative?",
+        "Name a colour.",
+    ]
+    texts.write_text('What is 2+2?\n{"prompt": "half a JSON line"\n')
+    with pytest.raises(ValueError, match="line 2 of .* starts like a JSON object but is not one"):
+        read_sample_prompts(str(texts))

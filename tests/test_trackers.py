@@ -209,3 +209,12 @@ def test_the_tensorboard_writer_does_not_load_tensorflow(tmp_path):
     board = EventAccumulator(str(tmp_path / "tensorboard"))
     board.Reload()
     assert [(e.step, e.value) for e in board.Scalars("train/loss")] == [(1, 2.5)]
+
+
+def test_one_tracker_may_be_named_as_a_string_as_transformers_takes_it():
+    # before: "train.report_to: Input should be a valid list"
+    from dplaunch.config.schema import TrainConfig
+
+    assert TrainConfig(report_to="wandb").report_to == ["wandb"]
+    assert TrainConfig(report_to="none").report_to == []
+    assert TrainConfig(report_to=["tensorboard", "mlflow"]).report_to == ["tensorboard", "mlflow"]

@@ -212,10 +212,10 @@ def checkpoint_model(directory: Path, model: ModelConfig) -> ModelConfig:
 
 def export_checkpoint(directory: Path, config: object, engine: str, out: Path) -> None:
     """Build the run's model, load the checkpoint's full weights into it, save model + tokenizer."""
-    from dplaunch.train.export_weights import consolidated_state_dict
-    from dplaunch.train.modeling import load_model, load_tokenizer
+    from dplaunch.train.export_weights import consolidated_state_dict, export_tokenizer
+    from dplaunch.train.modeling import load_model
 
-    tokenizer = load_tokenizer(config.model)  # type: ignore[attr-defined]
+    tokenizer = export_tokenizer(config)
     model = load_model(
         config.model,  # type: ignore[attr-defined]
         tokenizer,
@@ -247,11 +247,10 @@ def export_lora_checkpoint(
     directory: Path, config: RunConfig, engine: str, out: Path, adapter: bool
 ) -> None:
     """A LoRA checkpoint's adapter, merged into the run's base (or, ADAPTER, as a PEFT folder)."""
-    from dplaunch.train.export_weights import consolidated_state_dict
+    from dplaunch.train.export_weights import consolidated_state_dict, export_tokenizer
     from dplaunch.train.lora_export import rebuild_with_adapters, write_exports
-    from dplaunch.train.modeling import load_tokenizer
 
-    tokenizer = load_tokenizer(config.model)
+    tokenizer = export_tokenizer(config)
     state = consolidated_state_dict(directory, engine)
     seed, label_names = config.train.seed, config.data.label_names
     try:

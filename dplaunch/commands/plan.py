@@ -255,7 +255,7 @@ def _from_run_file(options: PlanOptions) -> tuple[ModelFacts, str, Workload, Any
 
 def _model_config(model: str) -> dict[str, Any]:
     """config.json of a folder, a cached hub model, or (online) fetched alone from the hub."""
-    from dplaunch.hub import hub_offline, looks_like_path
+    from dplaunch.hub import hub_offline, hub_unreachable, looks_like_path
     from dplaunch.planning.model_facts import load_config_json
 
     if model.startswith("pkg:"):  # how run files name a model shipped in a Python package
@@ -272,17 +272,23 @@ def _model_config(model: str) -> dict[str, Any]:
     try:
         return load_config_json(model, field="--model")
     except UserError:
-        try:
+        problem = hub_unreachable()  # one try, not huggingface_hub's retries over 24 s
+        if problem is None:
             from huggingface_hub import hf_hub_download
+            from huggingface_hub.utils import logging as hub_logging
 
-            path = hf_hub_download(model, "config.json")  # this one file, never the weights
-        except Exception:  # not on the hub, gated, or no network: the cache message says what to do
-            raise UserError(
-                "--model",
-                f"{model!r} is neither a local folder, in the Hugging Face cache, nor reachable",
-                "download its config first (huggingface-cli download ID config.json) or give a path",
-            ) from None
-        return json.loads(Path(path).read_text())
+            hub_logging.set_verbosity_error()  # its retry lines: the one line below says it
+            try:
+                path = hf_hub_download(model, "config.json")  # this one file, never the weights
+                return json.loads(Path(path).read_text())
+            except Exception as error:  # noqa: BLE001 — not on the hub, gated, or no network
+                problem = type(error).__name__
+        raise UserError(
+            "--model",
+            f"{model!r} is neither a local folder, in the Hugging Face cache, nor reachable "
+            f"({problem})",
+            "download its config first (hf download ID config.json) or give a path",
+        ) from None
 
 
 def _from_model(options: PlanOptions) -> tuple[ModelFacts, str, Workload]:

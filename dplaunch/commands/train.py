@@ -172,6 +172,8 @@ def run_train(
     clear_stop_record(prepared.run_dir)
     code = _train_with_restarts(prepared, point)
     stop = read_stop_record(prepared.run_dir)
+    if code == 0 and stop is None and prepared.plan.node_rank == 0:
+        typer.echo(result_line(prepared.run_dir))
     if stop is not None:
         code = int(stop["exit_status"])
         if code == EXIT_NONFINITE:
@@ -190,11 +192,35 @@ def run_train(
     return code
 
 
+def result_line(run_dir: Path) -> str:
+    """The last line of a finished run: steps, time, the final metrics, where the model is."""
+    from dplaunch.run_directory.files import newest_results
+    from dplaunch.run_directory.layout import ADAPTER_DIR, EXPORT_DIR
+
+    found = newest_results(run_dir)
+    summary = found.get("summary", {})
+    line = f"dplaunch: done: {summary.get('step', '?')} steps in {summary.get('wall_s', 0):.1f} s"
+    evaluation, last = found.get("eval"), found.get("train")
+    if evaluation is not None:
+        metrics = [
+            f"{k} {v:.4f}"
+            for k, v in evaluation.items()
+            if k.startswith("eval_") and isinstance(v, (int, float))
+        ]
+        line += f"; {', '.join(metrics)} at step {evaluation['step']}"
+    elif last is not None:
+        line += f"; loss {last['loss']:.4f} at step {last['step']}"
+    exported = [name for name in (EXPORT_DIR, ADAPTER_DIR) if (run_dir / name).is_dir()]
+    if exported:
+        line += "; the model: " + " and ".join(str(run_dir / name) for name in exported)
+    return line
+
+
 def _train_with_restarts(prepared: PreparedRun, point: ResumePoint | None) -> int:
     """Run the ranks; after a failure start them again from the newest complete checkpoint, up
     to launch.max_restarts times (dplaunch.launching.restarts decides; nodes agree there)."""
     from dplaunch.launching import restarts
-    from dplaunch.launching.resume import plan_resume, resume_file_text
+    from dplaunch.launching.resume import ResumeChoice, plan_resume, resume_file_text
     from dplaunch.run_directory.environment import RESTARTS_ENV
 
     run_dir, plan = prepared.run_dir, prepared.plan

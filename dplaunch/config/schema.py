@@ -334,7 +334,7 @@ class TrainConfig(Section):
     )
     report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
         ["tensorboard"],
-        description=f"Where rank 0 logs the run's config and {METRICS_FILE}'s scalars besides {METRICS_FILE}: TensorBoard (RUN/{TENSORBOARD_DIR}), wandb, MLflow, Trackio (`pip install 'dplaunch[trackers]'`); `[]`: {METRICS_FILE} only.",
+        description=f"Where rank 0 logs the run's config and {METRICS_FILE}'s scalars besides {METRICS_FILE}: TensorBoard (RUN/{TENSORBOARD_DIR}), wandb, MLflow, Trackio (`pip install 'dplaunch[trackers]'`); one name or a list; `[]` or `none`: {METRICS_FILE} only.",
     )
     on_nonfinite: Literal["stop", "skip", "off"] = Field(
         "stop",
@@ -367,6 +367,14 @@ class TrainConfig(Section):
         + METRICS_FILE
         + " and TensorBoard.",
     )
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_tracker_as_a_list(cls, value: Any) -> Any:
+        # `report_to: wandb` as transformers' TrainingArguments take it; "none" as there too
+        if isinstance(value, str):
+            return [] if value == "none" else [value]
+        return value
 
     @field_validator("on_nonfinite", mode="before")
     @classmethod

@@ -198,31 +198,46 @@ def read_chat_template(value: str) -> str:
 
 
 def read_sample_prompts(path: str) -> list[str | list[dict]]:
-    """train.sample_prompts: JSON lines {"prompt": text or a list of messages}; ValueError naming
-    the line that is not one."""
+    """train.sample_prompts: JSON lines {"prompt": text or a list of messages}, or (when the
+    first line is no JSON object) one text per line; ValueError naming the line that is neither."""
     prompts: list[str | list[dict]] = []
     with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                record = None
-            prompt = record.get("prompt") if isinstance(record, dict) else None
-            problem = (
-                messages_problem(prompt, "prompt", need_answer=False)
-                if isinstance(prompt, list)
-                else None
-                if isinstance(prompt, str)
-                else ("is not a JSON object with a prompt (a text or a list of messages)", "")
-            )
-            if problem is not None:
-                raise ValueError(f"line {number} of {path} {problem[0]}")
-            prompts.append(prompt)
+        lines = [(number, line) for number, line in enumerate(handle, 1) if line.strip()]
+    if lines and not _is_json_object(lines[0][1]):
+        for number, line in lines:
+            if line.lstrip().startswith("{"):
+                raise ValueError(
+                    f"line {number} of {path} starts like a JSON object but is not one (a file "
+                    "of texts has no JSON lines)"
+                )
+            prompts.append(line.rstrip("\r\n"))
+        return prompts
+    for number, line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        prompt = record.get("prompt") if isinstance(record, dict) else None
+        problem = (
+            messages_problem(prompt, "prompt", need_answer=False)
+            if isinstance(prompt, list)
+            else None
+            if isinstance(prompt, str)
+            else ("is not a JSON object with a prompt (a text or a list of messages)", "")
+        )
+        if problem is not None:
+            raise ValueError(f"line {number} of {path} {problem[0]}")
+        prompts.append(prompt)
     if not prompts:
         raise ValueError(f"{path} holds no prompts")
     return prompts
+
+
+def _is_json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
 
 
 def special_tokens_of(tokenizer_config: Mapping[str, Any]) -> dict[str, str]:

@@ -158,7 +158,9 @@ def check_sample_prompts(config: RunConfig, renderer: Renderer) -> None:
         raise UserError(field, f"cannot read {path}: {exc}", "fix the file") from None
     except ValueError as exc:
         raise UserError(
-            field, str(exc), 'write one {"prompt": TEXT or [messages…]} per line'
+            field,
+            str(exc),
+            'write one {"prompt": TEXT or [messages…]} per line, or one text per line',
         ) from None
     for number, prompt in enumerate(prompts, 1):
         if isinstance(prompt, str):

@@ -269,6 +269,13 @@ def make_plan(
     )
     dims.check(model, task)
     mesh = dims.mesh
+    if train.max_steps is not None and 0 < train.max_steps <= train.warmup_steps:
+        notes.append(
+            f"train.warmup_steps {train.warmup_steps} is not below the run's "
+            f"{train.max_steps} steps (train.max_steps): the warm-up never ends, the learning "
+            f"rate rises the whole run to {train.max_steps}/{train.warmup_steps} of train.lr"
+        )
+    notes += dims.notes()
     dims.check_compile(train.compile)
     dims.check_kernel(attn_implementation)
     mixed_precision = _mixed_precision(train.mixed_precision, target, machine)

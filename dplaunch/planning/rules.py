@@ -493,6 +493,16 @@ class ParallelDims:
         """The ranks' coordinates and groups: tp fastest, then sp, dp and pp."""
         return Mesh(self.dp, self.tp, self.pp, self.sp)
 
+    def notes(self) -> list[str]:
+        """What this layout does that its flags do not say: hybrid sharding with one node's
+        ranks (or fewer) is full sharding, nothing is replicated."""
+        if self.fsdp == "hybrid" and self.fsdp_shard_size == self.dp:
+            return [
+                "--fsdp hybrid on one node is full sharding: HSDP shards inside a node and "
+                "replicates across nodes, and with one node there is nothing to replicate to"
+            ]
+        return []
+
     def check(self, model: ModelFacts | None = None, task: str = "causal-lm") -> None:
         """Raise the first rule ``model`` and ``task`` break with this layout."""
         check_preference_layout(task, self.tp, self.pp, self.sp)

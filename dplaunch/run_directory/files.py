@@ -208,6 +208,23 @@ def finished_at(run_dir: Path) -> int | None:
     return None
 
 
+def newest_results(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """The newest launch's records in RUN/metrics.jsonl by type, the last of each: "summary"
+    (there when it finished), "eval", "train"; empty when nothing is recorded."""
+    found: dict[str, dict[str, Any]] = {}
+    for line in _lines_from_the_end(run_dir / METRICS_FILE):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        kind = record.get("type") if isinstance(record, dict) else None
+        if kind == "header":
+            break
+        if kind in ("summary", "eval", "train"):
+            found.setdefault(kind, record)
+    return found
+
+
 def _lines_from_the_end(path: Path, block: int = 1 << 20) -> Iterator[bytes]:
     # a long run's metrics.jsonl holds a line per logged step: read only as far back as needed
     try:

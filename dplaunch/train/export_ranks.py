@@ -17,13 +17,13 @@ from dplaunch.train.rank_process import begin_rank, exit_rank
 
 def export_rank(run_dir: Path, checkpoint: Path, out: Path) -> int:
     """Load this rank's shard of the checkpoint's weights and write the consolidated model."""
-    from dplaunch.train.export_weights import load_module_weights
+    from dplaunch.train.export_weights import export_tokenizer, load_module_weights
     from dplaunch.train.loop import build_engine, read_run, start_rank
-    from dplaunch.train.modeling import load_model, load_tokenizer
+    from dplaunch.train.modeling import load_model
 
     config, plan = read_run(run_dir)
     accelerator, _place, say = start_rank(config, plan, run_dir)
-    tokenizer = load_tokenizer(config.model)
+    tokenizer = export_tokenizer(config)
     model = load_model(config.model, tokenizer, config.train.seed, config.data.label_names)
     # the engine as training builds it; its optimizer never steps (under ZeRO, DeepSpeed's loader
     # copies the loaded weights into the optimizer's fp32 partitions)

@@ -11,6 +11,26 @@ from dplaunch.run_directory.layout import DEEPSPEED_TAG, PIPELINE_TAG
 from dplaunch.train.checkpoint import CheckpointError
 
 
+def export_tokenizer(config: Any) -> Any:
+    """The run's tokenizer as its ranks had it, chat template included: the end-of-run export
+    and `dplaunch export` then write the same tokenizer files (the built-in byte-level tokenizer
+    has no template of its own; an sft run gives it data.chat_template)."""
+    from dplaunch.train.data import attach_chat_template
+    from dplaunch.train.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(config.model)
+    if getattr(tokenizer, "chat_template", None) is None:
+        try:
+            attach_chat_template(tokenizer, config.data, config.model.task)
+        except (OSError, ValueError) as error:
+            raise UserError(
+                "data.chat_template",
+                f"the run's chat template cannot be read for the export ({error})",
+                "put the template file back where the run file names it",
+            ) from None
+    return tokenizer
+
+
 def consolidated_state_dict(directory: Path, engine: str) -> dict[str, Any]:
     """The full model state dict of a DDP, ZeRO-1/2/3 or FSDP checkpoint (fp32 master weights for
     ZeRO and FSDP)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -336,6 +337,7 @@ def _build_model(
         config.train.seed,
         config.data.label_names,
         on_gpu=plan.target == "gpu",
+        say=say,
     )
     if config.model.task == "dpo":
         disable_dropout(model)  # as TRL: the log-probability ratios must not be noise
@@ -910,6 +912,8 @@ def _evaluate(run: RankRun, step: int) -> None:
 def _log_samples(run: RankRun, step: int) -> None:
     """train.sample_prompts: rank 0 generates (every rank where forwards are collective: ZeRO-3,
     TP, FSDP) and logs the answers to metrics.jsonl, TensorBoard text and the log."""
+    from dplaunch.train.samples import sample_line
+
     plan, accelerator = run.plan, run.accelerator
     synced = plan.zero_stage == 3 or plan.tensor_parallel_size > 1 or plan.engine == "fsdp"
     if not (synced or run.place.is_main):
@@ -917,11 +921,9 @@ def _log_samples(run: RankRun, step: int) -> None:
     model = accelerator.unwrap_model(run.engine.model)
     samples = run.sampler.answers(model, accelerator.device, synced=synced)
     run.metrics.write("samples", step=step, samples=samples)
-    run.metrics.text(
-        "samples", "\n\n".join(f"{s['prompt']!r} → {s['answer']!r}" for s in samples), step
-    )
+    run.metrics.text("samples", "\n\n".join(sample_line(sample) for sample in samples), step)
     for sample in samples:
-        run.say(f"sample  {sample['prompt']!r} → {sample['answer']!r}")
+        run.say(f"sample  {sample_line(sample)}")
 
 
 def _model_files_writer(model: Any, tokenizer: Any) -> Any:
@@ -949,3 +951,8 @@ def _quiet_libraries(is_main: bool) -> None:
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_warning() if is_main else transformers.utils.logging.set_verbosity_error()
+    # DeepSpeed's ZeRO calls torch.distributed's collectives by their deprecated names: a
+    # FutureWarning per call site (26 lines under ZeRO-3) that only DeepSpeed can act on
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+    )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any
 
 from dplaunch.config.schema import BYTE_LEVEL, CAUSAL_TASKS, ModelConfig
@@ -23,6 +25,29 @@ def load_tokenizer(model: ModelConfig) -> Any:
     return tokenizer
 
 
+class _HoldLoadReport(logging.Filter):
+    """Holds back transformers' LOAD REPORT table: load_model says what matters in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
+
+
+def loading_line(info: dict[str, Any], name: str) -> str | None:
+    """One line on the weights a pretrained checkpoint did not provide (a new task head) or
+    provided unused; None when every weight was loaded and used."""
+    missing = sorted(info.get("missing_keys") or ())
+    unused = sorted(info.get("unexpected_keys") or ())
+    parts = []
+    if missing:
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        parts.append(
+            f"newly initialised (not in {name}): {', '.join(missing[:4])}{more}; this run trains them"
+        )
+    if unused:
+        parts.append(f"{len(unused)} weight(s) of {name} unused by this model (e.g. {unused[0]})")
+    return "; ".join(parts) or None
+
+
 def load_model(
     model: ModelConfig,
     tokenizer: Any,
@@ -30,10 +55,13 @@ def load_model(
     label_names: list[str] | None = None,
     *,
     on_gpu: bool = False,
+    say: Callable[[str], None] | None = None,
 ) -> Any:
     """The HF model for the task; random initialisation is seeded so every rank builds the same
     weights. LABEL_NAMES (data.label_names) become the config's id2label and label2id. ``on_gpu``
-    (the plan's target): a quantized base loads onto this rank's GPU, else the CPU."""
+    (the plan's target): a quantized base loads onto this rank's GPU, else the CPU. ``say`` gets
+    one line on the weights a pretrained checkpoint lacks (a new head), in place of transformers'
+    LOAD REPORT table."""
     import torch
     from accelerate.utils import set_seed  # transformers' imports peft (1-2 s a rank) with it
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -63,14 +91,24 @@ def load_model(
     else:
         # float32 weights whatever the checkpoint's dtype (transformers 5 would keep a bf16
         # checkpoint in bf16): mixed precision computes in bf16/fp16 from fp32 master weights
-        built = auto.from_pretrained(
-            model.name_or_path,
-            trust_remote_code=model.trust_remote_code,
-            dtype=torch.float32,
-            **extra,
-            **kernel,
-            **quantization_options(model.lora, on_gpu=on_gpu),
-        )
+        held = _HoldLoadReport()
+        reporter = logging.getLogger("transformers.modeling_utils")
+        reporter.addFilter(held)
+        try:
+            built, info = auto.from_pretrained(
+                model.name_or_path,
+                trust_remote_code=model.trust_remote_code,
+                dtype=torch.float32,
+                output_loading_info=True,
+                **extra,
+                **kernel,
+                **quantization_options(model.lora, on_gpu=on_gpu),
+            )
+        finally:
+            reporter.removeFilter(held)
+        line = loading_line(info, model.name_or_path)
+        if line and say is not None:
+            say(f"[dplaunch] {line}")
         if built.config.pad_token_id is None:
             built.config.pad_token_id = tokenizer.pad_token_id
     if model.gradient_checkpointing:

@@ -1,10 +1,10 @@
 """train.sample_prompts: short greedy answers to a few prompts at each evaluation, logged by rank 0.
 
-The file holds JSON lines {"prompt": TEXT or [messages…]}: a text is given to the model as
-`tokenizer(text)` reads it (with a BOS token where the tokenizer adds one, as sft trains a text
-prompt), a message list is rendered with the run's chat template and its generation prompt (as
-`apply_chat_template(..., add_generation_prompt=True)`), so the model answers as the next
-assistant turn. The launch check reads it (data/sft_checks.py); read_sample_prompts is shared.
+The file holds JSON lines {"prompt": TEXT or [messages…]}, or one text per line: a text is given
+to the model as `tokenizer(text)` reads it (with a BOS token where the tokenizer adds one, as sft
+trains a text prompt), a message list is rendered with the run's chat template and its generation
+prompt (as `apply_chat_template(..., add_generation_prompt=True)`), so the model answers as the
+next assistant turn. The launch check reads it (data/sft_checks.py); read_sample_prompts is shared.
 """
 
 from __future__ import annotations
@@ -19,6 +19,16 @@ from dplaunch.train.data import leading_ids
 
 # new tokens per answer: enough for a short reply, little next to an evaluation
 MAX_NEW_TOKENS = 48
+
+
+def sample_line(sample: dict) -> str:
+    """A prompt and its answer on one line: a message list is shown as its last message (the
+    question), not as the list (metrics.jsonl keeps the whole prompt)."""
+    prompt = sample["prompt"]
+    if not isinstance(prompt, str):
+        messages = normalized_messages(prompt)  # ShareGPT's {from, value}, text parts
+        prompt = str(messages[-1].get("content", "")) if messages else ""
+    return f"{prompt!r} → {sample['answer']!r}"
 
 
 class PromptSampler:
