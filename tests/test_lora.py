@@ -292,6 +292,7 @@ def test_a_classifier_with_lora_trains_its_head_in_full_and_the_adapters_only():
 def test_export_adapter_of_a_checkpoint_without_lora_is_refused_in_one_line(runs, tmp_path):
     import shutil
 
+    from dplaunch.run_directory.files import file_record
     from tests.helpers import files_under, refusal_line
 
     checkpoint = tmp_path / "step-4"
@@ -299,6 +300,10 @@ def test_export_adapter_of_a_checkpoint_without_lora_is_refused_in_one_line(runs
     run_file = yaml.safe_load((checkpoint / "run.yaml").read_text())
     del run_file["model"]["lora"]
     (checkpoint / "run.yaml").write_text(yaml.safe_dump(run_file))
+    # as a run without LoRA would have recorded it (the export verifies every file first)
+    meta = json.loads((checkpoint / "checkpoint.json").read_text())
+    meta["files"]["run.yaml"] = file_record(checkpoint / "run.yaml")
+    (checkpoint / "checkpoint.json").write_text(json.dumps(meta))
     before = files_under(tmp_path)
     result = run_dplaunch("export", checkpoint, "--out", tmp_path / "out", "--adapter")
     refusal_line(result, "--adapter: ", "has no model.lora", "drop --adapter")
