@@ -275,6 +275,17 @@ def test_export_of_a_two_rank_zero3_checkpoint_gives_the_trained_model(tmp_path,
         for name, parameter in initial.named_parameters()
     ]
     assert min(moved) > 1e-4, moved  # every tensor trained
+    # a checkpoint of an older dplaunch (no digests) that lost a rank's shard: whatever fails
+    # while reading it is one line, and the --out folder it created is gone again
+    broken = tmp_path / "broken"
+    shutil.copytree(run / "checkpoints" / "step-4", broken)
+    forget_digests(broken)
+    next(broken.glob("pytorch_model/*optim_states.pt")).unlink()
+    refusal_line(
+        run_dplaunch("export", broken, "--out", tmp_path / "new" / "model"),
+        f"CHECKPOINT: {broken} could not be read (",
+    )
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.fixture(scope="module")
