@@ -33,6 +33,7 @@ from dplaunch.run_directory.layout import MODEL_FILES_DIR, RUN_FILE
 if TYPE_CHECKING:
     from dplaunch.config.schema import ModelConfig, RunConfig
     from dplaunch.planning.plan import Plan
+    from dplaunch.run_directory.checkpoints import CheckpointInfo
 
 
 @command()
@@ -63,8 +64,66 @@ def export_command(
 def run_export(checkpoint: Path, out: Path, adapter: bool = False) -> int:
     """Write the consolidated model of a checkpoint (or of a run's newest checkpoint) to ``out``;
     of a LoRA run's, the adapter merged into its base, or (ADAPTER) the PEFT adapter folder."""
-    from dplaunch.config.schema import RunConfig
     from dplaunch.launching.rundir import check_output_dir
+
+    info, config, plan = _read_checkpoint(checkpoint, adapter)
+    if (out / "config.json").exists() or (out / "adapter_config.json").exists():
+        raise UserError("--out", f"{out} already holds a model", "choose an empty or new directory")
+    check_output_dir(out, "--out")
+    # checked and planned before anything is written: one line, exit 2
+    job = None
+    # (FSDP's DCP shards, tp ones included, are joined in this process like the others)
+    if plan.tensor_parallel_size > 1 and plan.engine != "fsdp":
+        _check_weight_files(info.path, plan.tensor_parallel_size)
+        job = export_job_plan(config, plan)
+    folder = _OutFolder(out)
+    _quiet_export()
+    typer.echo(
+        f"exporting {info.path} (step {info.step}, {plan.engine}"
+        + (f" ZeRO-{plan.zero_stage}" if plan.zero_stage else "")
+        + (f" tp {plan.tensor_parallel_size}" if job else "")
+        + f", {plan.world_size} rank(s)) to {out}"
+    )
+    started = time.perf_counter()
+    try:
+        code = 0
+        if job is not None:
+            code = run_export_job(info.path, *job, out)
+        elif config.model.lora is not None:
+            export_lora_checkpoint(info.path, config, plan.engine, out, adapter)
+        else:
+            export_checkpoint(info.path, config, plan.engine, out)
+    except UserError:
+        folder.discard()
+        raise
+    except Exception as error:  # noqa: BLE001 — a checkpoint that does not load: one line
+        folder.discard()
+        message = " ".join(str(error).split())[:300]
+        raise UserError(
+            "CHECKPOINT",
+            f"{info.path} could not be read ({type(error).__name__}: {message})",
+            "it is damaged or not a dplaunch checkpoint: export another one (a run directory "
+            "exports its newest checkpoint that verifies)",
+        ) from None
+    except BaseException:  # Ctrl-C: nothing half-written either
+        folder.discard()
+        raise
+    if code != 0:
+        folder.discard()
+        return code
+    size = sum(item.stat().st_size for item in out.iterdir() if item.is_file())
+    how = "PeftModel.from_pretrained(base, OUT)" if adapter else "from_pretrained"
+    typer.echo(
+        f"wrote {out} ({size / 1e6:.1f} MB, {time.perf_counter() - started:.1f} s): "
+        f"load it with {how}"
+    )
+    return 0
+
+
+def _read_checkpoint(checkpoint: Path, adapter: bool) -> tuple[CheckpointInfo, RunConfig, Plan]:
+    """The checkpoint (verified: a damaged one is one line), its run file and plan; a UserError
+    when ADAPTER is asked of a run without LoRA or the run's local model is gone."""
+    from dplaunch.config.schema import RunConfig
     from dplaunch.planning.plan import Plan
     from dplaunch.run_directory.checkpoints import find_checkpoint
     from dplaunch.run_directory.files import read_plan_file, read_run_file
@@ -100,71 +159,41 @@ def run_export(checkpoint: Path, out: Path, adapter: bool = False) -> int:
 
         if looks_like_path(name):
             find_model_file(name, ("config.json",), "model.name_or_path")
-    plan = Plan.from_dict(saved_plan)
-    if (out / "config.json").exists() or (out / "adapter_config.json").exists():
-        raise UserError("--out", f"{out} already holds a model", "choose an empty or new directory")
-    check_output_dir(out, "--out")
-    # checked and planned before anything is written: one line, exit 2
-    job = None
-    # (FSDP's DCP shards, tp ones included, are joined in this process like the others)
-    if plan.tensor_parallel_size > 1 and plan.engine != "fsdp":
-        _check_weight_files(info.path, plan.tensor_parallel_size)
-        job = export_job_plan(config, plan)
-    # the outermost folder this export creates: removed whole if it fails
-    created = None
-    if not out.exists():
-        created = out.absolute()
-        while not created.parent.exists():
-            created = created.parent
-    before = set() if created else set(out.iterdir())
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise UserError(
-            "--out",
-            f"cannot create {out} ({error.strerror or error})",
-            "choose a writable directory",
-        ) from None
-    _quiet_export()
-    typer.echo(
-        f"exporting {info.path} (step {info.step}, {plan.engine}"
-        + (f" ZeRO-{plan.zero_stage}" if plan.zero_stage else "")
-        + (f" tp {plan.tensor_parallel_size}" if job else "")
-        + f", {plan.world_size} rank(s)) to {out}"
-    )
-    started = time.perf_counter()
-    try:
-        if job is not None:
-            code = run_export_job(info.path, *job, out)
-            if code != 0:
-                _remove_partial(out, created, before)
-                return code
-        elif config.model.lora is not None:
-            export_lora_checkpoint(info.path, config, plan.engine, out, adapter)
-        else:
-            export_checkpoint(info.path, config, plan.engine, out)
-    except UserError:
-        _remove_partial(out, created, before)
-        raise
-    except Exception as error:  # noqa: BLE001 — a checkpoint that does not load: one line
-        _remove_partial(out, created, before)
-        message = " ".join(str(error).split())[:300]
-        raise UserError(
-            "CHECKPOINT",
-            f"{info.path} could not be read ({type(error).__name__}: {message})",
-            "it is damaged or not a dplaunch checkpoint: export another one (a run directory "
-            "exports its newest checkpoint that verifies)",
-        ) from None
-    except BaseException:  # Ctrl-C: nothing half-written either
-        _remove_partial(out, created, before)
-        raise
-    size = sum(item.stat().st_size for item in out.iterdir() if item.is_file())
-    how = "PeftModel.from_pretrained(base, OUT)" if adapter else "from_pretrained"
-    typer.echo(
-        f"wrote {out} ({size / 1e6:.1f} MB, {time.perf_counter() - started:.1f} s): "
-        f"load it with {how}"
-    )
-    return 0
+    return info, config, Plan.from_dict(saved_plan)
+
+
+class _OutFolder:
+    """--out, created for an export: a failed export leaves nothing behind (the folders it
+    created, or what it added to one that existed)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        # the outermost folder this export creates: removed whole if it fails
+        self.created: Path | None = None
+        if not out.exists():
+            self.created = out.absolute()
+            while not self.created.parent.exists():
+                self.created = self.created.parent
+        self.before = set() if self.created else set(out.iterdir())
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise UserError(
+                "--out",
+                f"cannot create {out} ({error.strerror or error})",
+                "choose a writable directory",
+            ) from None
+
+    def discard(self) -> None:
+        """Remove what the export wrote."""
+        if self.created is not None:
+            shutil.rmtree(self.created, ignore_errors=True)
+            return
+        for item in set(self.out.iterdir()) - self.before:
+            if item.is_dir():
+                shutil.rmtree(item, ignore_errors=True)
+            else:
+                item.unlink(missing_ok=True)
 
 
 def _quiet_export() -> None:
@@ -179,18 +208,6 @@ def _quiet_export() -> None:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
-
-
-def _remove_partial(out: Path, created: Path | None, before: set[Path]) -> None:
-    # a failed export leaves nothing: the folders it created, or what it added to one that existed
-    if created is not None:
-        shutil.rmtree(created, ignore_errors=True)
-        return
-    for item in set(out.iterdir()) - before:
-        if item.is_dir():
-            shutil.rmtree(item, ignore_errors=True)
-        else:
-            item.unlink(missing_ok=True)
 
 
 def checkpoint_model(directory: Path, model: ModelConfig) -> ModelConfig:
