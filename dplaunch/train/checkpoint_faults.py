@@ -57,3 +57,10 @@ def fault_from_environment() -> CheckpointFault | None:
             "STEP:max_file_bytes=N or 0:start_sleep=SECONDS"
         )
     return CheckpointFault(int(step), kind, float(value))
+
+
+def hold_start_up() -> None:
+    """With 0:start_sleep=SECONDS, hold this rank in its start-up; unset (every real run), nothing."""
+    fault = fault_from_environment()
+    if fault is not None:
+        fault.apply(0, "start_sleep")

@@ -33,7 +33,7 @@ from dplaunch.run_directory.files import (
 from dplaunch.run_directory.layout import ADAPTER_DIR, DEEPSPEED_FILE, EXPORT_DIR
 from dplaunch.stop_signals import EXIT_CHECKPOINTED, StopSignals
 from dplaunch.train.checkpoint import Checkpointer, SaveHooks
-from dplaunch.train.checkpoint_faults import fault_from_environment
+from dplaunch.train.checkpoint_faults import hold_start_up
 from dplaunch.train.collective_spy import spy_from_environment, watched
 from dplaunch.train.control import ControlChannel
 from dplaunch.train.data import (
@@ -237,10 +237,7 @@ def start_run(run_dir: Path, signals: StopSignals) -> tuple[RankRun, int]:
         config, plan, run_dir, load_universal=bool(resume and resume["universal"])
     )
     control = ControlChannel(plan.timeout_minutes)
-    fault = fault_from_environment()  # TEST ONLY: None in every real run
-    if fault is not None:
-        fault.apply(0, "start_sleep")
-
+    hold_start_up()  # TEST ONLY: nothing in a real run
     tokenizer = load_tokenizer(config.model)
     attach_chat_template(tokenizer, config.data, config.model.task)
     train_set, eval_set = _load_data(accelerator, tokenizer, config, say)
