@@ -155,6 +155,7 @@ def test_records_without_the_pairs_columns_are_refused_at_the_first(tmp_path):
     [
         (["data.format=conversational"], {}, "data.format: is for supervised fine-tuning"),
         (["data.packing=true"], {}, "data.packing: dpo trains each pair in rows of its own"),
+        (["data.streaming=true"], {}, "data.streaming: dpo reads its pairs whole"),
         (
             [],
             {"precompute_ref": True, "preference": {"loss": "simpo"}},
@@ -170,7 +171,7 @@ def test_records_without_the_pairs_columns_are_refused_at_the_first(tmp_path):
             "train.global_batch_size: 0 training pairs are kept (8 left out), fewer than one",
         ),
     ],
-    ids=["sft-key", "packing", "precompute-simpo", "dpo-key-with-sft", "tp", "pp", "no-template", "too-few-kept"],
+    ids=["sft-key", "packing", "streaming", "precompute-simpo", "dpo-key-with-sft", "tp", "pp", "no-template", "too-few-kept"],
 )  # fmt: skip
 def test_a_run_file_dpo_cannot_train_is_refused_naming_the_key(
     tmp_path, assignments, train_keys, expected

@@ -1,9 +1,10 @@
 """dplaunch's preference tuning (model.task: dpo) is TRL 1.16's: each pair's tokens and masks are
 those DPOTrainer prepares, for texts and conversations, with an explicit or an implicit prompt
 (token level, on offline BPE tokenizers with real chat templates); and a one-rank run of a tiny
-model built from a config trains as DPOTrainer (sigmoid) and CPOTrainer's SimPO (reference-free)
-do on the same pairs in the same order, per step, within 1e-5 in fp32. The other losses' terms
-(ORPO's odds ratio, label smoothing) are TRL's functions' on the same log-probabilities."""
+model built from a config trains as DPOTrainer (sigmoid and IPO) and CPOTrainer's SimPO
+(reference-free) do on the same pairs in the same order, per step, within 1e-5 in fp32. The
+other losses' terms (ORPO's odds ratio, label smoothing) are TRL's functions' on the same
+log-probabilities."""
 
 from __future__ import annotations
 
@@ -207,6 +208,8 @@ MODEL = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 259,
     "max_position_embeddings": 256, "tie_word_embeddings": False,
 }  # fmt: skip
+# DPOTrainer's sigmoid and (per-token) IPO, CPOTrainer's SimPO (reference-free)
+LOSSES = ("sigmoid", "ipo", "simpo")
 TRL_KEYS = (
     "loss",
     "rewards/chosen",
@@ -263,7 +266,7 @@ def _run_file(folder: Path, loss: str) -> Path:
 def one_rank_runs(tmp_path_factory) -> dict[str, list[dict]]:
     """dplaunch's per-step records of a one-rank run with each loss."""
     runs = {}
-    for loss in ("sigmoid", "simpo"):
+    for loss in LOSSES:
         folder = tmp_path_factory.mktemp(loss)
         run_dir = folder / "run"
         train(run_dir, "--cpu", "--gpus", "1", config=_run_file(folder, loss))
@@ -296,13 +299,14 @@ def _trl_history(loss: str) -> list[dict]:
         logging_steps=1, save_strategy="no", seed=SEED, train_sampling_strategy="sequential",
         beta=0.2,
     )  # fmt: skip
-    if loss == "sigmoid":
+    if loss in ("sigmoid", "ipo"):
         from trl import DPOConfig, DPOTrainer
 
+        args = DPOConfig(**common, max_length=None, gradient_checkpointing=False, loss_type=loss)
         trainer = DPOTrainer(
             model=load_model(config, tokenizer, SEED),
             ref_model=load_model(config, tokenizer, SEED),
-            args=DPOConfig(**common, max_length=None, gradient_checkpointing=False),
+            args=args,
             train_dataset=dataset,
             processing_class=tokenizer,
         )
@@ -323,7 +327,7 @@ def _trl_history(loss: str) -> list[dict]:
     return [entry for entry in trainer.state.log_history if "loss" in entry]
 
 
-@pytest.mark.parametrize("loss", ["sigmoid", "simpo"])
+@pytest.mark.parametrize("loss", LOSSES)
 def test_a_one_rank_run_trains_as_trl_does_step_by_step(one_rank_runs, loss):
     ours = one_rank_runs[loss]
     theirs = _trl_history(loss)
