@@ -7,8 +7,9 @@ ranks of one group take the same ones. So a 2-rank run computes exactly the micr
 1-rank run does, and a resumed run continues with exactly the next batch.
 
 Speed: packed causal-LM blocks are stored as one int32 column of equal-length rows, and a
-micro-batch is one gather from a zero-copy [samples, length] view of that Arrow column (no Python
-int per token), so cutting batches costs microseconds next to a training step.
+micro-batch is one gather from zero-copy [samples, length] views of that Arrow column's chunks
+(no Python int per token, no copy of the corpus), so cutting batches costs microseconds next to a
+training step.
 """
 
 from __future__ import annotations
@@ -540,6 +541,48 @@ class Sharding:
         return self.micro_batch_size * self.gradient_accumulation_steps * self.data_parallel_size
 
 
+class PackedBlocks:
+    """Equal-length rows of an Arrow list column as one [rows, length] view per chunk of it.
+
+    A cached dataset's column is mapped from its file in chunks of 10,000 rows; joining them
+    (`combine_chunks`) would copy the whole corpus into every rank's memory (11 GB a rank on a
+    2 GB byte-level corpus). The views keep it in the page cache, shared by the node's ranks."""
+
+    def __init__(self, views: list[np.ndarray]):
+        self.views = views
+        self.starts = np.cumsum([0] + [len(view) for view in views])
+
+    @classmethod
+    def of(cls, column: Any) -> PackedBlocks | None:
+        """The views of COLUMN (a pyarrow ChunkedArray of int lists), or None when its rows are
+        not all of one length."""
+        views, width = [], None
+        for chunk in column.chunks:
+            if len(chunk) == 0:
+                continue
+            offsets = chunk.offsets.to_numpy()
+            width = int(offsets[1] - offsets[0]) if width is None else width
+            if width == 0 or chunk.null_count or not np.all(np.diff(offsets) == width):
+                return None
+            values = chunk.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
+            views.append(values.reshape(len(chunk), width))
+        return cls(views) if views else None
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, indices: list[int]) -> np.ndarray:
+        """The rows at INDICES, in that order, as one [len(indices), length] array."""
+        chunks = np.searchsorted(self.starts, indices, side="right") - 1
+        return np.stack(
+            [self.views[c][i - self.starts[c]] for c, i in zip(chunks, indices, strict=True)]
+        )
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        whole = np.concatenate(self.views)
+        return whole if dtype is None else whole.astype(dtype)
+
+
 class Batcher:
     """Deterministic batches for training and evaluation on one rank."""
 
@@ -672,10 +715,10 @@ class Batcher:
         )
 
     @cached_property
-    def _packed_blocks(self) -> np.ndarray | None:
-        """The causal-LM blocks as a zero-copy [samples, length] view, when every row has the same
-        length and the dataset is a plain in-order Arrow table; None otherwise (rows one by one).
-        Built on first use: computing the epoch order needs none of it."""
+    def _packed_blocks(self) -> PackedBlocks | None:
+        """The causal-LM blocks as zero-copy [samples, length] views of the Arrow column, when
+        every row has the same length and the dataset is a plain in-order Arrow table; None
+        otherwise (rows one by one). Built on first use: computing the epoch order needs none."""
         dataset = self.dataset
         if (
             self.task == "sequence-classification"
@@ -686,13 +729,7 @@ class Batcher:
             or len(dataset) == 0
         ):
             return None
-        column = dataset.data.column("input_ids").combine_chunks()
-        offsets = column.offsets.to_numpy()
-        width = int(offsets[1] - offsets[0])
-        if width == 0 or column.null_count or not np.all(np.diff(offsets) == width):
-            return None
-        values = column.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
-        return values.reshape(len(dataset), width)
+        return PackedBlocks.of(dataset.data.column("input_ids"))
 
     def eval_rows(self, micro_batch_size: int) -> int:
         """The rows of an evaluation batch. Flash-attention keeps packed examples apart only in a
