@@ -884,3 +884,31 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_continues_from_the
     assert f"resume: {run / 'checkpoints' / 'step-4'} (step 4" in result.stdout
     assert losses_by_step(run) == losses_by_step(straight)  # steps 5-8 trained again, exactly
     assert (kept / "optimizer.bin").is_file()  # never deleted
+
+
+def test_a_failed_run_never_offers_a_cut_checkpoint_as_where_to_continue(tmp_path):
+    # before: "the newest complete checkpoint is …/step-4: continue with --resume auto", the
+    # checkpoint whose cut weights file had just failed every rank
+    from dplaunch.commands.train import _failure_hints
+    from dplaunch.run_directory.files import file_record
+
+    run = tmp_path / "run"
+    for step in (2, 4):
+        checkpoint = run / "checkpoints" / f"step-{step}"
+        checkpoint.mkdir(parents=True)
+        (checkpoint / "model.safetensors").write_bytes(bytes(range(256)) * step)
+        files = {"model.safetensors": file_record(checkpoint / "model.safetensors")}
+        (checkpoint / "checkpoint.json").write_text(json.dumps({"step": step, "files": files}))
+    step_2, step_4 = run / "checkpoints" / "step-2", run / "checkpoints" / "step-4"
+    os.truncate(step_4 / "model.safetensors", 100)
+    assert _failure_hints(run) == [
+        f"dplaunch: {step_4} is damaged (model.safetensors holds 100 bytes, 1,024 were "
+        "written): --resume auto skips it",
+        f"dplaunch: the newest checkpoint whose files are whole is {step_2} (step 2): continue "
+        "with --resume auto (it checks their CRC-32 first)",
+    ]
+    os.truncate(step_2 / "model.safetensors", 0)
+    assert _failure_hints(run)[-1] == (
+        "dplaunch: no checkpoint of this run is whole: --resume auto refuses to train over them "
+        "from step 0 (--start-over does)"
+    )

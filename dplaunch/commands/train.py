@@ -398,19 +398,28 @@ def _refuse_a_requeue_without_progress(stop: dict, point: ResumePoint | None) ->
 
 def _failure_hints(run_dir: Path) -> list[str] | None:
     # printed before the failing rank's error, which stays the last line; None: the ranks stopped
-    # on purpose (a signal, train.stop_after_steps) and that is no failure
-    from dplaunch.run_directory.checkpoints import newest_checkpoint
+    # on purpose (a signal, train.stop_after_steps) and that is no failure. The checkpoints'
+    # sizes are checked (no digests: a report cannot wait for terabytes to be read), so a cut
+    # one is named as damaged, never offered as where to continue.
+    from dplaunch.run_directory.checkpoints import newest_intact_checkpoint
     from dplaunch.run_directory.files import read_stop_record
 
     if read_stop_record(run_dir) is not None:
         return None
-    newest = newest_checkpoint(run_dir / CHECKPOINTS_DIR)
-    if newest is None:
-        return []
-    return [
-        f"dplaunch: the newest complete checkpoint is {newest.path} (step {newest.step}): "
-        "continue with --resume auto (it verifies the checkpoints first and skips damaged ones)"
-    ]
+    found = newest_intact_checkpoint(run_dir / CHECKPOINTS_DIR, digests=False)
+    hints = [f"dplaunch: {damage.line()}: --resume auto skips it" for damage in found.damaged]
+    if found.info is not None:
+        hints.append(
+            f"dplaunch: the newest checkpoint whose files are whole is {found.info.path} "
+            f"(step {found.info.step}): continue with --resume auto (it checks their CRC-32 "
+            "first)"
+        )
+    elif found.damaged:
+        hints.append(
+            "dplaunch: no checkpoint of this run is whole: --resume auto refuses to train over "
+            "them from step 0 (--start-over does)"
+        )
+    return hints
 
 
 def _say_damaged(damaged: tuple[DamagedCheckpoint, ...], *, set_aside: bool) -> None:

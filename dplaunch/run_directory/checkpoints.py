@@ -107,9 +107,10 @@ def newest_checkpoint(checkpoints_dir: Path) -> CheckpointInfo | None:
     return found[-1] if found else None
 
 
-def verify_checkpoint(info: CheckpointInfo) -> str | None:
+def verify_checkpoint(info: CheckpointInfo, *, digests: bool = True) -> str | None:
     """None when every file checkpoint.json records is there with its size and CRC-32, else
-    what is wrong. Sizes first: a truncated file is found without reading a byte.
+    what is wrong. Sizes first: a truncated file is found without reading a byte (not
+    DIGESTS: the sizes only, what a failure report can afford).
 
     Checkpoints of dplaunch versions that recorded no digests: the structure of their
     safetensors and torch files (a truncated one no longer parses), read from their headers."""
@@ -123,6 +124,8 @@ def verify_checkpoint(info: CheckpointInfo) -> str | None:
             return f"{name} is missing"
         if size != record.get("bytes"):
             return f"{name} holds {size:,} bytes, {record.get('bytes'):,} were written"
+    if not digests:
+        return None
 
     def digest(name: str) -> str:
         try:
@@ -177,10 +180,10 @@ def _safetensors_problem(path: Path) -> str | None:
     return None
 
 
-def newest_intact_checkpoint(checkpoints_dir: Path) -> IntactSearch:
+def newest_intact_checkpoint(checkpoints_dir: Path, *, digests: bool = True) -> IntactSearch:
     """The checkpoint a resume takes: `latest`'s, else the highest step, among those that
-    verify; each committed checkpoint tried before it and found damaged (an unreadable
-    checkpoint.json included)."""
+    verify (not DIGESTS: whose files have their sizes); each committed checkpoint tried before
+    it and found damaged (an unreadable checkpoint.json included)."""
     if not checkpoints_dir.is_dir():
         return IntactSearch(None)
     committed = sorted(
@@ -199,7 +202,7 @@ def newest_intact_checkpoint(checkpoints_dir: Path) -> IntactSearch:
         if info is None:
             damaged.append(DamagedCheckpoint(path, f"its {META_FILE} is missing or unreadable"))
             continue
-        problem = verify_checkpoint(info)
+        problem = verify_checkpoint(info, digests=digests)
         if problem is None:
             return IntactSearch(info, tuple(damaged))
         damaged.append(DamagedCheckpoint(path, problem))
