@@ -180,3 +180,20 @@ def test_accelerate_launch_of_a_cpu_run_needs_accelerate_use_cpu(tmp_path):
         seen[use_cpu] = sorted(re.findall(r"probe: (\S+ \d+)", result.stdout))
     assert seen[None] == ["NO 1", "NO 1"]
     assert seen["1"] == ["MULTI_CPU 2", "MULTI_CPU 2"]
+
+
+def test_the_lora_example_counts_what_its_run_prints():
+    # before: docs/sft.md said 0.66 M parameters train, the run printed 197,504 of 854,784
+    from dplaunch.config.load import load_run_config
+    from dplaunch.train.lora import trained_line
+    from dplaunch.train.modeling import load_model, load_tokenizer
+
+    config = load_run_config(REPO / "configs" / "sft-lora.yaml")
+    model = load_model(config.model, load_tokenizer(config.model), config.train.seed)
+    printed = trained_line(model)
+    counts = re.match(r"LoRA: ([\d,]+ of [\d,]+) parameters train \((\S+):", printed)
+    assert counts, printed
+    assert (
+        f"`LoRA: {counts[1]} parameters train ({counts[2]}:" in (REPO / "docs/sft.md").read_text()
+    )
+    assert f"({counts[1]} parameters train:" in (REPO / "configs/sft-lora.yaml").read_text()
