@@ -197,3 +197,13 @@ def test_the_lora_example_counts_what_its_run_prints():
         f"`LoRA: {counts[1]} parameters train ({counts[2]}:" in (REPO / "docs/sft.md").read_text()
     )
     assert f"({counts[1]} parameters train:" in (REPO / "configs/sft-lora.yaml").read_text()
+
+
+def test_the_docs_name_the_hub_cli_the_pinned_huggingface_hub_ships():
+    # before: `huggingface-cli download …`, a command huggingface_hub no longer installs since 1.0
+    import huggingface_hub
+
+    assert int(huggingface_hub.__version__.split(".")[0]) >= 1  # `hf` only
+    texts = [README, *sorted((REPO / "docs").glob("*.md")), *sorted(REPO.glob("dplaunch/**/*.py"))]
+    named = [str(path.relative_to(REPO)) for path in texts if "huggingface-cli" in path.read_text()]
+    assert not named, named
