@@ -1,4 +1,4 @@
-"""Checkpoints never lose work: exact resume, a killed rank, a full disk, SIGTERM, re-sharding, export.
+"""Checkpoints never lose work: exact resume, a killed rank, a full disk, SIGTERM, conversion, export.
 
 Real 2-rank CPU runs of the tiny Llama on 44 reviews: 27 training samples, so global batch 8 gives 3
 steps per epoch and an 8-step run crosses epoch boundaries at steps 3 and 6. Layouts: DDP, ZeRO-2,
@@ -152,8 +152,8 @@ def test_a_2_rank_zero2_checkpoint_continues_on_1_rank_and_a_full_disk_keeps_the
         env=child_environment(**{FAULT: "8:max_file_bytes=100000"}),
     )  # fmt: skip
     out = result.stdout + result.stderr
-    # re-sharded through a universal checkpoint; the global batch is kept with grad-accum 2
-    assert "data-parallel size 2 → 1" in out and "grad-accum 1 → 2" in out, out[-3000:]
+    # converted through the universal form; the global batch is kept with grad-accum 2
+    assert "conversion: ZeRO-2 dp 2 → ZeRO-2 dp 1" in out and "grad-accum 1 → 2" in out, out[-3000:]
     losses, reference = losses_by_step(run), losses_by_step(straight)
     assert sorted(losses) == [5, 6, 7, 8]
     gap = max_relative_gap([losses[s] for s in range(5, 9)], [reference[s] for s in range(5, 9)])
@@ -222,8 +222,6 @@ def test_a_checkpoint_that_cannot_continue_this_run_is_refused_before_launch(
     _, stopped = zero2_runs
     checkpoint = stopped / "checkpoints" / "step-4"
     cases = [
-        (("--zero", "1", "--pp", "2"), "parallel.pp: "),
-        (("--zero", "0"), "parallel.zero_stage: "),
         (("--zero", "2", "--set", "train.seed=8"), "train.seed: "),
         (("--zero", "2", "--global-batch", "16"), "train.global_batch_size: "),
         (("--zero", "2", "--set", "data.max_length=32"), "data: differs from the checkpoint's"),
@@ -392,7 +390,7 @@ def test_the_other_nodes_wait_for_node_0s_universal_conversion_and_give_up_in_ti
     from dplaunch.run_directory.checkpoints import CheckpointInfo
 
     source = CheckpointInfo(tmp_path / "other-run" / "checkpoints" / "step-4", {"step": 4})
-    point = ResumePoint(source, tmp_path / "run", reshard="universal")
+    point = ResumePoint(source, tmp_path / "run", convert=True)
     said: list[str] = []
     # node 0 finishes its conversion (an atomic rename of a folder holding "done") a bit later
     converted = tmp_path / "converted"
@@ -404,9 +402,9 @@ def test_the_other_nodes_wait_for_node_0s_universal_conversion_and_give_up_in_ti
     started = time.monotonic()
     wait_for_universal(point, limit_s=30, say=said.append, poll_s=0.05)
     assert time.monotonic() - started >= 0.4  # it did wait, for the rename
-    assert said == [f"waiting for node 0 to re-shard step-4 into {point.load_dir}…"]
+    assert said == [f"waiting for node 0 to convert step-4 into {point.load_dir}…"]
     # SLURM's time-limit warning reaches this node while it waits: noted, not lost, the wait goes on
-    later = ResumePoint(source, tmp_path / "run-3", reshard="universal")
+    later = ResumePoint(source, tmp_path / "run-3", convert=True)
     later.load_dir.parent.mkdir(parents=True)
     (converted := tmp_path / "converted-3").mkdir()
     (converted / "done").write_text(_universal_source(later))
@@ -423,11 +421,11 @@ def test_the_other_nodes_wait_for_node_0s_universal_conversion_and_give_up_in_ti
         signal.signal(signal.SIGUSR1, before)
     # the same step of another checkpoint converted into the same place is not this conversion
     another = CheckpointInfo(tmp_path / "third-run" / "checkpoints" / "step-4", {"step": 4})
-    assert not _universal_done(ResumePoint(another, tmp_path / "run", reshard="universal"))
+    assert not _universal_done(ResumePoint(another, tmp_path / "run", convert=True))
 
     # a node 0 that never finishes: an error naming the setting, not a hang
-    stuck = ResumePoint(source, tmp_path / "run-2", reshard="universal")
-    with pytest.raises(UserError, match=r"node 0 has not re-sharded .* after 0\.005 min"):
+    stuck = ResumePoint(source, tmp_path / "run-2", convert=True)
+    with pytest.raises(UserError, match=r"node 0 has not converted .* after 0\.005 min"):
         wait_for_universal(stuck, limit_s=0.3, say=said.append, poll_s=0.05)
 
 
@@ -488,24 +486,23 @@ def test_a_change_that_keeps_the_training_passes_and_fp16_without_a_scaler_state
         "--set", "model.gradient_checkpointing=true",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    # fp16 loads a loss scaler's state, which a run without fp16 never saved. fp16 needs GPUs, so
-    # the check is called with this checkpoint's own plan turned fp16
-    from types import SimpleNamespace
+    # fp16 loads a loss scaler's state, which a run without fp16 never saved: the checkpoint goes
+    # through its universal form and the loss scale starts afresh. fp16 needs GPUs, so the check
+    # is called with this checkpoint's own plan turned fp16
+    import dataclasses
 
-    from dplaunch.errors import UserError
-    from dplaunch.launching.resume import _check_layout
+    from dplaunch.launching.resume import check_layout
+    from dplaunch.planning.plan import Plan
     from dplaunch.run_directory.checkpoints import read_checkpoint
 
     info = read_checkpoint(stopped / "checkpoints" / "step-4")
     saved = json.loads((info.path / "plan.json").read_text())
     assert (saved["zero_stage"], saved["mixed_precision"]) == (0, "no")
-    fields = {**saved["mesh"], "zero_stage": 0, "offload": saved["offload"]}
-    same = SimpleNamespace(**fields, uses_deepspeed=False, mixed_precision="no")
-    assert _check_layout(saved, same, info) == (None, [])
-    with pytest.raises(
-        UserError, match=r"^train.mixed_precision: the checkpoint .* with no, and fp16"
-    ):
-        _check_layout(saved, SimpleNamespace(**{**vars(same), "mixed_precision": "fp16"}), info)
+    same = Plan.from_dict(saved)
+    assert check_layout(saved, same, info) == (False, [])
+    convert, notes = check_layout(saved, dataclasses.replace(same, mixed_precision="fp16"), info)
+    assert convert and "(fp16 needs a loss-scaler state only an fp16 run saves)" in notes[0], notes
+    assert notes[1] == "the fp16 loss scale starts afresh (the checkpoint was not trained in fp16)"
 
 
 def test_a_stop_before_the_first_step_of_a_run_resumed_from_another_saves_in_this_run(
@@ -581,10 +578,10 @@ def test_launch_sh_of_a_resumed_launch_whose_checkpoint_was_rotated_away_says_wh
     ), result.stderr[-3000:]
 
 
-def test_a_time_limit_signal_during_re_sharding_keeps_the_conversion_and_stops_checkpointed(
+def test_a_time_limit_signal_during_a_conversion_keeps_it_and_stops_checkpointed(
     tmp_path, zero2_runs, run_file
 ):
-    # A 2-rank ZeRO-2 run resubmitted on 1 GPU: its step 4 is re-sharded before any rank starts.
+    # A 2-rank ZeRO-2 run resubmitted on 1 GPU: its step 4 is converted before any rank starts.
     # SLURM's time-limit warning (SIGUSR1 to every process of the step, which the script's bash
     # wrapper leaves ignored) comes during that conversion.
     straight, stopped = zero2_runs
@@ -593,26 +590,25 @@ def test_a_time_limit_signal_during_re_sharding_keeps_the_conversion_and_stops_c
     flags = (*ZERO2, "--gpus", "1", "--resume", "auto")
     process = start_train(run_file, run, *flags, slurm_step=True)
     wait_while_running(
-        lambda: _runs_a_child(process, "ds_to_universal"), "the conversion process", process
+        lambda: _runs_a_child(process, "dplaunch.train.convert"), "the conversion process", process
     )
     os.killpg(process.pid, signal.SIGUSR1)
     code, log = finish_train(process, run)
     # the conversion finished (the signal killed neither it nor the launcher), no rank started,
     # and the launch ended as a checkpointed one: 75, which the SLURM script requeues
     assert code == 75, log[-3000:]
-    assert "universal checkpoint ready" in log, log[-3000:]
+    assert "universal form ready" in log, log[-3000:]
     assert (
-        "dplaunch: SIGUSR1 (the time-limit warning) came while step-4 was re-sharded, so no rank "
+        "dplaunch: SIGUSR1 (the time-limit warning) came while step-4 was converted, so no rank "
         "was started" in log
     ), log[-3000:]
     assert (run / "checkpoints" / "universal-step-4" / "done").exists()
     assert losses_by_step(run) == losses_by_step(stopped)  # no step trained
     # the requeued job's launch uses the kept conversion and trains on
     result = train(run, *flags, config=run_file)
-    assert f"using the universal checkpoint in {run / 'checkpoints' / 'universal-step-4'}" in (
-        result.stdout
-    )
-    assert "re-sharding" not in result.stdout
+    already = "using the universal form already converted in"
+    assert f"{already} {run / 'checkpoints' / 'universal-step-4'}" in result.stdout
+    assert "converting" not in result.stdout
     losses, reference = losses_by_step(run), losses_by_step(straight)
     assert sorted(losses) == list(range(1, 9))
     gap = max_relative_gap([losses[s] for s in range(5, 9)], [reference[s] for s in range(5, 9)])
@@ -638,7 +634,7 @@ def test_a_universal_conversion_of_another_checkpoint_is_replaced_not_loaded(tmp
 
     _, stopped = zero2_runs
     point = ResumePoint(
-        read_checkpoint(stopped / "checkpoints" / "step-4"), tmp_path / "run", reshard="universal"
+        read_checkpoint(stopped / "checkpoints" / "step-4"), tmp_path / "run", convert=True
     )
     # left by a resume from another run's step 4 into this run, which crashed before saving
     point.load_dir.mkdir(parents=True)
@@ -647,9 +643,9 @@ def test_a_universal_conversion_of_another_checkpoint_is_replaced_not_loaded(tmp
     said: list[str] = []
     convert_to_universal(point, say=said.append)
     assert not (point.load_dir / "stale-weights").exists()
-    assert _universal_done(point) and said[0].startswith("re-sharding step-4"), said
+    assert _universal_done(point) and said[0].startswith(f"converting {stopped}"), said
     convert_to_universal(point, say=said.append)  # now done: reused
-    assert said[-1] == f"using the universal checkpoint in {point.load_dir}"
+    assert said[-1] == f"using the universal form already converted in {point.load_dir}"
 
 
 def test_a_resume_from_an_earlier_checkpoint_of_the_run_leaves_the_later_ones_alone(

@@ -38,6 +38,7 @@ from tests.helpers import (
     rank_pids,
     read_metrics,
     refusal_line,
+    run_cli,
     run_dplaunch,
     run_loopback_nodes,
     spy_environment,
@@ -199,14 +200,16 @@ def test_fsdp_with_an_incompatible_layout_is_refused_before_launch(tmp_path, fla
     assert not run_dir.exists()
 
 
-def test_a_ddp_checkpoint_does_not_resume_under_fsdp(fsdp_runs, tmp_path):
-    # the formats differ: one line before launch (a ZeRO/DDP run resumed with --fsdp alike)
+def test_an_fsdp_checkpoint_resumes_under_ddp_through_its_universal_form(fsdp_runs, tmp_path):
+    # formerly refused (the formats differ): now converted once before launch, said in one line
+    # (the resumes themselves: tests/test_layout_matrix.py)
     checkpoint = fsdp_runs["on1"] / "checkpoints" / "step-6"
-    result = run_dplaunch(
+    result = run_cli(
         "train", TINY_LLAMA, "--cpu", "--gpus", "2", "--max-steps", "8", "--global-batch", "8",
-        "--resume", checkpoint, "-o", tmp_path / "ddp",
+        "--resume", checkpoint, "-o", tmp_path / "ddp", "--dry-run",
     )  # fmt: skip
-    refusal_line(result, "parallel.fsdp:", "was written by FSDP, this run uses DDP/ZeRO")
+    assert result.returncode == 0, result.stderr
+    assert "resume note: conversion: FSDP2 full dp 1 → DDP dp 2 (another engine)" in result.stdout
 
 
 # -- planning: the plan, the plan table, parallel: auto (no processes) ---------------------------

@@ -132,7 +132,7 @@ def test_a_dp2_checkpoint_resumes_on_sp2(runs, long_config, ddp_run):
     result = train(
         run, "--cpu", "--gpus", "2", "--sp", "2", "--resume", checkpoint, config=long_config
     )
-    assert "sequence-parallel degree 1 → 2" in result.stdout + result.stderr
+    assert "DDP dp 2 → DDP dp 1 × sp 2: the checkpoint loads as it is" in result.stdout
     assert "Ulysses over 2 ranks" in result.stdout
     assert [r["step"] for r in read_metrics(run) if r["type"] == "train"] == [3]
     assert train_losses(run)[0] == pytest.approx(train_losses(ddp_run)[2], rel=TOLERANCE)
@@ -265,42 +265,18 @@ def test_mesh_puts_each_sequence_parallel_group_on_consecutive_ranks():
 def test_a_zero_checkpoint_changes_shards_only_when_dp_times_sp_does():
     from types import SimpleNamespace
 
-    from dplaunch.launching.resume import _check_layout
-    from dplaunch.planning.mesh import Mesh
+    from dplaunch.launching.resume import check_layout
+    from tests.helpers import plan_for
 
-    def saved(dp: int, sp: int) -> dict:
-        mesh = {"data_parallel_size": dp, "tensor_parallel_size": 1, "pipeline_parallel_size": 1}
-        return {
-            "mesh": {**mesh, "sequence_parallel_size": sp},
-            "zero_stage": 2,
-            "offload": "none",
-            "mixed_precision": "no",
-            "gradient_accumulation_steps": 1,
-            "world_size": dp * sp,
-        }
+    def plan(dp: int, sp: int):
+        return plan_for(dp * sp, cpu=True, zero_stage=2, sp=sp, global_batch_size=8)
 
-    def plan(dp: int, sp: int) -> SimpleNamespace:
-        mesh = Mesh(dp, 1, 1, sp)
-        return SimpleNamespace(
-            pipeline_parallel_size=1,
-            tensor_parallel_size=1,
-            data_parallel_size=dp,
-            sequence_parallel_size=sp,
-            zero_stage=2,
-            offload="none",
-            mixed_precision="no",
-            uses_deepspeed=True,
-            engine="deepspeed",
-            global_batch_size=8,
-            gradient_accumulation_steps=1,
-            mesh=mesh,
-        )
-
-    info = SimpleNamespace(path="ckpt")
+    info = SimpleNamespace(path=Path("ckpt"), name="ckpt", meta={"size_bytes": 0})
     # 4 ZeRO shards either way: dp and sp traded, loaded as they are
-    assert _check_layout(saved(2, 2), plan(4, 1), info)[0] is None
-    # same dp, sp 2 → 1: 4 shards → 2, re-sharded through a universal checkpoint
-    assert _check_layout(saved(2, 2), plan(2, 1), info)[0] == "universal"
+    assert check_layout(plan(2, 2).to_dict(), plan(4, 1), info)[0] is False
+    # same dp, sp 2 → 1: 4 shards → 2, converted through the universal form
+    convert, notes = check_layout(plan(2, 2).to_dict(), plan(2, 1), info)
+    assert convert and "(other ZeRO partitions)" in notes[0], notes
 
 
 # -- memory: what a rank keeps, what the plan says ------------------------------------------------

@@ -16,7 +16,6 @@ wrote it) and writes the full weights with `save_pretrained` (safetensors), load
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 import time
@@ -28,10 +27,10 @@ import yaml
 
 from dplaunch.commands.options import command
 from dplaunch.errors import UserError
-from dplaunch.run_directory.layout import MODEL_FILES_DIR, RUN_FILE
+from dplaunch.run_directory.layout import RUN_FILE
 
 if TYPE_CHECKING:
-    from dplaunch.config.schema import ModelConfig, RunConfig
+    from dplaunch.config.schema import RunConfig
     from dplaunch.planning.plan import Plan
     from dplaunch.run_directory.checkpoints import CheckpointInfo
 
@@ -148,6 +147,8 @@ def _read_checkpoint(checkpoint: Path, adapter: bool) -> tuple[CheckpointInfo, R
             "drop --adapter to export the full model",
         )
     if config.model.lora is None:
+        from dplaunch.train.modeling import checkpoint_model
+
         config.model = checkpoint_model(info.path, config.model)
     # a LoRA checkpoint holds no base weights: the run file's base (pretrained, or model.config
     # with its seed) is built again
@@ -208,23 +209,6 @@ def _quiet_export() -> None:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
-
-
-def checkpoint_model(directory: Path, model: ModelConfig) -> ModelConfig:
-    """The model section that rebuilds a checkpoint's model from its own files (its HF config
-    and tokenizer, saved with it): no pretrained weights to read first, no Hub, no revision that
-    moved since. Checkpoints without them (older ones) keep the run file's model."""
-    from dplaunch.config.schema import BYTE_LEVEL
-
-    files = directory / MODEL_FILES_DIR
-    if not (files / "config.json").is_file():
-        return model
-    fields = json.loads((files / "config.json").read_text())
-    # weights are loaded in float32, whatever dtype the model was trained or saved in
-    for key in ("dtype", "torch_dtype", "transformers_version"):
-        fields.pop(key, None)
-    tokenizer = model.tokenizer if model.tokenizer == BYTE_LEVEL else str(files)
-    return model.model_copy(update={"name_or_path": None, "config": fields, "tokenizer": tokenizer})
 
 
 def export_checkpoint(directory: Path, config: object, engine: str, out: Path) -> None:

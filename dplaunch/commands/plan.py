@@ -183,6 +183,14 @@ class PlanOptions:
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the rows as a JSON list instead of a table.")
     ] = False
+    resume: Annotated[
+        Path | None,
+        typer.Option(
+            "--resume",
+            help="A checkpoint (or run directory): say what resuming it under the recommended "
+            "layout converts, and about how long that takes.",
+        ),
+    ] = None
     assignments: Annotated[
         list[str],
         typer.Option("--set", help="Override a run-file key: --set data.max_length=4096."),
@@ -515,6 +523,7 @@ def run_plan(options: PlanOptions) -> int:
 
     setting, candidates = plan_table(options)
     price = options.price_per_gpu_hour
+    resume_line = _resume_line(options.resume, candidates, setting) if options.resume else None
     if options.as_json:
         rows = to_json_rows(candidates, setting.max_steps, price)
         typer.echo(json.dumps(rows, indent=2))
@@ -532,7 +541,36 @@ def run_plan(options: PlanOptions) -> int:
         for line in shown.memory.breakdown_lines():
             typer.echo(line)
         typer.echo(host_memory_line(shown.memory, setting.gpus_per_node))
+    if resume_line is not None:
+        typer.echo("")
+        typer.echo(resume_line)
     return 0
+
+
+def _resume_line(checkpoint: Path, candidates: list[Candidate], setting: PlanSetting) -> str:
+    """What resuming CHECKPOINT under the recommended layout does: loads as it is, or converts
+    once through the universal form, and about how long that takes."""
+    from dplaunch.launching.resume import Layout, check_layout, layout_name
+    from dplaunch.run_directory.checkpoints import find_checkpoint
+    from dplaunch.run_directory.files import read_plan_file
+
+    info = find_checkpoint(checkpoint.expanduser()).info
+    chosen = next((c for c in candidates if c.recommended), None)
+    if chosen is None:
+        return f"resume: {info.path} (step {info.step}): no layout fits, so none to resume under"
+    layout = Layout(
+        data_parallel_size=chosen.dp,
+        tensor_parallel_size=chosen.tp,
+        pipeline_parallel_size=chosen.pp,
+        sequence_parallel_size=chosen.sp,
+        zero_stage=chosen.zero_stage,
+        offload=chosen.offload,
+        mixed_precision=setting.workload.mixed_precision,
+        fsdp=chosen.fsdp,
+    )
+    convert, notes = check_layout(read_plan_file(info.path), layout, info)
+    what = notes[0] if convert else f"loads as it is under {layout_name(layout)}"
+    return f"resume: {info.path} (step {info.step}): {what}"
 
 
 def host_memory_line(memory: MemoryEstimate, ranks_per_node: int) -> str:

@@ -156,12 +156,12 @@ def run_train(
     print_prepared(prepared, show_files=False)
     typer.echo(f"run directory: {prepared.run_dir} ({disk_line})")
     _print_resume(choice, resume, set_aside=prepared.plan.node_rank == 0)
-    if point is not None and point.reshard == "universal":
+    if point is not None and point.convert:
         interrupted = _reshard(prepared, point)
         if interrupted is not None:
             typer.echo(
                 f"dplaunch: {interrupted} (the time-limit warning) came while {point.checkpoint.name} "
-                f"was re-sharded, so no rank was started; the re-sharded checkpoint {point.load_dir} "
+                f"was converted, so no rank was started; the converted checkpoint {point.load_dir} "
                 f"is kept for the next launch: continue with --resume auto "
                 f"(exit status {EXIT_CHECKPOINTED})",
                 err=True,

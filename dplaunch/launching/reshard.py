@@ -1,9 +1,10 @@
-"""Re-sharding a ZeRO checkpoint for another data-parallel size, in the launcher, before the ranks start.
+"""Converting a checkpoint into its universal form for a resume under another layout, in the
+launcher, before the ranks start.
 
-DeepSpeed's ds_to_universal turns the checkpoint into a universal one: every rank of the new
-layout then loads its own slice of the full-precision weights and optimizer state. Node 0's
-launcher converts (once, atomically, into the launched run: RUN/checkpoints/universal-step-N);
-the other nodes' launchers wait for it. Torch-free in this process (the conversion is a child).
+Node 0's launcher converts (once, in a child process: dplaunch/train/convert.py) into the launched
+run, as the checkpointer saves: a temporary folder, every file synced to disk, a `done` file saying
+what it was made from, then one rename to RUN/checkpoints/universal-step-N; the other nodes'
+launchers wait for it. Torch-free in this process.
 """
 
 from __future__ import annotations
@@ -19,19 +20,22 @@ from typing import Any
 
 from dplaunch.errors import UserError
 from dplaunch.launching.resume import ResumePoint
-from dplaunch.run_directory.layout import DEEPSPEED_TAG, TEMP_PREFIX, UNIVERSAL_DONE_FILE
+from dplaunch.run_directory.files import fsync_directory, sync_to_disk
+from dplaunch.run_directory.layout import TEMP_PREFIX, UNIVERSAL_DONE_FILE
+
+# the child's exit status for a conversion refused in one line (errors.EXIT_USER_ERROR's value)
+_REFUSED = 2
 
 
 def convert_to_universal(point: ResumePoint, say: Any = print) -> None:
-    """Write the universal form of a ZeRO checkpoint (DeepSpeed's ds_to_universal), once, atomically.
+    """Write the universal form of point's checkpoint into point.load_dir, once, atomically.
 
-    Runs in the launcher, in a child process, before the ranks start: every rank then loads its own
-    slice of the full-precision weights and optimizer state for the new data-parallel size. The
-    result goes into the launched run (the source checkpoint may belong to another, read-only run).
-    """
+    Runs in the launcher, in a child process that shows its progress, before the ranks start:
+    every rank then loads its own part of each tensor. The result goes into the launched run (the
+    source checkpoint may belong to another, read-only run)."""
     target = point.load_dir
     if _universal_done(point):
-        say(f"using the universal checkpoint in {target}")
+        say(f"using the universal form already converted in {target}")
         return
     if target.exists():
         # the conversion of another checkpoint of the same step (another run's, or one saved
@@ -40,30 +44,18 @@ def convert_to_universal(point: ResumePoint, say: Any = print) -> None:
     source = point.checkpoint.path
     temp = target.with_name(f"{TEMP_PREFIX}{target.name}-{os.getpid()}")
     shutil.rmtree(temp, ignore_errors=True)
-    temp.mkdir(parents=True)
-    say(f"re-sharding {source.name} for the new data-parallel size (DeepSpeed ds_to_universal)…")
+    temp.parent.mkdir(parents=True, exist_ok=True)
+    say(f"converting {source} into its universal form (once, for this layout)…")
     started = time.perf_counter()
-    workers = str(max(1, min(4, os.cpu_count() or 1)))
-    command = [
-        sys.executable,
-        "-m",
-        "deepspeed.checkpoint.ds_to_universal",
-        "--input_folder",
-        str(source / DEEPSPEED_TAG),
-        "--output_folder",
-        str(temp / DEEPSPEED_TAG),
-        "--inject_missing_state",
-        "--num_extract_workers",
-        workers,
-        "--num_merge_workers",
-        workers,
-    ]
+    command = [sys.executable, "-m", "dplaunch.train.convert", str(source), str(temp)]
     env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
-    # SLURM signals every process of the step: the time-limit warning (SIGUSR1) is the launcher's
-    # to note (run_train), and would otherwise kill the conversion it waits for
+    # the progress line goes straight to this terminal; the errors are kept for the one line.
+    # SLURM signals every process of the step: the time-limit warning (SIGUSR1) is the
+    # launcher's to note (run_train), and would otherwise kill the conversion it waits for
     result = subprocess.run(
         command,
-        capture_output=True,
+        stdout=None,
+        stderr=subprocess.PIPE,
         text=True,
         env=env,
         check=False,
@@ -71,17 +63,21 @@ def convert_to_universal(point: ResumePoint, say: Any = print) -> None:
     )
     if result.returncode != 0:
         shutil.rmtree(temp, ignore_errors=True)
-        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-15:])
+        lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+        if result.returncode == _REFUSED and lines:
+            # the child's own one line (the memory budget, a checkpoint that does not fit)
+            raise UserError("", lines[-1].removeprefix("dplaunch: error: "))
+        tail = "\n".join(lines[-15:])
         raise UserError(
             "--resume",
-            f"converting {source} to a universal checkpoint failed:\n{tail}\n",
-            f"resume on {point.checkpoint.meta.get('world_size')} GPUs (no conversion needed)",
+            f"converting {source} into its universal form failed:\n{tail}\n",
+            f"resume with the layout that wrote it ({point.checkpoint.meta.get('world_size')} "
+            "GPUs, the same parallel settings): no conversion is needed then",
         )
-    # the accelerate-level files (scheduler, RNG of every rank) go next to the converted engine state
-    for item in source.iterdir():
-        if item.is_file() and item.suffix == ".pkl":
-            shutil.copy2(item, temp / item.name)
+    # as a checkpoint is committed: the files on disk before the name says "done"
+    sync_to_disk(temp, 0, 1)
     (temp / UNIVERSAL_DONE_FILE).write_text(_universal_source(point))
+    fsync_directory(temp)
     try:
         os.rename(temp, target)
     except OSError:
@@ -89,7 +85,8 @@ def convert_to_universal(point: ResumePoint, say: Any = print) -> None:
         shutil.rmtree(temp, ignore_errors=True)
         if not _universal_done(point):
             raise
-    say(f"universal checkpoint ready in {time.perf_counter() - started:.1f} s: {target}")
+    fsync_directory(target.parent)
+    say(f"universal form ready in {time.perf_counter() - started:.1f} s: {target}")
 
 
 def _ignore_usr1() -> None:
@@ -119,17 +116,17 @@ def wait_for_universal(
     """On the nodes other than 0: wait for node 0's launcher to finish convert_to_universal.
 
     Their launchers would otherwise start at once and wait in torchrun's rendezvous, which gives
-    up after 10 minutes; converting a large ZeRO checkpoint can take longer.
+    up after 10 minutes; converting a large checkpoint can take longer.
     """
     if _universal_done(point):
         return
-    say(f"waiting for node 0 to re-shard {point.checkpoint.name} into {point.load_dir}…")
+    say(f"waiting for node 0 to convert {point.checkpoint.name} into {point.load_dir}…")
     started = time.monotonic()
     while not _universal_done(point):
         if time.monotonic() - started > limit_s:
             raise UserError(
                 "--resume",
-                f"node 0 has not re-sharded {point.checkpoint.path} into {point.load_dir} "
+                f"node 0 has not converted {point.checkpoint.path} into {point.load_dir} "
                 f"after {limit_s / 60:g} min (launch.timeout_minutes)",
                 "look at node 0's output; if the conversion just takes longer, raise "
                 "launch.timeout_minutes",

@@ -1,9 +1,12 @@
 """The launcher's resume decision: which checkpoint a launch continues from, checked before launch.
 
 `dplaunch train --resume auto|PATH` asks plan_resume before anything starts: the checkpoint
-must continue the same training (model, data, data order), leave a step to train, and have a
-layout the new plan can load (the same one, or a DDP/ZeRO one re-sharded for another
-data-parallel size: dplaunch.launching.reshard). The answer goes to the ranks as resume.json.
+must continue the same training (model, data, data order) and leave a step to train. Its layout
+may be any: a checkpoint the new layout cannot load as it is (another engine, ZeRO stage, tp, pp,
+a ZeRO data-parallel size, offload or precision) is converted once into its universal form
+(dplaunch/train/universal.py) in the launched run before the ranks start
+(dplaunch.launching.reshard), and every rank loads its part of that. The answer goes to the
+ranks as resume.json.
 
 The data order is a function of (seed, epoch, step) (dplaunch/train/data.py), so the data position
 is the global step: a resumed run continues with exactly the next batch, also in later epochs. A
@@ -47,6 +50,15 @@ _FREE_KEYS = {
 }
 
 
+# a conversion into the universal form: the start of its process (importing torch, Transformers
+# and DeepSpeed) and the bytes of checkpoint it converts a second, measured on this project's
+# 2-core test machine under load (benchmarks/README.md: 370.7 MB of FSDP2 state in 13.3 s, 25.8 s
+# with the start); DeepSpeed's ZeRO files pass through ds_to_universal first, which writes them
+# once more
+CONVERT_START_S = 12.0
+CONVERT_BYTES_PER_S = 28e6
+
+
 @dataclass(frozen=True)
 class ResumePoint:
     """Where a launch continues from: the checkpoint, and how the ranks load it."""
@@ -54,14 +66,20 @@ class ResumePoint:
     checkpoint: CheckpointInfo
     # the run being launched
     run_dir: Path
-    # "universal": a ZeRO checkpoint re-sharded for another data-parallel size (see convert_to_universal)
-    reshard: str | None = None
+    # True: the checkpoint's layout differs from this run's; the launcher converts it once into
+    # its universal form (dplaunch.launching.reshard) and the ranks load that
+    convert: bool = False
     notes: tuple[str, ...] = field(default=())
+
+    @property
+    def universal(self) -> bool:
+        """Whether the ranks load a universal form: converted here, or the checkpoint already."""
+        return self.convert or self.checkpoint.meta.get("format") == "universal"
 
     @property
     def load_dir(self) -> Path:
         """The directory the engine loads: the checkpoint, or its universal conversion in this run."""
-        if self.reshard == "universal":
+        if self.convert:
             name = f"{UNIVERSAL_PREFIX}{self.checkpoint.name}"
             return self.run_dir / CHECKPOINTS_DIR / name
         return self.checkpoint.path
@@ -80,7 +98,7 @@ def resume_file_text(point: ResumePoint | None) -> str:
     if point is None:
         return resume_text()
     return resume_text(
-        point.checkpoint.path, point.checkpoint.step, point.load_dir, point.reshard == "universal"
+        point.checkpoint.path, point.checkpoint.step, point.load_dir, point.universal
     )
 
 
@@ -118,14 +136,15 @@ def plan_resume(
     saved_plan = read_plan_file(info.path)
     notes = _check_same_training(saved_config, config, info)
     notes += _check_steps_left(config, info)
-    reshard, layout_notes = _check_layout(saved_plan, plan, info)
+    convert, layout_notes = check_layout(saved_plan, plan, info)
+    check_room(info, config, plan, run_dir, convert=convert)
     if not info.has_digests:
         # written before dplaunch recorded digests: it resumes as it always did
         notes.append(
             f"{info.name} records no file digests (an older dplaunch wrote it): only the "
             "structure of its safetensors and torch files was checked"
         )
-    point = ResumePoint(info, run_dir, reshard, tuple(notes + layout_notes))
+    point = ResumePoint(info, run_dir, convert, tuple(notes + layout_notes))
     return ResumeChoice(point, found.damaged)
 
 
@@ -245,128 +264,169 @@ def _first_difference(old: Any, new: Any, where: str) -> str:
     return "" if old == new else f"{where}: {old!r} → {new!r}"
 
 
-def _check_layout(
-    saved: dict[str, Any], plan: Any, info: CheckpointInfo
-) -> tuple[str | None, list[str]]:
-    """How the new plan loads the checkpoint; UserError when the layout cannot be reshaped."""
-    where = f"the checkpoint {info.path}"
-    export_hint = f"or export it (`dplaunch export {info.path} --out DIR`) and start a new run from that model"
-    _refuse_other_format(saved, plan, where, export_hint)
-    return _reshaping(saved, plan, where, export_hint)
+@dataclass(frozen=True)
+class Layout:
+    """What of a plan decides how a checkpoint loads into it (a Plan has the same attributes):
+    `dplaunch plan --resume` asks about a candidate layout with one."""
 
+    data_parallel_size: int
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    sequence_parallel_size: int = 1
+    zero_stage: int = 0
+    offload: str = "none"
+    mixed_precision: str = "no"
+    fsdp: str | None = None
 
-def _refuse_other_format(saved: dict[str, Any], plan: Any, where: str, export_hint: str) -> None:
-    # what no conversion loads: another pipeline cut, tp split, engine, ZeRO stage, offload or
-    # DeepSpeed precision
-    mesh = saved["mesh"]
-    old_tp, old_pp = mesh["tensor_parallel_size"], mesh["pipeline_parallel_size"]
-    old_zero = saved["zero_stage"]
-    if old_pp != plan.pipeline_parallel_size:
-        raise UserError(
-            "parallel.pp",
-            f"{where} has {old_pp} pipeline stage(s), this run {plan.pipeline_parallel_size}: "
-            "DeepSpeed cannot re-cut a pipeline checkpoint into other stages",
-            f"resume with --pp {old_pp}, {export_hint}",
-        )
-    # FSDP checkpoints (torch.distributed.checkpoint) re-shard to another tp on load
-    new_fsdp = getattr(plan, "fsdp", None)
-    both_fsdp = saved.get("fsdp") is not None and new_fsdp is not None
-    if old_tp != plan.tensor_parallel_size and not both_fsdp:
-        raise UserError(
-            "parallel.tp",
-            f"{where} has tensor-parallel degree {old_tp}, this run {plan.tensor_parallel_size}: "
-            "its weights are split into tp shards",
-            f"resume with --tp {old_tp}, {export_hint}",
-        )
-    old_fsdp = saved.get("fsdp")
-    if (old_fsdp is None) != (new_fsdp is None):
-        # FSDP full and hybrid both write torch.distributed.checkpoint: either loads the other's
-        raise UserError(
-            "parallel.fsdp",
-            f"{where} was written by {'FSDP' if old_fsdp else 'DDP/ZeRO'}, this run uses "
-            f"{'FSDP' if new_fsdp else 'DDP/ZeRO'}: the checkpoint formats differ",
-            (f"resume with --fsdp {old_fsdp}" if old_fsdp else "resume without --fsdp")
-            + f", {export_hint}",
-        )
-    if old_zero != plan.zero_stage:
-        raise UserError(
-            "parallel.zero_stage",
-            f"{where} was written by ZeRO stage {old_zero} ({'DDP' if old_zero == 0 else 'DeepSpeed'}), "
-            f"this run uses stage {plan.zero_stage}: the checkpoint formats differ",
-            f"resume with --zero {old_zero}, {export_hint}",
-        )
-    if saved["offload"] != plan.offload:
-        raise UserError(
-            "parallel.offload",
-            f"{where} was written with offload {saved['offload']!r}, this run asks for {plan.offload!r}",
-            f"resume with --offload {saved['offload']}",
-        )
-    if plan.uses_deepspeed and saved["mixed_precision"] != plan.mixed_precision:
-        raise UserError(
-            "train.mixed_precision",
-            f"{where} holds DeepSpeed {saved['mixed_precision']} optimizer state, this run asks for {plan.mixed_precision}",
-            f"resume with --mixed-precision {saved['mixed_precision']}",
-        )
-    if plan.mixed_precision == "fp16" and saved["mixed_precision"] != "fp16":
-        # Accelerate's load_state reads the fp16 loss scaler's state, which only fp16 saves
-        raise UserError(
-            "train.mixed_precision",
-            f"{where} was trained with {saved['mixed_precision']}, and fp16 needs the loss "
-            "scaler state only an fp16 run saves",
-            f"resume with --mixed-precision {saved['mixed_precision']}",
+    @property
+    def engine(self) -> str:
+        from dplaunch.planning.plan import engine_name
+
+        return engine_name(
+            self.zero_stage, self.tensor_parallel_size, self.pipeline_parallel_size, self.fsdp
         )
 
 
-def _reshaping(
-    saved: dict[str, Any], plan: Any, where: str, export_hint: str
-) -> tuple[str | None, list[str]]:
-    # the checkpoint's layout in the new plan: as it is, re-sharded on load, or converted
-    mesh = saved["mesh"]
-    old_tp, old_pp = mesh["tensor_parallel_size"], mesh["pipeline_parallel_size"]
-    old_dp, old_zero = mesh["data_parallel_size"], saved["zero_stage"]
-    both_fsdp = saved.get("fsdp") is not None and getattr(plan, "fsdp", None) is not None
-    notes = []
-    if both_fsdp and (old_dp, old_tp) != (plan.data_parallel_size, plan.tensor_parallel_size):
-        # torch.distributed.checkpoint re-shards on load: no conversion step
-        notes.append(
-            f"dp {old_dp} × tp {old_tp} → dp {plan.data_parallel_size} × tp "
-            f"{plan.tensor_parallel_size}: the FSDP checkpoint's shards are re-sharded as they "
-            f"load (torch.distributed.checkpoint); global batch {plan.global_batch_size} kept: "
-            f"grad-accum {saved['gradient_accumulation_steps']} → {plan.gradient_accumulation_steps}"
-        )
-        return None, notes
-    old_sp = mesh.get("sequence_parallel_size", 1)
-    if old_sp != plan.sequence_parallel_size:
-        notes.append(
-            f"sequence-parallel degree {old_sp} → {plan.sequence_parallel_size} (every rank holds "
-            "the whole model: the sequence slices are no part of a checkpoint)"
-        )
+def layout_name(plan: Any) -> str:
+    """A plan's layout in a few words: "ZeRO-3 dp 2", "FSDP2 hybrid dp 4 × tp 2", "DDP dp 1"."""
+    dp, tp = plan.data_parallel_size, plan.tensor_parallel_size
+    pp, sp = plan.pipeline_parallel_size, plan.sequence_parallel_size
+    if plan.engine == "fsdp":
+        name = f"FSDP2 {plan.fsdp}"
+    elif plan.engine == "pipeline":
+        name = "pipeline" + (f" ZeRO-{plan.zero_stage}" if plan.zero_stage else "")
+    elif tp > 1:
+        name = "AutoTP" + (f" ZeRO-{plan.zero_stage}" if plan.zero_stage else "")
+    else:
+        name = f"ZeRO-{plan.zero_stage}" if plan.zero_stage else "DDP"
+    degrees = [f"dp {dp}"] + [
+        f"{axis} {n}" for axis, n in (("tp", tp), ("pp", pp), ("sp", sp)) if n > 1
+    ]
+    extras = [f"offload {plan.offload}"] if plan.offload != "none" else []
+    extras += [plan.mixed_precision] if plan.mixed_precision != "no" else []
+    return f"{name} {' × '.join(degrees)}" + (f" ({', '.join(extras)})" if extras else "")
+
+
+def _native_mismatch(saved: Any, plan: Any, form: str | None) -> str | None:
+    """Why the new plan cannot load the checkpoint as it is (None: it can). FORM: what
+    `dplaunch convert` made of it (checkpoint.json's format), None for an engine's own."""
+    if form == "deepspeed":
+        return "DeepSpeed's universal checkpoint"
+    engine = saved.engine if form is None else form
+    if engine != plan.engine:
+        return "another engine"
+    if engine == "fsdp":
+        # torch.distributed.checkpoint re-shards any dp × tp, full or hybrid, as it loads
+        return None
+    if plan.mixed_precision == "fp16" and saved.mixed_precision != "fp16":
+        return "fp16 needs a loss-scaler state only an fp16 run saves"
+    if engine == "ddp":
+        # every rank saved the same whole state: any data-parallel or sequence-parallel size
+        return None
+    if saved.zero_stage != plan.zero_stage:
+        return "another ZeRO stage"
+    if saved.offload != plan.offload or saved.mixed_precision != plan.mixed_precision:
+        return "other DeepSpeed optimizer state (offload, precision)"
+    if (saved.tensor_parallel_size, saved.pipeline_parallel_size) != (
+        plan.tensor_parallel_size,
+        plan.pipeline_parallel_size,
+    ):
+        return "other tensor or pipeline shards"
     # DeepSpeed sees the sp ranks as data-parallel ones: ZeRO shards over dp × sp
-    same_shards = old_dp * old_sp == plan.data_parallel_size * plan.sequence_parallel_size
-    if old_dp == plan.data_parallel_size and (old_zero == 0 or same_shards):
-        return None, notes
+    shards = saved.data_parallel_size * saved.sequence_parallel_size
+    if saved.zero_stage and shards != plan.data_parallel_size * plan.sequence_parallel_size:
+        return "other ZeRO partitions"
+    if saved.data_parallel_size != plan.data_parallel_size and engine == "pipeline":
+        return "another data-parallel size of the pipeline"
+    return None
+
+
+def conversion_seconds(info: CheckpointInfo) -> float:
+    """About how long converting INFO's checkpoint into its universal form takes."""
+    size = float(info.meta.get("size_bytes") or 0)
+    passes = 2 if info.meta.get("zero_stage") else 1
+    return CONVERT_START_S + passes * size / CONVERT_BYTES_PER_S
+
+
+def check_layout(saved: dict[str, Any], plan: Any, info: CheckpointInfo) -> tuple[bool, list[str]]:
+    """Whether the new plan loads the checkpoint through its universal form (converted once in
+    this run) or as it is, and the resume notes that say so."""
+    from dplaunch.planning.plan import Plan
+
+    old = Plan.from_dict(saved)
+    change = f"{layout_name(old)} → {layout_name(plan)}"
     batch = (
-        f"global batch {plan.global_batch_size} kept: grad-accum {saved['gradient_accumulation_steps']} → "
-        f"{plan.gradient_accumulation_steps}"
+        f"global batch {plan.global_batch_size} kept: grad-accum "
+        f"{saved['gradient_accumulation_steps']} → {plan.gradient_accumulation_steps}"
+        if hasattr(plan, "gradient_accumulation_steps")
+        else f"global batch {saved['global_batch_size']} kept"
     )
-    if plan.engine == "pipeline" or old_tp > 1:
+    form = info.meta.get("format")
+    if form == "universal":
+        return False, [
+            f"{change}: the checkpoint is a universal one (no conversion): each rank loads its "
+            f"own part of every tensor; {batch}"
+        ]
+    why = _native_mismatch(old, plan, form)
+    notes = []
+    if plan.mixed_precision == "fp16" and old.mixed_precision != "fp16":
+        notes.append("the fp16 loss scale starts afresh (the checkpoint was not trained in fp16)")
+    if why is None:
+        if change.split(" → ")[0] != change.split(" → ")[1]:
+            notes.append(f"{change}: the checkpoint loads as it is; {batch}")
+        return False, notes
+    size = float(info.meta.get("size_bytes") or 0) / 1e6
+    notes.insert(
+        0,
+        f"conversion: {change} ({why}): {info.name} ({size:.1f} MB) is converted once into its "
+        f"universal form before the ranks start, about {conversion_seconds(info):.0f} s; {batch}",
+    )
+    return True, notes
+
+
+def conversion_bytes(info: CheckpointInfo) -> float:
+    """About the disk a conversion of INFO's checkpoint takes: its universal form, and under
+    ZeRO DeepSpeed's intermediate one too."""
+    size = float(info.meta.get("size_bytes") or 0)
+    return size * (2 if info.meta.get("zero_stage") else 1) * 1.05
+
+
+def check_room(
+    info: CheckpointInfo, config: Any, plan: Any, run_dir: Path, *, convert: bool
+) -> None:
+    """Refuse, before launch, a resume that cannot hold the checkpoint's state: a conversion the
+    run directory's disk has no room for, or (GPUs) a layout whose GPUs cannot hold the weights,
+    gradients and Adam's state it would load."""
+    import shutil
+
+    if convert:
+        where = run_dir / CHECKPOINTS_DIR
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        free, need = shutil.disk_usage(where).free, conversion_bytes(info)
+        if need > free:
+            raise UserError(
+                "--resume",
+                f"converting {info.path} into its universal form needs about {need / 1e9:.1f} GB "
+                f"free in {where}, which has {free / 1e9:.1f} GB",
+                "free some space, or resume with the layout that wrote it (no conversion then)",
+            )
+    if plan.target != "gpu":
+        return
+    from dplaunch.launching.devices import smallest_gpu_memory_gb
+    from dplaunch.launching.prepare import model_facts
+    from dplaunch.planning.auto import run_workload
+    from dplaunch.planning.estimate import estimate_memory
+
+    gpu_gb = smallest_gpu_memory_gb()
+    if gpu_gb is None:
+        return
+    memory = estimate_memory(model_facts(config.model), plan.dims, run_workload(config))
+    if memory.model_states_gb > gpu_gb:
         raise UserError(
             "launch.gpus",
-            f"{where} has {old_dp} data-parallel replica(s) of a tp {old_tp} × pp {old_pp} layout, this run "
-            f"{plan.data_parallel_size}: dplaunch re-shards only DDP and ZeRO checkpoints without tp/pp",
-            f"resume on {saved['world_size']} GPUs, {export_hint}",
+            f"the checkpoint's state (weights, gradients, Adam) takes {memory.model_states_gb:.1f} "
+            f"GiB per GPU under {layout_name(plan)}, more than a GPU's {gpu_gb:.1f} GiB",
+            "resume on more GPUs, or with a layout that shares or moves it (--zero 3, --fsdp "
+            "full, --offload optimizer)",
         )
-    if old_zero == 0:
-        notes.append(
-            f"data-parallel size {old_dp} → {plan.data_parallel_size} (DDP state is the same on every rank); {batch}"
-        )
-        return None, notes
-    if same_shards:
-        # as many ZeRO shards as before (dp and sp traded): they load as they are
-        notes.append(f"data-parallel size {old_dp} → {plan.data_parallel_size}; {batch}")
-        return None, notes
-    notes.append(
-        f"data-parallel size {old_dp} → {plan.data_parallel_size}: the ZeRO-{old_zero} optimizer shards are "
-        f"re-sharded through a DeepSpeed universal checkpoint; {batch}"
-    )
-    return "universal", notes

@@ -30,6 +30,9 @@ UNDER_SRUN_ENV = "DPLAUNCH_UNDER_SRUN"
 REQUEUE_MARK_ENV = "DPLAUNCH_REQUEUE_MARK"
 # megabytes of a dataset the launch check reads (data/checks.py; 0: each file's first record)
 DATA_CHECK_MB_ENV = "DPLAUNCH_DATA_CHECK_MB"
+# megabytes a checkpoint conversion may hold in host memory at once (dplaunch/train/convert.py):
+# the shards being written and the parameter being read; the state itself may be any size
+CONVERT_MEMORY_ENV = "DPLAUNCH_CONVERT_MEMORY_MB"
 
 # the tests' fault seams, read only where the fault happens (never set in a real run):
 # a checkpoint save that sleeps or hits a file size limit at a step (train/checkpoint_faults.py)

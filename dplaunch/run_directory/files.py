@@ -23,6 +23,7 @@ from dplaunch.run_directory.layout import (
     LATEST_FILE,
     META_FILE,
     METRICS_FILE,
+    MODEL_FILES_DIR,
     PLAN_FILE,
     RESUME_FILE,
     RUN_FILE,
@@ -309,3 +310,16 @@ def read_data_positions(checkpoint: Path) -> list[dict]:
         json.loads(path.read_text())
         for path in sorted(checkpoint.glob(f"{DATA_POSITION_PREFIX}*.json"))
     ]
+
+
+def copy_checkpoint_description(source: Path, out: Path) -> None:
+    """What a checkpoint holds besides the engine's state, copied beside a conversion of it: the
+    run file, the plan, the model's own files (hf/) and a stream's positions."""
+    import shutil
+
+    for name in (RUN_FILE, PLAN_FILE):
+        shutil.copy2(source / name, out / name)
+    for path in source.glob(f"{DATA_POSITION_PREFIX}*.json"):
+        shutil.copy2(path, out / path.name)
+    if (source / MODEL_FILES_DIR).is_dir():
+        shutil.copytree(source / MODEL_FILES_DIR, out / MODEL_FILES_DIR)

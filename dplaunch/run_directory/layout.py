@@ -112,6 +112,11 @@ DAMAGED_PREFIX = "damaged-"
 UNIVERSAL_PREFIX = "universal-"
 # written last into a universal conversion: what it was made from
 UNIVERSAL_DONE_FILE = "done"
+# the universal form of a checkpoint (dplaunch/train/universal.py): its description, the fp32
+# weights (an HF weights folder) and the optimizer state, by the model's own parameter names
+UNIVERSAL_FILE = "universal.json"
+UNIVERSAL_MODEL_DIR = "model"
+UNIVERSAL_OPTIMIZER_DIR = "optimizer"
 # accelerate's tag of the DeepSpeed checkpoint inside save_state's directory
 DEEPSPEED_TAG = "pytorch_model"
 # the pipeline engine's tag (dplaunch/train/pipeline.py)

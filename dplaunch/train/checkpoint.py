@@ -228,10 +228,15 @@ class Checkpointer:
 
     def load(self, resume: dict[str, Any]) -> int:
         """Restore the state resume.json names; return the step to continue from."""
-        self.engine.load(resume["load_dir"])
-        if not self.engine.saves_rng:
-            load_rng_state(Path(resume["checkpoint"]), self.rank)
         meta = read_checkpoint_meta(Path(resume["checkpoint"]))
+        if resume.get("universal"):
+            # a checkpoint of another layout, converted by the launcher (train/universal.py)
+            self.engine.load_universal(resume["load_dir"], int(meta["step"]))
+            load_rng_state(Path(resume["load_dir"]), self.rank)
+        else:
+            self.engine.load(resume["load_dir"])
+            if not self.engine.saves_rng:
+                load_rng_state(Path(resume["checkpoint"]), self.rank)
         self.last_saved_step = int(meta["step"])
         self.last_saved_path = Path(resume["checkpoint"])
         if self.rank == 0 and self.holds_last_saved():

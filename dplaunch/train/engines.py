@@ -10,6 +10,7 @@ sequence parallelism as AccelerateEngine with another loss (train/sequence_paral
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -51,6 +52,10 @@ class StepEngine(Protocol):
 
     def load(self, directory: str) -> None:
         """Restore a checkpoint written by save()."""
+
+    def load_universal(self, directory: str, step: int) -> None:
+        """Restore a checkpoint of any layout from its universal form (train/universal.py),
+        reached at optimizer step STEP."""
 
     def export(self, directory: str, tokenizer: Any) -> None:
         """Write one consolidated HF model (safetensors) + tokenizer; every rank calls it."""
@@ -108,15 +113,23 @@ def forward_options(task: str) -> dict[str, Any]:
     return {"use_cache": False} if task in CAUSAL_TASKS else {}
 
 
-def build_optimizer(model: Any, train: Any, plan: Plan) -> torch.optim.Optimizer:
-    """AdamW without weight decay on biases and norms; DeepSpeedCPUAdam when ZeRO offloads it."""
+def parameter_groups(model: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """The trained parameters (name, parameter) with weight decay and without (biases, norms), in
+    model order: the optimizer's two groups, whose order is the order of its state (a checkpoint's
+    optimizer file numbers the parameters so: dplaunch/train/checkpoint_sources.py)."""
     decay, no_decay = [], []
     for name, parameter in model.named_parameters():
         if not parameter.requires_grad:
             continue
         # ZeRO-3 builds a pretrained model already partitioned: its own shape is ds_shape
         ndim = len(getattr(parameter, "ds_shape", parameter.shape))
-        (no_decay if ndim < 2 or "norm" in name.lower() else decay).append(parameter)
+        (no_decay if ndim < 2 or "norm" in name.lower() else decay).append((name, parameter))
+    return decay, no_decay
+
+
+def build_optimizer(model: Any, train: Any, plan: Plan) -> torch.optim.Optimizer:
+    """AdamW without weight decay on biases and norms; DeepSpeedCPUAdam when ZeRO offloads it."""
+    decay, no_decay = ([parameter for _, parameter in group] for group in parameter_groups(model))
     groups = [
         {"params": decay, "weight_decay": train.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -261,6 +274,25 @@ class AccelerateEngine(EngineBase):
         if self.uses_deepspeed:
             _settle_step_counters(self.optimizer)
 
+    def load_universal(self, directory: str, step: int) -> None:
+        """Restore a checkpoint of any layout from its universal form (train/universal.py)."""
+        from dplaunch.train import universal_load
+        from dplaunch.train.universal import UniversalReader
+
+        reader = UniversalReader(Path(directory))
+        optimizer = _torch_optimizer(self.optimizer)
+        run_file = RunFileHyperparameters(optimizer.param_groups, self.scheduler)
+        if self.uses_deepspeed:
+            named = trained_parameters(self.model.module)
+            universal_load.load_deepspeed(reader, self.model, named, step)
+        else:
+            model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+            universal_load.load_whole(reader, trained_parameters(model), optimizer)
+        universal_load.load_scheduler(reader, _torch_scheduler(self.scheduler))
+        self.accelerator.step = 0
+        run_file.restore(_torch_optimizer(self.optimizer).param_groups)
+        reader.close()
+
     def _save_unwrapped(self, models: list[Any], weights: list[dict], _directory: str) -> None:
         for index, model in enumerate(models):
             if index < len(weights):
@@ -308,6 +340,16 @@ class AccelerateEngine(EngineBase):
         if accelerator.is_main_process:
             tokenizer.save_pretrained(directory)
         accelerator.wait_for_everyone()
+
+
+def trained_parameters(model: Any) -> list[tuple[str, Any]]:
+    """(name, parameter) of what trains, by the model's own names (a compiled model's wrapper
+    prefix dropped)."""
+    return [
+        (name.removeprefix("_orig_mod."), parameter)
+        for name, parameter in model.named_parameters()
+        if parameter.requires_grad
+    ]
 
 
 class RunFileHyperparameters:

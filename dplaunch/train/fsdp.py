@@ -305,6 +305,19 @@ class FsdpEngine(EngineBase):
             self.scaler.load_state_dict(trainer["scaler"])
         run_file.restore(self.optimizer.param_groups)
 
+    def load_universal(self, directory: str, step: int) -> None:
+        """Restore a checkpoint of any layout from its universal form (train/universal.py): each
+        rank reads its own shards of every tensor."""
+        from dplaunch.train import universal_load
+        from dplaunch.train.universal import UniversalReader
+
+        reader = UniversalReader(Path(directory))
+        run_file = RunFileHyperparameters(self.optimizer.param_groups, self.scheduler)
+        universal_load.load_sharded(reader, self.model, self.optimizer, self.lora)
+        universal_load.load_scheduler(reader, self.scheduler)
+        run_file.restore(self.optimizer.param_groups)
+        reader.close()
+
     def _checkpointed(self, model_state: dict[str, Any]) -> dict[str, Any]:
         """What of the model a checkpoint holds: all of it, or (LoRA) only what trains."""
         return trained_state(model_state, self.model) if self.lora else model_state

@@ -104,9 +104,7 @@ def read_run(run_dir: Path) -> tuple[RunConfig, Plan]:
     return config, plan
 
 
-def make_accelerator(
-    plan: Plan, config: RunConfig, run_dir: Path, *, load_universal: bool = False
-) -> Any:
+def make_accelerator(plan: Plan, config: RunConfig, run_dir: Path) -> Any:
     """An Accelerator that matches the plan: gloo on CPU, DeepSpeed from the rendered JSON."""
     from accelerate import Accelerator
     from accelerate.utils import (
@@ -130,12 +128,7 @@ def make_accelerator(
         kwargs["dynamo_backend"] = "inductor"
     if plan.engine == "deepspeed":
         # not cpu=True: that makes Accelerate drop the DeepSpeed plugin; gloo comes from the handler
-        ds_config: Any = str(run_dir / DEEPSPEED_FILE)
-        if load_universal:
-            # a ZeRO checkpoint re-sharded for this data-parallel size (see launching/reshard.py)
-            ds_config = read_deepspeed_file(run_dir)
-            ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
-        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds_config)
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=str(run_dir / DEEPSPEED_FILE))
     else:
         kwargs["cpu"] = plan.target == "cpu"
         # gradients as views into DDP's all-reduce buckets: one gradient-sized buffer instead of two,
@@ -149,10 +142,10 @@ def make_accelerator(
 
 
 def start_rank(
-    config: RunConfig, plan: Plan, run_dir: Path, *, load_universal: bool = False
+    config: RunConfig, plan: Plan, run_dir: Path
 ) -> tuple[Any, RankPlace, Callable[[str], None]]:
     """This rank's Accelerator (process group up), its place in the mesh, and rank 0's printer."""
-    accelerator = make_accelerator(plan, config, run_dir, load_universal=load_universal)
+    accelerator = make_accelerator(plan, config, run_dir)
     stage, dp_rank, tp_rank = plan.mesh.coordinates(accelerator.process_index)
     place = RankPlace(
         accelerator.process_index,
@@ -233,9 +226,7 @@ def start_run(run_dir: Path, signals: StopSignals) -> tuple[RankRun, int]:
     and metrics; and the step it starts after (the resumed checkpoint's, else 0)."""
     config, plan = read_run(run_dir)
     resume = read_resume(run_dir)
-    accelerator, place, say = start_rank(
-        config, plan, run_dir, load_universal=bool(resume and resume["universal"])
-    )
+    accelerator, place, say = start_rank(config, plan, run_dir)
     control = ControlChannel(plan.timeout_minutes)
     hold_start_up()  # TEST ONLY: nothing in a real run
     tokenizer = load_tokenizer(config.model)

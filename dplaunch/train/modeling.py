@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from dplaunch.config.schema import BYTE_LEVEL, CAUSAL_TASKS, ModelConfig
+from dplaunch.run_directory.layout import MODEL_FILES_DIR
 from dplaunch.train.lora import add_adapters, quantization_options
 from dplaunch.train.tokenizer import byte_level_tokenizer
 
@@ -138,3 +141,40 @@ def _from_config(auto: Any, config: Any, trust_remote_code: bool, kernel: dict[s
         built = auto.from_config(config, trust_remote_code=trust_remote_code, **kernel)
     built.init_weights()
     return built
+
+
+def checkpoint_model(directory: Path, model: ModelConfig) -> ModelConfig:
+    """The model section that rebuilds a checkpoint's model from its own files (its HF config
+    and tokenizer, saved with it): no pretrained weights to read first, no Hub, no revision that
+    moved since. Checkpoints without them (older ones) keep the run file's model."""
+    files = directory / MODEL_FILES_DIR
+    if not (files / "config.json").is_file():
+        return model
+    fields = json.loads((files / "config.json").read_text())
+    # weights are loaded in float32, whatever dtype the model was trained or saved in
+    for key in ("dtype", "torch_dtype", "transformers_version"):
+        fields.pop(key, None)
+    tokenizer = model.tokenizer if model.tokenizer == BYTE_LEVEL else str(files)
+    return model.model_copy(update={"name_or_path": None, "config": fields, "tokenizer": tokenizer})
+
+
+def model_skeleton(directory: Path, config: Any) -> Any:
+    """A checkpoint's model (CONFIG: its run file) built on the meta device: every parameter's name,
+    shape and whether it trains (LoRA), without memory or weights. From the checkpoint's own HF
+    config when it has one, else the run file's model section (a pretrained one: from its config)."""
+    import torch
+
+    model = checkpoint_model(directory, config.model)
+    if model.config is None:
+        from transformers import AutoConfig
+
+        fields = AutoConfig.from_pretrained(
+            model.name_or_path, trust_remote_code=model.trust_remote_code
+        ).to_dict()
+        model = model.model_copy(update={"name_or_path": None, "config": fields})
+    # quantization belongs to from_pretrained; the names of what trains are the same without it
+    if model.lora is not None and model.lora.quantize is not None:
+        model = model.model_copy(update={"lora": model.lora.model_copy(update={"quantize": None})})
+    tokenizer = load_tokenizer(model)
+    with torch.device("meta"):
+        return load_model(model, tokenizer, config.train.seed, config.data.label_names)

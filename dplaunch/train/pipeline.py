@@ -465,6 +465,30 @@ class PipelineTrainEngine(EngineBase):
         self.load_checkpoint(directory, PIPELINE_TAG)
         run_file.restore(self.engine.optimizer.param_groups)
 
+    def load_universal(self, directory: str, step: int) -> None:
+        """Restore a checkpoint of any layout from its universal form (train/universal.py): each
+        stage takes its own layers' parameters, by their HF names."""
+        from pathlib import Path
+
+        from dplaunch.train import universal_load
+        from dplaunch.train.engines import RunFileHyperparameters
+        from dplaunch.train.universal import UniversalReader
+
+        reader = UniversalReader(Path(directory))
+        run_file = RunFileHyperparameters(
+            self.engine.optimizer.param_groups, self.engine.lr_scheduler
+        )
+        own = {id(parameter) for parameter in self.pipe.parameters()}
+        named = [
+            (name, parameter)
+            for name, parameter in self.model.named_parameters()
+            if id(parameter) in own and parameter.requires_grad
+        ]
+        universal_load.load_deepspeed(reader, self.engine, named, step, whole_model=False)
+        universal_load.load_scheduler(reader, self.engine.lr_scheduler)
+        run_file.restore(self.engine.optimizer.param_groups)
+        reader.close()
+
     def export(self, directory: str, tokenizer: Any) -> None:
         """The loop's export call: one HF model + tokenizer in `directory`; every rank calls it."""
         self.export_hf(directory, self.model)
