@@ -15,6 +15,7 @@ import typer
 
 from dplaunch.commands import (
     calibrate,
+    convert,
     data,
     doctor,
     env,
@@ -57,6 +58,7 @@ COMMANDS = {
     "env": env.env_command,
     "report": report.report_command,
     "export": export.export_command,
+    "convert": convert.convert_command,
     "slurm": slurm.slurm_command,
 }
 for name, function in COMMANDS.items():

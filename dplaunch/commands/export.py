@@ -71,10 +71,15 @@ def run_export(checkpoint: Path, out: Path, adapter: bool = False) -> int:
     check_output_dir(out, "--out")
     # checked and planned before anything is written: one line, exit 2
     job = None
-    # (FSDP's DCP shards, tp ones included, are joined in this process like the others)
-    if plan.tensor_parallel_size > 1 and plan.engine != "fsdp":
+    # (FSDP's DCP shards, tp ones included, are joined in this process like the others; so are
+    # the whole tensors of a checkpoint `dplaunch convert` wrote)
+    converted = info.meta.get("format") is not None
+    if plan.tensor_parallel_size > 1 and plan.engine != "fsdp" and not converted:
         _check_weight_files(info.path, plan.tensor_parallel_size)
         job = export_job_plan(config, plan)
+    from dplaunch.train.export_weights import CONVERTED
+
+    engine = CONVERTED if converted else plan.engine
     folder = _OutFolder(out)
     _quiet_export()
     typer.echo(
@@ -89,9 +94,9 @@ def run_export(checkpoint: Path, out: Path, adapter: bool = False) -> int:
         if job is not None:
             code = run_export_job(info.path, *job, out)
         elif config.model.lora is not None:
-            export_lora_checkpoint(info.path, config, plan.engine, out, adapter)
+            export_lora_checkpoint(info.path, config, engine, out, adapter)
         else:
-            export_checkpoint(info.path, config, plan.engine, out)
+            export_checkpoint(info.path, config, engine, out)
     except UserError:
         folder.discard()
         raise

@@ -10,6 +10,9 @@ from dplaunch.errors import UserError
 from dplaunch.run_directory.layout import DEEPSPEED_TAG, PIPELINE_TAG
 from dplaunch.train.checkpoint import CheckpointError
 
+# the engine name of a checkpoint `dplaunch convert` wrote (checkpoint.json's "format")
+CONVERTED = "converted"
+
 
 def export_tokenizer(config: Any) -> Any:
     """The run's tokenizer as its ranks had it, chat template included: the end-of-run export
@@ -33,7 +36,9 @@ def export_tokenizer(config: Any) -> Any:
 
 def consolidated_state_dict(directory: Path, engine: str) -> dict[str, Any]:
     """The full model state dict of a DDP, ZeRO-1/2/3 or FSDP checkpoint (fp32 master weights for
-    ZeRO and FSDP)."""
+    ZeRO and FSDP), or of one `dplaunch convert` wrote (ENGINE: CONVERTED)."""
+    if engine == CONVERTED:
+        return _converted_weights(directory)
     if engine == "fsdp":
         from dplaunch.train.fsdp import consolidated_fsdp_state_dict
 
@@ -88,3 +93,21 @@ def load_pipeline_layers(directory: Path, model: Any) -> None:
         # specs (tied embedding, lm_head) build modules around the HF model's own submodules
         module = layer if isinstance(layer, torch.nn.Module) else layer.build()
         module.load_state_dict(torch.load(files[0], map_location="cpu", weights_only=True))
+
+
+def _converted_weights(directory: Path) -> dict[str, Any]:
+    """The weights of a universal, fsdp or deepspeed form (`dplaunch convert`), by the model's
+    names, read through its universal-form reader."""
+    import tempfile
+
+    from dplaunch.config.schema import RunConfig
+    from dplaunch.run_directory.files import read_checkpoint_meta, read_run_file
+    from dplaunch.train.checkpoint_sources import open_source
+
+    config = RunConfig.model_validate(read_run_file(directory))
+    with tempfile.TemporaryDirectory(prefix="dplaunch-export-") as work:
+        source = open_source(directory, read_checkpoint_meta(directory), config, Path(work))
+        try:
+            return {name: weight for name, weight, _ in source.entries()}
+        finally:
+            source.close()
