@@ -9,9 +9,9 @@ the straight run's (fp32, 1e-5); for a source, its checkpoint's universal form (
 process) holds the straight run's weights, Adam moments, step counters and schedule at that step,
 tensor by tensor; for a leaf, its exported model holds the straight run's final weights.
 
-The pairs proven (9 launches, 2 ranks, 1 where the rank count changes): DDP → ZeRO-3, TP 2, PP 2
-and FSDP2; ZeRO-3 → FSDP2 on 1 rank; FSDP2 (1 rank) → ZeRO-2 on 2; TP 2 → DDP on 1 rank;
-PP 2 → DDP.
+The pairs proven (11 launches, 2 ranks, 1 where the rank count changes): DDP → ZeRO-3, TP 2,
+PP 2 and FSDP2; ZeRO-3 → FSDP2 on 1 rank and ZeRO-2 + optimizer offload (DeepSpeed's CPU Adam);
+that → FSDP × TP 2; FSDP2 (1 rank) → ZeRO-2 on 2; TP 2 → DDP on 1 rank; PP 2 → DDP.
 """
 
 from __future__ import annotations
@@ -47,13 +47,16 @@ LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {
     "fsdp-1": (1, ("--fsdp", "full")),
     "tp2": (2, ("--tp", "2")),
     "pp2": (2, ("--pp", "2")),
+    "zero2-offload": (2, ("--zero", "2", "--offload", "optimizer")),
+    "fsdp-tp2": (2, ("--fsdp", "full", "--tp", "2")),
 }
 
 # source → its targets. A target that is a source itself trains one step and stops with a
 # checkpoint; the others (leaves) train to the last step.
 TREE = {
     "ddp": ("zero3", "tp2", "pp2", "fsdp"),
-    "zero3": ("fsdp-1",),
+    "zero3": ("fsdp-1", "zero2-offload"),
+    "zero2-offload": ("fsdp-tp2",),
     "fsdp-1": ("zero2",),
     "tp2": ("ddp-1",),
     "pp2": ("ddp",),
