@@ -392,3 +392,104 @@ def test_a_zero3_lora_export_gathers_the_adapters_only():
         is_main_process=True, unwrap_model=lambda model, **_: unwrapped, get_state_dict=None
     )
     assert engine.trained_state().keys() == {"lora_A.weight"} and asked == [True]
+
+
+@pytest.fixture(scope="module")
+def bf16_base(tmp_path_factory) -> Path:
+    """The tiny Llama saved as a pretrained checkpoint in bf16 (config.json says so)."""
+    from dplaunch.config.schema import RunConfig
+    from dplaunch.train.modeling import load_model, load_tokenizer
+
+    spec = RunConfig.model_validate(yaml.safe_load(TINY_LLAMA.read_text())).model
+    base = tmp_path_factory.mktemp("bf16-base")
+    tokenizer = load_tokenizer(spec)
+    load_model(spec, tokenizer, seed=3).to(torch.bfloat16).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    return base
+
+
+def _export_at_the_end(base: Path, run_dir: Path, lora: dict, mixed_precision: str) -> None:
+    """export_run as the end of training calls it, the trained state that of adapters with
+    lora_B set away from its zero start (an engine that hands it over, on one process)."""
+    from types import SimpleNamespace
+
+    from dplaunch.config.schema import RunConfig
+    from dplaunch.train.lora_export import export_run
+    from dplaunch.train.modeling import load_model, load_tokenizer
+
+    spec = yaml.safe_load(TINY_LLAMA.read_text())
+    spec["model"] = {"name_or_path": str(base), "tokenizer": str(base), "lora": lora}
+    spec["train"]["mixed_precision"] = mixed_precision
+    config = RunConfig.model_validate(spec)
+    tokenizer = load_tokenizer(config.model)
+    unquantized = config.model.lora.model_copy(update={"quantize": None})
+    trained = load_model(config.model.model_copy(update={"lora": unquantized}), tokenizer, seed=3)
+    generator = torch.Generator().manual_seed(0)
+    state = {}
+    for name, parameter in trained.named_parameters():
+        if parameter.requires_grad:
+            state[name] = torch.randn(parameter.shape, generator=generator) * 0.05
+    engine = SimpleNamespace(
+        trained_state=lambda: state, accelerator=SimpleNamespace(wait_for_everyone=lambda: None)
+    )
+    export_run(engine, config, tokenizer, run_dir)
+
+
+@pytest.mark.parametrize(
+    ("lora", "mixed_precision", "dtype"),
+    [
+        ({"r": 4, "quantize": "4bit"}, "no", torch.bfloat16),  # QLoRA: the checkpoint's dtype
+        ({"r": 4}, "bf16", torch.bfloat16),  # mixed precision: its 16-bit dtype
+        ({"r": 4}, "no", torch.float32),  # an fp32 run trained its base in fp32
+    ],
+)
+def test_the_merged_export_builds_the_base_in_the_dtype_it_trained_in(
+    bf16_base, tmp_path, lora, mixed_precision, dtype
+):
+    # a 70B QLoRA base rebuilt in fp32 on rank 0 was 280 GB of host RAM; in bf16 it is half that
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    _export_at_the_end(bf16_base, tmp_path, lora, mixed_precision)
+    weights = load_file(str(tmp_path / "model" / "model.safetensors"))
+    assert {value.dtype for value in weights.values()} == {dtype}
+    # the merged model loads with from_pretrained, the adapter on its base with PeftModel
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(bf16_base, dtype=dtype)
+    with_adapter = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    inputs = torch.randint(3, 259, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = with_adapter(inputs).logits.float()
+        # merging rounds each merged weight to the base's dtype once
+        torch.testing.assert_close(merged(inputs).logits, expected, rtol=0, atol=0.05)
+
+
+def test_an_adapter_only_export_writes_the_adapter_without_building_the_base(
+    bf16_base, tmp_path, monkeypatch
+):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import dplaunch.train.lora_export as lora_export
+
+    _export_at_the_end(bf16_base, tmp_path / "merged", {"r": 4}, "no")
+
+    def no_base(*args, **kwargs):
+        raise AssertionError("the adapter-only export built the base")
+
+    monkeypatch.setattr(lora_export, "load_model", no_base)
+    run = tmp_path / "adapter-only"
+    _export_at_the_end(bf16_base, run, {"r": 4, "export": "adapter-only"}, "no")
+    assert not (run / "model").exists()
+    # the same adapter as the merged export's, which names the base it loads on
+    saved = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    reference = load_file(str(tmp_path / "merged" / "adapter" / "adapter_model.safetensors"))
+    assert saved.keys() == reference.keys() and len(saved) == 4 * 7 * 2
+    for key in saved:
+        torch.testing.assert_close(saved[key], reference[key], rtol=0, atol=0, msg=key)
+    settings = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    assert settings["base_model_name_or_path"] == str(bf16_base)
+    base = AutoModelForCausalLM.from_pretrained(bf16_base, dtype=torch.float32)
+    PeftModel.from_pretrained(base, run / "adapter")

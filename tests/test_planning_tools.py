@@ -749,6 +749,53 @@ def test_qlora_ranks_are_charged_the_quantized_model_they_load_not_a_fp32_one():
     assert "ZeRO-3" not in refused.value.fix
 
 
+def test_a_qlora_70b_whose_merged_export_cannot_fit_the_node_is_refused_before_launch():
+    # 2 QLoRA ranks of a 70B load 2 × 37 GiB on a 128 GiB node and train; at the end rank 0
+    # builds the base again for the merged model: in bf16, the checkpoint's dtype (130 GiB; it
+    # was built in fp32, 260 GiB, and the check did not count it), so the run failed at export
+    from dplaunch.config.schema import LaunchConfig, ParallelConfig, TrainConfig
+    from dplaunch.planning.lora import LoraSpec
+    from dplaunch.planning.plan import ModelChoices, make_plan
+
+    llama_70b = dict(LLAMA_7B, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                     num_key_value_heads=8, intermediate_size=28672, dtype="bfloat16")  # fmt: skip
+    facts = ModelFacts.from_config_dict(llama_70b)
+    node = Machine(visible_gpus=2, host_memory_gb=128)
+
+    def plan(machine: Machine = node, **lora: object):
+        spec = LoraSpec(r=16, quantize="4bit", **lora)  # type: ignore[arg-type]
+        return make_plan(LaunchConfig(gpus=2), ParallelConfig(), TrainConfig(), machine, facts,
+                         ModelChoices(lora=spec))  # fmt: skip
+
+    with pytest.raises(UserError) as refused:
+        plan()
+    assert str(refused.value).startswith(
+        "model.lora.export: host RAM at export: rank 0 builds the base (bfloat16) for the merged "
+        "model, 130.0 GiB of this node's 128.0 GiB"
+    ), str(refused.value)
+    assert refused.value.fix.startswith("set model.lora.export: adapter-only")
+    # the adapter alone: the base is never built, rank 0 holds the adapters
+    assert not any("host RAM" in note for note in plan(export="adapter-only").notes)
+    # a node with room for the bf16 base takes the merged export
+    assert not any("host RAM" in note for note in plan(Machine(2, host_memory_gb=256)).notes)
+    # CPU ranks rehearse it: noted, not refused
+    rehearsal = make_plan(LaunchConfig(cpu=True, gpus=2), ParallelConfig(), TrainConfig(), node,
+                          facts, ModelChoices(lora=LoraSpec(r=16, quantize="4bit")))  # fmt: skip
+    assert any(note.startswith("host RAM at export") for note in rehearsal.notes)
+
+
+def test_the_export_base_is_built_in_the_dtype_the_base_trained_in():
+    from dplaunch.planning.lora import export_dtype
+
+    assert export_dtype("bf16", None, "float32") == "bfloat16"
+    assert export_dtype("fp16", None, None) == "float16"
+    assert export_dtype("no", None, "bfloat16") == "float32"  # loaded and trained in fp32
+    # QLoRA: the checkpoint's own 16-bit dtype, whatever the run's mixed precision
+    assert export_dtype("no", "4bit", "bfloat16") == "bfloat16"
+    assert export_dtype("bf16", "8bit", "float16") == "float16"
+    assert export_dtype("bf16", "4bit", "float32") == "bfloat16"
+
+
 def test_a_78b_on_two_gpus_is_refused_before_launch_in_one_line(tmp_path):
     path = llama_7b_run_file(tmp_path / "78b.yaml", parallel={"zero_stage": 0})
     data = yaml.safe_load(path.read_text())

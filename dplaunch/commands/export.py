@@ -94,7 +94,7 @@ def run_export(checkpoint: Path, out: Path, adapter: bool = False) -> int:
         if job is not None:
             code = run_export_job(info.path, *job, out)
         elif config.model.lora is not None:
-            export_lora_checkpoint(info.path, config, engine, out, adapter)
+            export_lora_checkpoint(info.path, config, engine, plan.mixed_precision, out, adapter)
         else:
             export_checkpoint(info.path, config, engine, out)
     except UserError:
@@ -250,32 +250,30 @@ def export_checkpoint(directory: Path, config: object, engine: str, out: Path) -
 
 
 def export_lora_checkpoint(
-    directory: Path, config: RunConfig, engine: str, out: Path, adapter: bool
+    directory: Path, config: RunConfig, engine: str, mixed_precision: str, out: Path, adapter: bool
 ) -> None:
-    """A LoRA checkpoint's adapter, merged into the run's base (or, ADAPTER, as a PEFT folder)."""
+    """A LoRA checkpoint's adapter, merged into the run's base built in the dtype it trained in
+    under MIXED_PRECISION (the run's plan), or (ADAPTER) as a PEFT folder."""
     from dplaunch.train.export_weights import consolidated_state_dict, export_tokenizer
-    from dplaunch.train.lora_export import rebuild_with_adapters, write_exports
+    from dplaunch.train.lora_export import write_exports
 
     tokenizer = export_tokenizer(config)
     state = consolidated_state_dict(directory, engine)
-    seed, label_names = config.train.seed, config.data.label_names
     try:
-        model = rebuild_with_adapters(config.model, tokenizer, seed, label_names, state)
+        write_exports(
+            config,
+            mixed_precision,
+            tokenizer,
+            state,
+            out if adapter else None,
+            None if adapter else out,
+        )
     except ValueError as error:
         raise UserError(
             "CHECKPOINT",
             f"{directory} does not fit the model of its {RUN_FILE}: {error}",
             "export a checkpoint written by dplaunch for this run file",
         ) from None
-    write_exports(
-        model,
-        tokenizer,
-        config.model,
-        out if adapter else None,
-        None if adapter else out,
-        seed,
-        label_names,
-    )
 
 
 def export_job_plan(config: RunConfig, saved: Plan) -> tuple[RunConfig, Plan]:

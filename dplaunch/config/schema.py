@@ -77,6 +77,10 @@ class LoraConfig(Section):
         None,
         description="QLoRA: hold the frozen base weights in 4-bit (nf4, bf16 compute) or 8-bit through bitsandbytes (the `[qlora]` extra).",
     )
+    export: Literal["merged", "adapter-only"] = Field(
+        "merged",
+        description="What the end of training writes: `merged` the PEFT folder (`RUN/adapter`) and the model merged with it (`RUN/model`), for which rank 0 builds the whole base again in host RAM, in the dtype it trained in (`bf16`/`fp16` under mixed precision; QLoRA: the checkpoint's own dtype); `adapter-only` the PEFT folder alone, without building a pretrained base (PeftModel.from_pretrained on the base loads it; `merge_and_unload()` merges it later).",
+    )
 
 
 class ModelConfig(Section):

@@ -352,13 +352,51 @@ def lora_line(lora: LoraCount, total_params: int) -> str:
     )
 
 
+# the dtypes an export may build its base in, and their bytes per weight
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_MIXED_PRECISION_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def checkpoint_dtype(config_json: dict[str, Any]) -> str | None:
+    """The dtype a pretrained checkpoint's config.json states (transformers 5 writes ``dtype``,
+    older versions ``torch_dtype``); None when it states none we build in."""
+    dtype = config_json.get("dtype") or config_json.get("torch_dtype")
+    return dtype if dtype in DTYPE_BYTES else None
+
+
+def export_dtype(mixed_precision: str, quantize: str | None, saved_dtype: str | None) -> str:
+    """The dtype a LoRA export builds its base in: the one the base trained in. Under bf16/fp16
+    mixed precision that 16-bit dtype; QLoRA's base (held quantized, computed in 16 bits) the
+    checkpoint's own 16-bit dtype (``saved_dtype``) first; an fp32 run's base fp32."""
+    if quantize is not None and saved_dtype in ("bfloat16", "float16"):
+        return saved_dtype
+    return _MIXED_PRECISION_DTYPES.get(mixed_precision, "float32")
+
+
+def export_host_bytes(total_params: int, lora: LoraCount, dtype: str) -> float:
+    """Host RAM rank 0 holds while it writes a LoRA run's exports (train/lora_export.py): the
+    gathered fp32 trained values and the adapters they are loaded into, plus the base built
+    again in ``dtype`` (a random-init base is built in fp32, then cast) unless the export is
+    adapter-only on a pretrained base, which is never built."""
+    trained = 2 * 4 * lora.trainable
+    spec = lora.spec
+    if spec.export == "adapter-only" and not spec.random_base:
+        return trained
+    element = max(DTYPE_BYTES[dtype], 4 if spec.random_base else 0)
+    return trained + element * total_params
+
+
 __all__ = [
     "ALL_LINEAR",
+    "DTYPE_BYTES",
     "LoraCount",
     "LoraSpec",
     "Module",
     "adapted_modules",
+    "checkpoint_dtype",
     "count_lora",
+    "export_dtype",
+    "export_host_bytes",
     "lora_line",
     "model_modules",
 ]

@@ -236,7 +236,8 @@ class ModelChoices:
     @classmethod
     def of(cls, model: Any) -> ModelChoices:
         """From the run file's ``model`` section (config.schema.ModelConfig)."""
-        return cls(model.task, model.attn_implementation, LoraSpec.from_config(model.lora))
+        lora = LoraSpec.from_config(model.lora, random_base=model.config is not None)
+        return cls(model.task, model.attn_implementation, lora)
 
 
 def make_plan(
@@ -285,17 +286,9 @@ def make_plan(
     )
     stage_layers = tuple(pipeline_stage_names(model, mesh.pipeline_parallel_size)) if model else ()
     if model is not None and machine.host_memory_gb is not None and not machine.render_only:
-        note = check_host_memory(
-            model,
-            dims,
-            mixed_precision,
-            task,
-            machine.host_memory_gb,
-            refuse=target == "gpu",
-            lora=choices.lora,
+        notes += _host_memory_notes(
+            model, dims, mixed_precision, choices, machine.host_memory_gb, target == "gpu"
         )
-        if note:
-            notes.append(note)
     return Plan(
         target=target,
         world_size=total,
@@ -393,6 +386,30 @@ def _nodes(launch: LaunchConfig, total: int) -> tuple[int, int]:
     return nodes, total // nodes
 
 
+def _host_memory_notes(
+    model: ModelFacts,
+    dims: ParallelDims,
+    mixed_precision: str,
+    choices: ModelChoices,
+    host_memory_gb: float,
+    refuse: bool,
+) -> list[str]:
+    """The notes of the host-RAM checks: the ranks at load, and (LoRA) rank 0 at export."""
+    task, lora = choices.task, choices.lora
+    notes = [
+        check_host_memory(
+            model, dims, mixed_precision, task, host_memory_gb, refuse=refuse, lora=lora
+        )
+    ]
+    if lora is not None:
+        notes.append(
+            check_export_memory(
+                model, dims, mixed_precision, task, host_memory_gb, lora, refuse=refuse
+            )
+        )
+    return [note for note in notes if note]
+
+
 # a node's RAM the ranks may take at load before the plan says so
 HOST_MEMORY_NOTE_FRACTION = 0.8
 
@@ -436,6 +453,61 @@ def check_host_memory(
                 "node (--gpus-per-node) or a node with more memory"
             )
         raise UserError("launch.gpus_per_node", line, fix)
+    if need > host_memory_gb:
+        return line + ": more than it has (CPU ranks: not refused, a GPU launch would be)"
+    if need > HOST_MEMORY_NOTE_FRACTION * host_memory_gb:
+        return line
+    return None
+
+
+def check_export_memory(
+    model: ModelFacts,
+    dims: ParallelDims,
+    mixed_precision: str,
+    task: str,
+    host_memory_gb: float,
+    lora: LoraSpec,
+    *,
+    refuse: bool = True,
+) -> str | None:
+    """Refuse a LoRA plan whose end-of-training export cannot fit in node 0's RAM; a note when
+    it takes most of it (``refuse=False``: a note either way, as check_host_memory).
+
+    Rank 0 builds the base again in host RAM (planning.lora.export_host_bytes, in the dtype of
+    planning.lora.export_dtype) while every rank of its node still holds its offloaded states."""
+    from dplaunch.planning.estimate import GIB, count_parameters, estimate_memory
+    from dplaunch.planning.lora import checkpoint_dtype, export_dtype, export_host_bytes
+
+    adapters = count_lora(model, lora, task)
+    workload = Workload(mixed_precision=mixed_precision, task=task, lora=lora)
+    offloaded = estimate_memory(model, dims, workload, lora=adapters).cpu_gb
+    dtype = export_dtype(mixed_precision, lora.quantize, checkpoint_dtype(model.raw))
+    if lora.random_base:
+        dtype = "float32"  # built in fp32 as in training, cast after
+    export_gb = export_host_bytes(count_parameters(model, task).total, adapters, dtype) / GIB
+    per_node = dims.gpus_per_node
+    need = export_gb + per_node * offloaded
+    what = "the PEFT folder" if lora.export == "adapter-only" else "the merged model"
+    line = f"host RAM at export: rank 0 builds the base ({dtype}) for {what}, {export_gb:.1f} GiB"
+    if lora.export == "adapter-only" and not lora.random_base:
+        line = f"host RAM at export: rank 0 holds the adapters, {export_gb:.1f} GiB"
+    if offloaded:
+        line += f", + {per_node} rank(s) × {offloaded:.1f} GiB of offloaded states = {need:.1f} GiB"
+    line += f" of this node's {host_memory_gb:.1f} GiB"
+    if need > host_memory_gb and refuse:
+        if lora.export == "merged":
+            raise UserError(
+                "model.lora.export",
+                line,
+                "set model.lora.export: adapter-only (the PEFT folder alone: the base is not "
+                "built again), or use a node with more memory",
+            )
+        raise UserError(
+            "model.config",
+            line,
+            "train from a pretrained base (model.name_or_path: an adapter-only export then "
+            "does not build it), or use a node with more memory",
+        )
     if need > host_memory_gb:
         return line + ": more than it has (CPU ranks: not refused, a GPU launch would be)"
     if need > HOST_MEMORY_NOTE_FRACTION * host_memory_gb:

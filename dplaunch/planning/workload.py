@@ -20,10 +20,15 @@ class LoraSpec:
     target_modules: str | tuple[str, ...] = ALL_LINEAR
     modules_to_save: tuple[str, ...] = ()
     quantize: str | None = None
+    # model.lora.export: "merged" rebuilds the whole base on rank 0 at the end, "adapter-only" not
+    export: str = "merged"
+    # a model.config base (random init) is built in fp32, adapter-only too: it exists nowhere else
+    random_base: bool = False
 
     @classmethod
-    def from_config(cls, lora: Any) -> LoraSpec | None:
-        """From the run file's ``model.lora`` section (None: full fine-tuning)."""
+    def from_config(cls, lora: Any, *, random_base: bool = False) -> LoraSpec | None:
+        """From the run file's ``model.lora`` section (None: full fine-tuning); ``random_base``:
+        the run's model is model.config's."""
         if lora is None:
             return None
         targets = lora.target_modules
@@ -32,6 +37,8 @@ class LoraSpec:
             target_modules=targets if isinstance(targets, str) else tuple(targets),
             modules_to_save=tuple(lora.modules_to_save or ()),
             quantize=lora.quantize,
+            export=lora.export,
+            random_base=random_base,
         )
 
     @property

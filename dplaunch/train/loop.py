@@ -403,7 +403,12 @@ def _export(run: RankRun) -> None:
 
         export_run(run.engine, run.config, run.tokenizer, run.run_dir)
         adapter = run.run_dir / ADAPTER_DIR
-        run.say(f"[dplaunch] exported the adapter to {adapter}, merged into {export_dir}")
+        if run.config.model.lora.export == "adapter-only":
+            run.say(
+                f"[dplaunch] exported the adapter to {adapter} (model.lora.export adapter-only)"
+            )
+        else:
+            run.say(f"[dplaunch] exported the adapter to {adapter}, merged into {export_dir}")
     else:
         run.engine.export(str(export_dir), run.tokenizer)
         run.say(f"[dplaunch] exported the trained model to {export_dir}")

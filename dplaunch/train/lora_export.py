@@ -1,9 +1,13 @@
 """The exports of a LoRA run (end of training and `dplaunch export`), written from the trained
-values alone: the base is built again in one process, unquantized and unpartitioned
-(train/modeling.py), the adapter state loaded into it, saved with peft's save_pretrained
-(RUN/adapter/), then merged into the base (RUN/model/). Under ZeRO-3 the values come from the
-gathered state (accelerate's get_state_dict), never from the rank's empty partitions (the
-empty-adapter bug, peft#453).
+values alone: the PEFT folder (RUN/adapter/, peft's save_pretrained) and, unless
+model.lora.export is adapter-only, the adapters merged into the base (RUN/model/).
+
+For the merged model the base is built again in one process, unquantized and unpartitioned
+(train/modeling.py), in the dtype it trained in (planning.lora.export_dtype: a 16-bit run's base
+never in fp32), and the adapter state is loaded into it. An adapter-only export of a pretrained
+base builds that base on the meta device: no weight of it is read or held. Under ZeRO-3 the
+values come from the gathered state (accelerate's get_state_dict), never from the rank's empty
+partitions (the empty-adapter bug, peft#453).
 """
 
 from __future__ import annotations
@@ -13,21 +17,28 @@ from typing import Any
 
 from dplaunch.config.schema import ModelConfig
 from dplaunch.run_directory.layout import ADAPTER_DIR, BASE_MODEL_DIR, EXPORT_DIR
-from dplaunch.train.lora import outside_zero3, trained_names
-from dplaunch.train.modeling import load_model
+from dplaunch.train.lora import add_adapters, outside_zero3, trained_names
+from dplaunch.train.modeling import load_model, pretrained_skeleton
 
 
-def rebuild_with_adapters(
-    config: ModelConfig, tokenizer: Any, seed: int, label_names: list[str] | None, state: dict
-) -> Any:
-    """The run's base model, whole and unquantized on the CPU, with its adapters holding STATE
-    (the trained values, names as in training). Raises ValueError when STATE does not fit."""
-    unquantized = config.model_copy(
-        update={"lora": config.lora.model_copy(update={"quantize": None})}  # type: ignore[union-attr]
-    )
-    with outside_zero3():
-        model = load_model(unquantized, tokenizer, seed, label_names)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+def base_dtype(config: ModelConfig, mixed_precision: str) -> str:
+    """The dtype the export builds the run's base in (planning.lora.export_dtype)."""
+    from dplaunch.planning.lora import checkpoint_dtype, export_dtype
+    from dplaunch.planning.model_facts import load_config_json
+
+    quantize = config.lora.quantize if config.lora is not None else None
+    saved = None
+    if quantize is not None and config.name_or_path is not None:
+        saved = checkpoint_dtype(load_config_json(config.name_or_path))
+    return export_dtype(mixed_precision, quantize, saved)
+
+
+def _with_state(model: Any, state: dict) -> Any:
+    """MODEL (adapted) holding STATE (the trained values, names as in training); ValueError when
+    STATE does not fit. A model on meta takes the values themselves, a real one copies them
+    into its own dtypes."""
+    on_meta = any(parameter.is_meta for parameter in model.parameters())
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=on_meta)
     untrained = sorted(set(trained_names(model)) - set(state))
     if unexpected or untrained:
         raise ValueError(
@@ -38,54 +49,65 @@ def rebuild_with_adapters(
 
 
 def write_exports(
-    model: Any,
+    run: Any,
+    mixed_precision: str,
     tokenizer: Any,
-    config: ModelConfig,
+    state: dict,
     adapter_dir: Path | None,
     model_dir: Path | None,
-    seed: int,
-    label_names: list[str] | None,
 ) -> None:
-    """Write the PEFT folder (ADAPTER_DIR) and the merged full model (MODEL_DIR). For a randomly
-    initialised base (model.config) the adapter folder holds that base too (ADAPTER_DIR/base), as
-    its base_model_name_or_path. MODEL is rebuild_with_adapters'; it is merged in place, last."""
+    """Write the PEFT folder (ADAPTER_DIR) and the merged full model (MODEL_DIR) of STATE, the
+    trained values of RUN (its run file), the base built in the dtype it trained in under
+    MIXED_PRECISION (:func:`base_dtype`). For a randomly initialised base (model.config) the
+    adapter folder holds that base too (ADAPTER_DIR/base), as its base_model_name_or_path.
+    Raises ValueError when STATE does not fit the model."""
+    config, seed, label_names = run.model, run.train.seed, run.data.label_names
+    dtype = base_dtype(config, mixed_precision)
+    assert config.lora is not None
+    unadapted = config.model_copy(update={"lora": None})
+    if model_dir is None and config.config is None:
+        # adapter-only on a pretrained base: the base's modules on meta, only the adapters real
+        model = _with_state(
+            add_adapters(pretrained_skeleton(unadapted, label_names), config, seed), state
+        )
+        _save_adapter(model, tokenizer, adapter_dir, config.name_or_path)  # type: ignore[arg-type]
+        return
+    with outside_zero3():
+        base = load_model(unadapted, tokenizer, seed, label_names, dtype=dtype)
+    base_name = config.name_or_path
+    if adapter_dir is not None and config.config is not None:
+        # a random-init base exists nowhere else: saved before the adapters wrap it
+        base_dir = adapter_dir / BASE_MODEL_DIR
+        base.save_pretrained(str(base_dir), safe_serialization=True)
+        tokenizer.save_pretrained(str(base_dir))
+        base_name = str(base_dir.resolve())
+    model = _with_state(add_adapters(base, config, seed), state)
     if adapter_dir is not None:
-        peft_model_config = model.peft_config["default"]
-        if config.config is not None:
-            base_dir = adapter_dir / BASE_MODEL_DIR
-            # a random-init base exists nowhere else: built again (seeded, as in training) and saved
-            with outside_zero3():
-                base = load_model(
-                    config.model_copy(update={"lora": None}), tokenizer, seed, label_names
-                )
-            base.save_pretrained(str(base_dir), safe_serialization=True)
-            tokenizer.save_pretrained(str(base_dir))
-            peft_model_config.base_model_name_or_path = str(base_dir.resolve())
-        else:
-            peft_model_config.base_model_name_or_path = config.name_or_path
-        model.save_pretrained(str(adapter_dir), safe_serialization=True)
-        tokenizer.save_pretrained(str(adapter_dir))
+        _save_adapter(model, tokenizer, adapter_dir, base_name)  # type: ignore[arg-type]
     if model_dir is not None:
         merged = model.merge_and_unload()
         merged.save_pretrained(str(model_dir), safe_serialization=True)
         tokenizer.save_pretrained(str(model_dir))
 
 
+def _save_adapter(model: Any, tokenizer: Any, adapter_dir: Path, base_name: str) -> None:
+    model.peft_config["default"].base_model_name_or_path = base_name
+    model.save_pretrained(str(adapter_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(adapter_dir))
+
+
 def export_run(engine: Any, config: Any, tokenizer: Any, run_dir: Path) -> None:
-    """End of a LoRA run: RUN/adapter/ and RUN/model/ (merged), written by rank 0 from the
-    gathered trained values; every rank calls it."""
+    """End of a LoRA run: RUN/adapter/ and (model.lora.export merged) RUN/model/, written by
+    rank 0 from the gathered trained values; every rank calls it."""
     state = engine.trained_state()
     if state is not None:
-        model = rebuild_with_adapters(
-            config.model, tokenizer, config.train.seed, config.data.label_names, state
-        )
+        merged = config.model.lora.export == "merged"
         write_exports(
-            model,
+            config,
+            config.train.mixed_precision,
             tokenizer,
-            config.model,
+            state,
             run_dir / ADAPTER_DIR,
-            run_dir / EXPORT_DIR,
-            config.train.seed,
-            config.data.label_names,
+            run_dir / EXPORT_DIR if merged else None,
         )
     engine.accelerator.wait_for_everyone()

@@ -59,25 +59,20 @@ def load_model(
     *,
     on_gpu: bool = False,
     say: Callable[[str], None] | None = None,
+    dtype: str = "float32",
 ) -> Any:
     """The HF model for the task; random initialisation is seeded so every rank builds the same
     weights. LABEL_NAMES (data.label_names) become the config's id2label and label2id. ``on_gpu``
     (the plan's target): a quantized base loads onto this rank's GPU, else the CPU. ``say`` gets
     one line on the weights a pretrained checkpoint lacks (a new head), in place of transformers'
-    LOAD REPORT table."""
+    LOAD REPORT table. ``dtype``: the weights' (exports build the base in the dtype it trained
+    in; a random-init model is initialised in fp32, then cast, to hold the values training
+    started from)."""
     import torch
     from accelerate.utils import set_seed  # transformers' imports peft (1-2 s a rank) with it
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoConfig
 
-    auto = (
-        AutoModelForCausalLM if model.task in CAUSAL_TASKS else AutoModelForSequenceClassification
-    )
-    extra: dict[str, Any] = {}
-    if model.task == "sequence-classification":
-        extra["num_labels"] = model.num_labels
-        if label_names:
-            extra["id2label"] = dict(enumerate(label_names))
-            extra["label2id"] = {name: number for number, name in enumerate(label_names)}
+    auto, extra = _auto_class(model, label_names)
     # model.attn_implementation: the kernel the planner's memory estimate assumed (unset = HF's pick)
     kernel = {"attn_implementation": model.attn_implementation} if model.attn_implementation else {}
     set_seed(seed)
@@ -91,6 +86,8 @@ def load_model(
             if name not in fields and getattr(tokenizer, name, None) is not None:
                 setattr(config, name, getattr(tokenizer, name))
         built = _from_config(auto, config, model.trust_remote_code, kernel)
+        if dtype != "float32":
+            built = built.to(getattr(torch, dtype))
     else:
         # float32 weights whatever the checkpoint's dtype (transformers 5 would keep a bf16
         # checkpoint in bf16): mixed precision computes in bf16/fp16 from fp32 master weights
@@ -101,7 +98,7 @@ def load_model(
             built, info = auto.from_pretrained(
                 model.name_or_path,
                 trust_remote_code=model.trust_remote_code,
-                dtype=torch.float32,
+                dtype=getattr(torch, dtype),
                 output_loading_info=True,
                 **extra,
                 **kernel,
@@ -120,6 +117,36 @@ def load_model(
         # model.lora: peft adapters train, the base stays frozen (train/lora.py)
         built = add_adapters(built, model, seed)
     return built
+
+
+def pretrained_skeleton(model: ModelConfig, label_names: list[str] | None = None) -> Any:
+    """The pretrained model's modules on the meta device (no weight read or held): what an
+    adapter-only export wraps to save the adapters with the names they have on the real base."""
+    import torch
+    from transformers import AutoConfig
+
+    auto, extra = _auto_class(model, label_names)
+    config = AutoConfig.from_pretrained(
+        model.name_or_path, trust_remote_code=model.trust_remote_code, **extra
+    )
+    with torch.device("meta"):
+        return auto.from_config(config, trust_remote_code=model.trust_remote_code)
+
+
+def _auto_class(model: ModelConfig, label_names: list[str] | None) -> tuple[Any, dict[str, Any]]:
+    """The transformers auto class of the task, and the config fields its labels set."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    auto = (
+        AutoModelForCausalLM if model.task in CAUSAL_TASKS else AutoModelForSequenceClassification
+    )
+    extra: dict[str, Any] = {}
+    if model.task == "sequence-classification":
+        extra["num_labels"] = model.num_labels
+        if label_names:
+            extra["id2label"] = dict(enumerate(label_names))
+            extra["label2id"] = {name: number for number, name in enumerate(label_names)}
+    return auto, extra
 
 
 def _from_config(auto: Any, config: Any, trust_remote_code: bool, kernel: dict[str, Any]) -> Any:
