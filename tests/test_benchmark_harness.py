@@ -34,13 +34,16 @@ with open(clock, "w", buffering=1) as out:
         out.write(json.dumps({"step": step, "time": time.time()}) + "\\n")
 """
 WARMUP, ROUNDS, TURN = 2, 3, 3
+# steps a contender may take past a target before its freeze lands (a loaded machine reads its
+# clock and signals it late): without them it could run out of steps before its last turn
+OVERSHOOT = 20
 
 
 def contender(folder: Path, name: str, fail_at: int = 0) -> Contender:
     script = folder / "fake_contender.py"
     script.write_text(FAKE_CONTENDER)
     clock = folder / f"{name}.jsonl"
-    steps = WARMUP + (ROUNDS + 1) * TURN
+    steps = WARMUP + (ROUNDS + 1) * TURN + OVERSHOOT
     return Contender(
         name,
         [sys.executable, str(script), str(clock), str(steps), str(fail_at)],
@@ -52,27 +55,40 @@ def contender(folder: Path, name: str, fail_at: int = 0) -> Contender:
 
 
 def test_contenders_train_by_turns_and_only_steps_inside_a_turn_count(tmp_path):
+    import time
+
     turns = {name: [contender(tmp_path, name)] for name in ("a", "b")}
-    measured = interleave(turns, warmup=WARMUP, rounds=ROUNDS, turn_steps=TURN, say=lambda _: None)
+    rounds_done: list[float] = []  # said after each round, before the last one thaws them all
+    measured = interleave(
+        turns,
+        warmup=WARMUP,
+        rounds=ROUNDS,
+        turn_steps=TURN,
+        say=lambda _: rounds_done.append(time.time()),
+    )
     assert {name: len(values) for name, values in measured.step_s.items()} == {"a": 3, "b": 3}
     assert set(measured.to_first_step) == {"a", "b"}
+    assert len(rounds_done) == ROUNDS
 
-    # every step of the rounds, both contenders, in the order they happened
+    # every step after the warmup target up to the end of the rounds, both contenders, in the
+    # order they happened. The end is a time, not a step: under load a contender runs a step or
+    # more past a target before its freeze lands, and a fixed step window then cut a turn short
     timeline = sorted(
         (record["time"], name)
         for name in ("a", "b")
         for record in map(json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines())
-        if WARMUP < record["step"] <= WARMUP + ROUNDS * TURN
+        if record["step"] > WARMUP and record["time"] <= rounds_done[-1]
     )
+    assert all(sum(n == name for _, n in timeline) >= ROUNDS * TURN for name in ("a", "b"))
     blocks: list[list[str]] = []
     for _, name in timeline:
         if blocks and blocks[-1][0] == name:
             blocks[-1].append(name)
         else:
             blocks.append([name])
-    # the first two blocks may be one step each: a contender can finish a step between reaching
-    # WARMUP and being frozen. After them, a contender that was not frozen (its rank runs in a
-    # session of its own) would step in between the other's steps: blocks of 1 or 2 steps
+    # the first two blocks may be short: a contender can finish steps between reaching WARMUP
+    # and being frozen. After them, a contender that was not frozen (its rank runs in a session
+    # of its own) would step in between the other's steps: blocks shorter than a turn
     assert len(blocks) >= 4 and all(len(block) >= TURN for block in blocks[2:]), blocks
 
 
