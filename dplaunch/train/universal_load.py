@@ -293,5 +293,15 @@ def load_sharded(reader: UniversalReader, model: Any, optimizer: Any, lora: bool
 def load_scheduler(reader: UniversalReader, scheduler: Any) -> None:
     """The scheduler's position (its state_dict) as the source saved it."""
     state = reader.scheduler_state()
-    if state is not None:
-        scheduler.load_state_dict(state)
+    if state is None:
+        return
+    # a per-group entry (lr_lambdas, base_lrs, _last_lr) of a source whose optimizer had other
+    # groups (DeepSpeed drops a LoRA run's empty no-decay group) keeps this one's: the position
+    # is what carries over, and the run file's settings are put back afterwards
+    own = scheduler.state_dict()
+    groups = len(own.get("base_lrs", ()))
+    state = {
+        key: own[key] if key in own and isinstance(value, list) and len(value) != groups else value
+        for key, value in state.items()
+    }
+    scheduler.load_state_dict(state)
