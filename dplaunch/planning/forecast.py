@@ -565,8 +565,8 @@ def step_collectives(
       gradient norm over the pipeline and the loss broadcast (8 bytes);
     - sequence parallelism (Ulysses): per micro-batch and layer, the position ids all-gathered
       and four all-to-alls in the forward (Q, K, V, the output) and four in the backward;
-    - the non-finite guard: one all-reduce of world + 1 floats (not the pipeline's, judged after
-      its step).
+    - the non-finite guard: one all-reduce of world + 1 floats (the pipeline's too: its engine
+      judges the step inside it, after DeepSpeed stepped).
     """
     count = count_parameters(facts, workload.task, workload.num_labels)
     mesh = Mesh(dims.dp, dims.tp, dims.pp, dims.sp)
@@ -586,7 +586,6 @@ def step_collectives(
         _fsdp_collectives(step, dims, count, every, trained, e, m, norm)
     elif dims.pp > 1:
         _pipeline_collectives(step, dims, count, workload, (every, trained), data)
-        return step.collectives
     elif dims.zero_stage > 0 or dims.tp > 1:
         if dims.tp > 1:
             _tensor_parallel_collectives(step, facts, count, dims, workload, m)
