@@ -17,6 +17,17 @@ def pytest_configure(config):
     os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="dplaunch-tests-cache-")
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test leaves os.environ as it found it: a command called in this process (export sets
+    TQDM_DISABLE for its own process) must not change what later tests' ranks inherit."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 # the comparison every layout is checked against: 6 steps, global batch 8 in micro-batches of 2
 COMPARISON_FLAGS = ("--max-steps", "6", "--global-batch", "8", "--micro-batch", "2")
 
