@@ -578,10 +578,6 @@ class PackedBlocks:
             [self.views[c][i - self.starts[c]] for c, i in zip(chunks, indices, strict=True)]
         )
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        whole = np.concatenate(self.views)
-        return whole if dtype is None else whole.astype(dtype)
-
 
 class Batcher:
     """Deterministic batches for training and evaluation on one rank."""
