@@ -172,3 +172,48 @@ def test_a_gpu_rank_logs_reserved_and_free_memory_beside_the_peak_of_its_tensors
     # CPU ranks keep one field: the process's peak resident memory
     cpu = memory_fields(torch.device("cpu"))
     assert list(cpu) == ["memory_gb"] and 0 < cpu["memory_gb"] < 1000
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"],
+)
+def test_every_learning_rate_schedule_is_bit_identical_to_transformers_get_scheduler(name):
+    # dplaunch builds the curves itself (train/schedules.py: transformers' module imports peft and
+    # bitsandbytes on every rank); warm-up, decay, the last step, past the end, and a state_dict
+    # saved by one loads into the other
+    from transformers import get_scheduler
+
+    from dplaunch.config.schema import Scheduler
+    from dplaunch.train.schedules import learning_rate_schedule
+
+    assert set(Scheduler.__args__) >= {name}
+    for warmup, total in [(0, 7), (3, 11), (5, 5)]:
+        if name == "polynomial" and warmup == total:
+            continue  # transformers divides by zero there as well
+        theirs_optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=3e-4)
+        ours_optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=3e-4)
+        theirs = get_scheduler(
+            name, theirs_optimizer, num_warmup_steps=warmup, num_training_steps=total
+        )
+        ours = learning_rate_schedule(name, ours_optimizer, warmup_steps=warmup, total_steps=total)
+        rates = [], []
+        for _ in range(total + 3):
+            rates[0].append(theirs.get_last_lr()[0])
+            rates[1].append(ours.get_last_lr()[0])
+            theirs_optimizer.step(), ours_optimizer.step()
+            theirs.step(), ours.step()
+        assert rates[1] == rates[0], (name, warmup, total)
+        assert (
+            len(set(rates[0])) > 1
+            or name == "constant"
+            or (name, warmup) == ("constant_with_warmup", 0)
+        )
+        resumed = learning_rate_schedule(
+            name,
+            torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=3e-4),
+            warmup_steps=warmup,
+            total_steps=total,
+        )
+        resumed.load_state_dict(theirs.state_dict())
+        assert resumed.get_last_lr() == theirs.get_last_lr()

@@ -632,14 +632,14 @@ def build_engine(
     long_sequences: dict[str, Any] | None = None,
 ) -> StepEngine:
     """The step engine for the planned layout (``long_sequences``: sequence_parallel.py's)."""
-    from transformers import get_scheduler
+    from dplaunch.train.schedules import learning_rate_schedule
 
     def scheduler_for(optimizer: Any) -> Any:
-        return get_scheduler(
+        return learning_rate_schedule(
             config.train.scheduler,
             optimizer,
-            num_warmup_steps=config.train.warmup_steps,
-            num_training_steps=total_steps,
+            warmup_steps=config.train.warmup_steps,
+            total_steps=total_steps,
         )
 
     if plan.engine == "pipeline":
