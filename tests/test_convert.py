@@ -7,7 +7,7 @@ here as an FSDP2 run writes them (torch.distributed.checkpoint), with random sta
 - Every form converts back into the same universal form, tensor for tensor.
 - `plan --resume` and `train --resume` say in one line what a resume converts; what cannot hold
   the state (no disk for the conversion, GPUs too small for it) is refused before launch.
-(The resumes themselves, on real ranks: tests/test_layout_matrix.py.)
+(The resumes themselves, on real ranks: tests/test_layout_matrix*.py.)
 """
 
 from __future__ import annotations

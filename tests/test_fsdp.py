@@ -202,7 +202,7 @@ def test_fsdp_with_an_incompatible_layout_is_refused_before_launch(tmp_path, fla
 
 def test_an_fsdp_checkpoint_resumes_under_ddp_through_its_universal_form(fsdp_runs, tmp_path):
     # formerly refused (the formats differ): now converted once before launch, said in one line
-    # (the resumes themselves: tests/test_layout_matrix.py)
+    # (the resumes themselves: tests/test_layout_matrix*.py)
     checkpoint = fsdp_runs["on1"] / "checkpoints" / "step-6"
     result = run_cli(
         "train", TINY_LLAMA, "--cpu", "--gpus", "2", "--max-steps", "8", "--global-batch", "8",
