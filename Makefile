@@ -40,8 +40,11 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/dplaunch train --gpus 2 --output-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 	@echo "run directories: $$(ls -d runs/demo-* | tail -1) (newest); see metrics.jsonl, tensorboard/ and model/"
 
+# two pytest workers (pytest-xdist), a test file each at a time (its module fixtures' runs are
+# shared inside it): a lone worker leaves a core idle while one process starts or plans
+TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dplaunch tests examples benchmarks
