@@ -37,7 +37,7 @@ CONVERT_MEMORY_ENV = "DPLAUNCH_CONVERT_MEMORY_MB"
 # the tests' fault seams, read only where the fault happens (never set in a real run):
 # a checkpoint save that sleeps or hits a file size limit at a step (train/checkpoint_faults.py)
 CHECKPOINT_FAULT_ENV = "DPLAUNCH_TEST_CHECKPOINT_FAULT"
-# a non-finite loss at a step on a rank (train/nonfinite.py)
+# a non-finite loss at a step on a rank, or its batch left out (train/nonfinite_faults.py)
 NONFINITE_FAULT_ENV = "DPLAUNCH_TEST_NONFINITE"
 # a folder where each rank writes the collectives of one step (train/collective_spy.py), and
 # that step (1-based; default 3): what the forecast's collectives are checked against

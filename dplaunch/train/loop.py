@@ -58,6 +58,7 @@ from dplaunch.train.metrics import (
 )
 from dplaunch.train.modeling import load_model, load_tokenizer
 from dplaunch.train.nonfinite import EXIT_NONFINITE, NonFiniteGuard
+from dplaunch.train.nonfinite_faults import nonfinite_fault_from_environment
 from dplaunch.train.phase_clock import StepTimes
 from dplaunch.train.preference import disable_dropout, start_preference
 from dplaunch.train.sequence_parallel import LongSequenceEngine, prepare_long_sequences
@@ -301,11 +302,13 @@ def start_run(run_dir: Path, signals: StopSignals) -> tuple[RankRun, int]:
 
 
 def _nonfinite_guard(config: RunConfig, plan: Plan, accelerator: Any, model: Any) -> NonFiniteGuard:
-    """train.on_nonfinite's guard, its test fault (if any) installed in MODEL."""
+    """train.on_nonfinite's guard, and the test fault (if any) in MODEL: train/nonfinite_faults.py."""
     guard = NonFiniteGuard(
         config.train.on_nonfinite, config.train.max_skipped_steps, accelerator, plan.mixed_precision
     )
-    guard.install_fault(model)
+    fault = nonfinite_fault_from_environment()  # TEST ONLY: None in every real run
+    if fault is not None:
+        fault.install(model, accelerator.process_index, lambda: guard.step)
     return guard
 
 
@@ -729,10 +732,12 @@ def _run_steps(run: RankRun, start_step: int) -> tuple[int, str | None]:
 
 def _scheduled_steps(run: RankRun, start_step: int) -> Iterator[int]:
     """The steps to train, 0-based: all from start_step, less the test seam's left-out step
-    (NonFiniteGuard.omits: the reference run of tests/test_nonfinite.py), whose batch is read
-    and dropped."""
+    (train/nonfinite_faults.py: the reference run of tests/test_nonfinite.py), whose batch is
+    read and dropped."""
+    fault = nonfinite_fault_from_environment()  # TEST ONLY: None in every real run
+    omitted = fault.omitted_step if fault is not None else None
     for step in range(start_step, run.total_steps):
-        if run.guard.omits(step + 1):
+        if step + 1 == omitted:
             run.batcher.micro_batches(step)
             continue
         yield step

@@ -22,18 +22,13 @@ How an update is skipped:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dplaunch.run_directory.environment import NONFINITE_FAULT_ENV
 from dplaunch.stop_signals import EXIT_NONFINITE  # noqa: F401 — the guard's own exit status
 
 if TYPE_CHECKING:
     import torch
-
-# test hook: "STEP:RANK" makes RANK's loss NaN at step STEP (1-based, as in metrics.jsonl);
-# "STEP:omit" leaves step STEP's batch out untrained (what a skipped step must equal)
 
 
 @dataclass(frozen=True)
@@ -70,7 +65,6 @@ class NonFiniteGuard:
         self.skipped_total = 0
         # why the guard stopped the run (set by the loop), else None
         self.stop_reason: str | None = None
-        self._fault = _parse_fault(os.environ.get(NONFINITE_FAULT_ENV, ""))
 
     @property
     def enabled(self) -> bool:
@@ -79,25 +73,6 @@ class NonFiniteGuard:
     def begin(self, step: int) -> None:
         """Step STEP (1-based) is about to be trained."""
         self.step, self.event = step, None
-
-    def omits(self, step: int) -> bool:
-        """The test hook's reference run: step STEP's batch is left out untrained."""
-        return self._fault == (step, "omit")
-
-    def install_fault(self, model: Any) -> None:
-        """The test hook: a forward hook that makes this rank's loss NaN at the chosen step."""
-        if self._fault is None or self._fault[1] == "omit":
-            return
-        step, rank = self._fault
-        if int(rank) != self.accelerator.process_index:
-            return
-
-        def poison(module: Any, _inputs: Any, output: Any) -> Any:
-            if module.training and self.step == step and getattr(output, "loss", None) is not None:
-                output.loss = output.loss * float("nan")
-            return output
-
-        model.register_forward_hook(poison)
 
     def judge(
         self, loss: torch.Tensor, grad_norm: torch.Tensor | None, parameters: Any, deepspeed: Any
@@ -156,12 +131,3 @@ class NonFiniteGuard:
                 f"train.max_skipped_steps {self.max_skipped}"
             )
         return None
-
-
-def _parse_fault(text: str) -> tuple[int, str] | None:
-    if not text:
-        return None
-    step, _, what = text.partition(":")
-    if not step.isdigit() or not (what == "omit" or what.isdigit()):
-        raise ValueError(f"{NONFINITE_FAULT_ENV}={text!r}: expected STEP:RANK or STEP:omit")
-    return int(step), what
