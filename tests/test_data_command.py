@@ -106,6 +106,12 @@ def test_plain_output_marks_the_trained_tokens_and_warns_of_each_pitfall_once(ca
 
 
 def test_a_terminal_gets_colours_instead_of_marks(capsys, monkeypatch):
+    # the terminal as rich sees it, fixed on the class: with FORCE_COLOR alone, rich once saw
+    # no terminal in a full suite under xdist (the same run passed before; cause not found)
+    from rich.console import Console
+
+    monkeypatch.setattr(Console, "is_terminal", property(lambda _console: True))
+    monkeypatch.setattr(Console, "is_dumb_terminal", property(lambda _console: False))
     monkeypatch.setenv("FORCE_COLOR", "1")
     monkeypatch.delenv("NO_COLOR", raising=False)
     out = data_output(capsys, SFT_CONFIG, show=1, blocks=0)
