@@ -24,9 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from tests.helpers import TINY_LLAMA, losses_by_step, run_dplaunch, run_loopback_nodes
+from tests.helpers import (
+    TINY_LLAMA,
+    losses_by_step,
+    run_dplaunch,
+    run_loopback_nodes,
+    write_config,
+)
 
 STEPS = 6
 # the straight run's checkpoint the root's targets resume from
@@ -190,15 +194,6 @@ def universal_form(checkpoint: Path, out: Path) -> Path:
     return out
 
 
-def lora_config(folder: Path) -> Path:
-    """The tiny Llama's run file with LoRA adapters on every linear layer."""
-    data = yaml.safe_load(TINY_LLAMA.read_text())
-    data["model"]["lora"] = LORA
-    path = folder / "tiny-llama-lora.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
 def run_matrix(root: Path, trees: tuple[Tree, ...], title: str) -> Matrix:
     """Every tree's straight run, then its edges in order (a source's checkpoint before its
     targets); prints how long each launch took."""
@@ -208,7 +203,9 @@ def run_matrix(root: Path, trees: tuple[Tree, ...], title: str) -> Matrix:
     edges: dict[EdgePlan, Edge] = {}
     seconds: dict[str, float] = {}
     for tree in trees:
-        config = lora_config(root) if tree.lora else TINY_LLAMA
+        config = TINY_LLAMA
+        if tree.lora:  # the tiny Llama with LoRA adapters on every linear layer
+            config = write_config(root / "tiny-llama-lora.yaml", model={"lora": LORA})
         straight = root / f"{tree.prefix}straight-{tree.root}"
         keep = ("--set", "train.checkpoint_every=1", "--set", f"train.keep_last={STEPS}")
         seconds[f"{tree.prefix}straight {tree.root}"], error = launch(

@@ -37,7 +37,7 @@ def _constant(_: int) -> float:
 
 def _constant_with_warmup(step: int, *, warmup: int) -> float:
     if step < warmup:
-        return float(step) / float(max(1.0, warmup))
+        return _warming(step, warmup)
     return 1.0
 
 
