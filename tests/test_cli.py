@@ -16,6 +16,7 @@ from tests.helpers import (
     DEFAULT_CONFIG,
     REPO,
     TINY_LLAMA,
+    child_environment,
     heavy_imports,
     read_metrics,
     run_dplaunch,
@@ -270,6 +271,29 @@ def test_a_rank_ends_like_a_normal_exit_with_thread_pools_threads_and_exit_handl
     )
     assert result.returncode == 4, result.stderr
     assert result.stdout.splitlines() == ["main done", "thread done", "atexit ran"]
+
+
+def test_a_rank_imports_deepspeed_without_its_autotuners_mlflow_and_mlflow_still_imports_later():
+    # DeepSpeed's autotuner imports MLflow when it is installed (1.5 s of every rank's start);
+    # a rank never autotunes. Without begin_rank the probe sees MLflow imported: the case is real
+    pytest.importorskip("mlflow", reason="the [trackers] extra installs mlflow-skinny")
+    probe = (
+        "import sys\n{start}"
+        "import deepspeed\n"
+        "print('DURING', 'mlflow' in sys.modules)\n"
+        "import mlflow, deepspeed.autotuning.autotuner as tuner\n"
+        "print('AFTER', mlflow.__name__, tuner.has_mlflow)\n"
+    )
+    seen = {}
+    for start in ("", "from dplaunch.train.rank_process import begin_rank\nbegin_rank()\n"):
+        result = subprocess.run(
+            [sys.executable, "-c", probe.format(start=start)],
+            capture_output=True, text=True, timeout=120, cwd=REPO, env=child_environment(),
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-2000:]
+        seen[bool(start)] = [line for line in result.stdout.splitlines() if line[:1] in "DA"]
+    assert seen[False] == ["DURING True", "AFTER mlflow True"]
+    assert seen[True] == ["DURING False", "AFTER mlflow False"]
 
 
 def test_a_stack_dump_request_arriving_as_a_rank_ends_does_not_change_its_status(tmp_path):

@@ -40,6 +40,7 @@ from typing import NoReturn
 from dplaunch.run_directory.environment import ERRORS_DIR_ENV, SUPERVISOR_PID_ENV
 from dplaunch.run_directory.layout import rank_stacks_file
 from dplaunch.stop_signals import STACK_DUMP_SIGNAL, TIMEOUT_RE, exit_handle
+from dplaunch.train.lean_imports import skip_unused_imports
 
 # without pidfd (Linux < 5.3) the supervisor is polled this often
 SUPERVISOR_POLL_S = 1.0
@@ -51,7 +52,8 @@ _stacks: dict[str, object] = {}
 
 def begin_rank() -> None:
     """What every rank dplaunch starts does first: whole-line output, stop with dplaunch, dump
-    its stack when asked."""
+    its stack when asked, no import it never uses."""
+    skip_unused_imports()
     line_buffered_output()
     stop_with_supervisor()
     arm_stack_dump()
