@@ -17,9 +17,11 @@ from tests.helpers import (
     REPO,
     TINY_LLAMA,
     child_environment,
+    free_port,
     heavy_imports,
     read_metrics,
     run_dplaunch,
+    train,
 )
 
 
@@ -294,6 +296,39 @@ def test_a_rank_imports_deepspeed_without_its_autotuners_mlflow_and_mlflow_still
         seen[bool(start)] = [line for line in result.stdout.splitlines() if line[:1] in "DA"]
     assert seen[False] == ["DURING True", "AFTER mlflow True"]
     assert seen[True] == ["DURING False", "AFTER mlflow False"]
+
+
+def test_a_training_rank_starts_without_the_garbage_collector_and_trains_with_it(tmp_path):
+    # start-up's imports run the cyclic collector ~20% of their time for nothing; the steps must
+    # run with it again (cycles would pile up otherwise), start-up's objects frozen out of it
+    run_dir = tmp_path / "run"
+    train(run_dir, "--gpus", "1", "--max-steps", "2")
+    probe = (
+        "import gc, json, runpy, sys\n"
+        "from dplaunch.train import loop\n"
+        "seen = {}\n"
+        "def spy(name, real):\n"
+        "    def call(*args, **kwargs):\n"
+        "        seen.setdefault(name, [gc.isenabled(), gc.get_freeze_count() > 0])\n"
+        "        return real(*args, **kwargs)\n"
+        "    setattr(loop, name, call)\n"
+        "spy('make_accelerator', loop.make_accelerator)\n"
+        "spy('_run_steps', loop._run_steps)\n"
+        "import atexit\n"
+        "atexit.register(lambda: print('GC', json.dumps(seen), flush=True))\n"
+        f"sys.argv = ['dplaunch.train', {str(run_dir)!r}]\n"
+        "runpy.run_module('dplaunch.train', run_name='__main__')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=REPO,
+        env=child_environment(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+        ),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("GC "))
+    assert json.loads(line[3:]) == {"make_accelerator": [False, False], "_run_steps": [True, True]}
 
 
 def test_a_stack_dump_request_arriving_as_a_rank_ends_does_not_change_its_status(tmp_path):

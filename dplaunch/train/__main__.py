@@ -8,6 +8,7 @@ import traceback
 from pathlib import Path
 
 from dplaunch.run_directory.layout import ERRORS_DIR, rank_error_file
+from dplaunch.train.quick_start import pause_collector
 from dplaunch.train.rank_process import begin_rank, exit_rank, note_failure_stack
 
 # the terminal line stays short; the whole message and traceback are in the file
@@ -51,4 +52,5 @@ def one_line(error: BaseException) -> str:
 
 if __name__ == "__main__":
     begin_rank()
+    pause_collector()  # until the engine is ready (train.loop.train)
     exit_rank(main(sys.argv[1:]))

@@ -442,7 +442,7 @@ def main(out: Path, backend: str, timeout_s: float, quick: bool) -> None:
 
 
 if __name__ == "__main__":
-    from dplaunch.train.lean_imports import skip_unused_imports
+    from dplaunch.train.quick_start import skip_unused_imports
 
     skip_unused_imports()
     main(Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4] == "quick")

@@ -201,7 +201,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from dplaunch.train.lean_imports import skip_unused_imports
+    from dplaunch.train.quick_start import skip_unused_imports
 
     skip_unused_imports()
     sys.exit(main(sys.argv[1:]))

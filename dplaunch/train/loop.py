@@ -61,6 +61,7 @@ from dplaunch.train.nonfinite import EXIT_NONFINITE, NonFiniteGuard
 from dplaunch.train.nonfinite_faults import nonfinite_fault_from_environment
 from dplaunch.train.phase_clock import StepTimes
 from dplaunch.train.preference import disable_dropout, start_preference
+from dplaunch.train.quick_start import resume_collector
 from dplaunch.train.sequence_parallel import LongSequenceEngine, prepare_long_sequences
 from dplaunch.train.trackers import open_trackers
 
@@ -209,6 +210,7 @@ def train(run_dir: Path) -> int:
     signals = StopSignals(starting=True)
     signals.install()
     run, start_step = start_run(run_dir, signals)
+    resume_collector()  # paused by the rank's entry point while it imported and built
     if run.config.train.eval_every and run.eval_batcher is not None and not run.resumed:
         _evaluate(run, 0)
     # from here a stop signal checkpoints at the next step boundary

@@ -40,7 +40,7 @@ from typing import NoReturn
 from dplaunch.run_directory.environment import ERRORS_DIR_ENV, SUPERVISOR_PID_ENV
 from dplaunch.run_directory.layout import rank_stacks_file
 from dplaunch.stop_signals import STACK_DUMP_SIGNAL, TIMEOUT_RE, exit_handle
-from dplaunch.train.lean_imports import skip_unused_imports
+from dplaunch.train.quick_start import skip_unused_imports
 
 # without pidfd (Linux < 5.3) the supervisor is polled this often
 SUPERVISOR_POLL_S = 1.0
