@@ -148,9 +148,18 @@ def test_a_stalled_worker_fails_the_job_at_the_collective_timeout(tmp_path):
     # worker 1 sleeps 300 s: ending before that means the timeout ended it
     assert time.monotonic() - started < 250
     assert "launch.timeout_minutes = 0.1 (6 s)" in result.stderr
-    assert last_line(result.stderr) == (
-        "[rank 0] Collective has timed out waiting for other workers."
-    ), result.stderr[-3000:]
+    # the stalled worker dumped its stack (it is in the script's sleep), as a PyTorch rank does,
+    # and the last line names it; unarmed, it was killed by the dump signal (SIGUSR2) and the
+    # job ended with status 140 whenever it died before worker 0
+    errors = tmp_path / "run" / "errors"
+    stalled = errors / "stacks-rank-1.txt"
+    assert f'File "{script}", line' in stalled.read_text()
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[-2:] == [
+        "[rank 0] Collective has timed out waiting for other workers.",
+        "dplaunch: rank(s) 1 not inside the collective that timed out (the others waited there "
+        f"for it); its stack: {stalled} (every rank's: {errors}/stacks-rank-N.txt)",
+    ], result.stderr[-3000:]
     assert run_processes(str(script)) == []
 
 
