@@ -108,7 +108,7 @@ def test_a_lock_on_a_shared_filesystem_is_stale_only_once_nobody_touched_it_for_
     assert not young.stale and old.stale and not held.stale and not unknown.stale
 
 
-def test_sequence_parallel_ranks_build_their_op_in_the_keyed_folder(monkeypatch):
+def test_sequence_parallel_ranks_build_their_op_in_the_keyed_folder(monkeypatch, tmp_path):
     # Ulysses' collectives run through deepspeed.comm, which builds the op too: before, --sp runs
     # built it in torch's shared ~/.cache/torch_extensions
     from dplaunch.launching.prepare import rank_environment
@@ -117,7 +117,7 @@ def test_sequence_parallel_ranks_build_their_op_in_the_keyed_folder(monkeypatch)
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     plan = plan_for(gpus=2, cpu=True, sp=2, model=LLAMA)
     assert plan.sequence_parallel_size == 2 and not plan.uses_deepspeed
-    assert rank_environment(plan)["TORCH_EXTENSIONS_DIR"] == str(
+    assert rank_environment(plan, tmp_path)["TORCH_EXTENSIONS_DIR"] == str(
         deepspeed_ops.torch_extensions_dir()
     )
     assert OP in deepspeed_ops.needed_ops(plan)

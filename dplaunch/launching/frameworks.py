@@ -28,7 +28,6 @@ from dplaunch.launching.prepare import (
     PreparedRun,
     check_script_exists,
     current_allocation,
-    hang_dump_environment,
     launch_for_cluster,
     load_script_config,
     openmp_threads,
@@ -161,11 +160,8 @@ def prepare_tensorflow_launch(flags: RunFlags, script: list[str]) -> PreparedRun
     argv = [sys.executable, "-m", "dplaunch.launching.workers", str(run_abs / spec_name)]
     # threads per worker from SLURM's CPUs for this task; elsewhere the workers' own default
     threads = openmp_threads(plan, allocation) if allocation is not None else None
-    # the workers arm their stack dump like PyTorch ranks: without it the supervisor's SIGUSR2
-    # after a timeout killed a stalled worker (status 140) instead of dumping its stack
     env = {
-        **rank_environment(plan),
-        **hang_dump_environment(plan, run_abs / ERRORS_DIR),
+        **rank_environment(plan, run_abs / ERRORS_DIR),
         **({"OMP_NUM_THREADS": threads[0]} if threads else {}),
     }
     spec = {spec_name: render_workers_spec(workers, run_abs / ERRORS_DIR)}

@@ -469,8 +469,7 @@ def render_files(
     accelerate_name = accelerate_config_name(plan)
     files[accelerate_name] = render_accelerate_config(plan, str(run_abs / DEEPSPEED_FILE))
     env = {
-        **rank_environment(plan, None if on_the_node else threads),
-        **hang_dump_environment(plan, run_abs / ERRORS_DIR),
+        **rank_environment(plan, run_abs / ERRORS_DIR, None if on_the_node else threads),
         **(extra_env or {}),
     }
     if config.launch.hostfile:
@@ -505,11 +504,15 @@ def run_files(
     return PreparedRun(config=config, plan=plan, run_dir=run_dir, files=files, argv=argv, env=env)
 
 
-def rank_environment(plan: Plan, threads: tuple[str, str] | None = None) -> dict[str, str]:
-    """Variables dplaunch sets for the ranks on top of the user's environment (never secrets).
+def rank_environment(
+    plan: Plan, errors_dir: Path, threads: tuple[str, str] | None = None
+) -> dict[str, str]:
+    """Variables dplaunch sets for the ranks (PyTorch ranks and TensorFlow workers alike) on top
+    of the user's environment (never secrets): ERRORS_DIR is where they dump their stacks.
 
     ``threads`` is openmp_threads' answer: OMP_NUM_THREADS for each rank, and where it comes from."""
     env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    env.update(hang_dump_environment(plan, errors_dir))
     # launch.timeout_minutes, for scripts that build their own process group (dplaunch launch)
     env[TIMEOUT_MINUTES_ENV] = f"{plan.timeout_minutes:g}"
     # where DeepSpeed's ops are built: ZeRO's engine and Ulysses' sp collectives build the same
