@@ -16,9 +16,9 @@ from tests.helpers import (
     DEFAULT_CONFIG,
     REPO,
     TINY_LLAMA,
-    child_environment,
     free_port,
     heavy_imports,
+    one_rank_script,
     read_metrics,
     run_dplaunch,
     train,
@@ -280,22 +280,15 @@ def test_a_rank_imports_deepspeed_without_its_autotuners_mlflow_and_mlflow_still
     # a rank never autotunes. Without begin_rank the probe sees MLflow imported: the case is real
     pytest.importorskip("mlflow", reason="the [trackers] extra installs mlflow-skinny")
     probe = (
-        "import sys\n{start}"
+        "import json, sys\n{start}"
         "import deepspeed\n"
-        "print('DURING', 'mlflow' in sys.modules)\n"
+        "during = 'mlflow' in sys.modules\n"
         "import mlflow, deepspeed.autotuning.autotuner as tuner\n"
-        "print('AFTER', mlflow.__name__, tuner.has_mlflow)\n"
+        "print(json.dumps([during, mlflow.__name__, tuner.has_mlflow]))\n"
     )
-    seen = {}
-    for start in ("", "from dplaunch.train.rank_process import begin_rank\nbegin_rank()\n"):
-        result = subprocess.run(
-            [sys.executable, "-c", probe.format(start=start)],
-            capture_output=True, text=True, timeout=120, cwd=REPO, env=child_environment(),
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr[-2000:]
-        seen[bool(start)] = [line for line in result.stdout.splitlines() if line[:1] in "DA"]
-    assert seen[False] == ["DURING True", "AFTER mlflow True"]
-    assert seen[True] == ["DURING False", "AFTER mlflow False"]
+    begin = "from dplaunch.train.rank_process import begin_rank\nbegin_rank()\n"
+    assert one_rank_script(probe.format(start="")) == [True, "mlflow", True]
+    assert one_rank_script(probe.format(start=begin)) == [False, "mlflow", False]
 
 
 def test_a_training_rank_starts_without_the_garbage_collector_and_trains_with_it(tmp_path):
@@ -304,7 +297,7 @@ def test_a_training_rank_starts_without_the_garbage_collector_and_trains_with_it
     run_dir = tmp_path / "run"
     train(run_dir, "--gpus", "1", "--max-steps", "2")
     probe = (
-        "import gc, json, runpy, sys\n"
+        "import atexit, gc, json, os, runpy, sys\n"
         "from dplaunch.train import loop\n"
         "seen = {}\n"
         "def spy(name, real):\n"
@@ -314,21 +307,14 @@ def test_a_training_rank_starts_without_the_garbage_collector_and_trains_with_it
         "    setattr(loop, name, call)\n"
         "spy('make_accelerator', loop.make_accelerator)\n"
         "spy('_run_steps', loop._run_steps)\n"
-        "import atexit\n"
-        "atexit.register(lambda: print('GC', json.dumps(seen), flush=True))\n"
-        f"sys.argv = ['dplaunch.train', {str(run_dir)!r}]\n"
+        "atexit.register(lambda: print(json.dumps(seen), flush=True))  # the rank's last line\n"
+        "os.environ.update(RANK='0', LOCAL_RANK='0', WORLD_SIZE='1', MASTER_ADDR='127.0.0.1',\n"
+        "                  MASTER_PORT=sys.argv[2])\n"
+        "sys.argv = ['dplaunch.train', sys.argv[1]]\n"
         "runpy.run_module('dplaunch.train', run_name='__main__')\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=REPO,
-        env=child_environment(
-            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(free_port()),
-        ),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = next(x for x in result.stdout.splitlines() if x.startswith("GC "))
-    assert json.loads(line[3:]) == {"make_accelerator": [False, False], "_run_steps": [True, True]}
+    seen = one_rank_script(probe, str(run_dir), str(free_port()))
+    assert seen == {"make_accelerator": [False, False], "_run_steps": [True, True]}
 
 
 def test_a_stack_dump_request_arriving_as_a_rank_ends_does_not_change_its_status(tmp_path):
