@@ -293,7 +293,8 @@ def test_a_rank_imports_deepspeed_without_its_autotuners_mlflow_and_mlflow_still
 
 def test_a_training_rank_starts_without_the_garbage_collector_and_trains_with_it(tmp_path):
     # start-up's imports run the cyclic collector ~20% of their time for nothing; the steps must
-    # run with it again (cycles would pile up otherwise), start-up's objects frozen out of it
+    # run with it again (cycles would pile up otherwise), start-up's objects frozen out of it;
+    # the libraries' objects are frozen before the model is built (the one collection skips them)
     run_dir = tmp_path / "run"
     train(run_dir, "--gpus", "1", "--max-steps", "2")
     probe = (
@@ -306,6 +307,7 @@ def test_a_training_rank_starts_without_the_garbage_collector_and_trains_with_it
         "        return real(*args, **kwargs)\n"
         "    setattr(loop, name, call)\n"
         "spy('make_accelerator', loop.make_accelerator)\n"
+        "spy('_build_model', loop._build_model)\n"
         "spy('_run_steps', loop._run_steps)\n"
         "atexit.register(lambda: print(json.dumps(seen), flush=True))  # the rank's last line\n"
         "os.environ.update(RANK='0', LOCAL_RANK='0', WORLD_SIZE='1', MASTER_ADDR='127.0.0.1',\n"
@@ -314,7 +316,11 @@ def test_a_training_rank_starts_without_the_garbage_collector_and_trains_with_it
         "runpy.run_module('dplaunch.train', run_name='__main__')\n"
     )
     seen = one_rank_script(probe, str(run_dir), str(free_port()))
-    assert seen == {"make_accelerator": [False, False], "_run_steps": [True, True]}
+    assert seen == {
+        "make_accelerator": [False, False],
+        "_build_model": [False, True],
+        "_run_steps": [True, True],
+    }
 
 
 def test_a_stack_dump_request_arriving_as_a_rank_ends_does_not_change_its_status(tmp_path):

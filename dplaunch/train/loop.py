@@ -61,7 +61,7 @@ from dplaunch.train.nonfinite import EXIT_NONFINITE, NonFiniteGuard
 from dplaunch.train.nonfinite_faults import nonfinite_fault_from_environment
 from dplaunch.train.phase_clock import StepTimes
 from dplaunch.train.preference import disable_dropout, start_preference
-from dplaunch.train.quick_start import resume_collector
+from dplaunch.train.quick_start import freeze_imports, resume_collector
 from dplaunch.train.sequence_parallel import LongSequenceEngine, prepare_long_sequences
 from dplaunch.train.trackers import open_trackers
 
@@ -166,7 +166,8 @@ def start_rank(
             f"planned {expected_type} but Accelerate set up {accelerator.distributed_type.value}"
         )
     say = RankPrinter(place.is_main, width=progress_width())
-    _quiet_libraries(place.is_main)
+    _quiet_libraries(place.is_main)  # the last of the libraries every rank imports first
+    freeze_imports()
     say(
         f"[dplaunch] {plan.world_size} rank(s), {accelerator.distributed_type.value}, device {accelerator.device}"
     )

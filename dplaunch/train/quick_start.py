@@ -18,7 +18,12 @@ process on this machine. A training rank pauses the collector from its first lin
 engine is ready, then collects once, moves what start-up built (modules, the model, the
 libraries' objects) out of the collector's sight (gc.freeze) and resumes it: the training
 steps' collections no longer walk start-up's objects either. Reference counting frees memory
-as usual meanwhile; only cycles wait for the one collection.
+as usual meanwhile; only cycles wait for the one collection. That collection would walk every
+object too (0.40 s of a tiny DDP rank's start): the objects of the libraries the rank imported
+before building anything (torch, Accelerate, transformers, datasets) are frozen as soon as they
+are imported, so it walks only what came after — 306,000 objects instead of 736,000, 0.15 s.
+What those imports left as garbage stays (a few thousand small objects); the model, the data
+and the engine, built after, are collected as before.
 """
 
 from __future__ import annotations
@@ -61,6 +66,13 @@ def skip_unused_imports() -> None:
 def pause_collector() -> None:
     """No cyclic garbage collection until resume_collector(): a rank's start-up."""
     gc.disable()
+
+
+def freeze_imports() -> None:
+    """Keep the objects that exist now (the libraries' modules, classes and functions, which
+    never become garbage) out of resume_collector's collection: called once they are imported,
+    before the rank builds its model, data and engine."""
+    gc.freeze()
 
 
 def resume_collector() -> None:
