@@ -9,6 +9,7 @@ activation memory).
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -157,3 +158,38 @@ def test_the_long_context_comparison_charges_sp_the_activations_over_its_runs_ow
         assert longest == recorded["longest_within_budget"][name], name
         slope = long_context.per_thousand_tokens(runs)
         assert slope == recorded["activation_gb_per_1k_tokens"][name], name
+
+
+SUITE_CPU_TEST = """
+import subprocess, sys
+
+
+def test_starts_processes():
+    subprocess.run([sys.executable, "-m", "dplaunch", "--help"], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-c", "sum(range(3 * 10**7))"], check=True)
+"""
+
+
+def test_the_suite_profile_counts_the_cpu_of_the_processes_each_test_starts(tmp_path):
+    # benchmarks/suite_cpu.py: a real pytest run with its tracer; the CLI's process and the
+    # busy one are seen, each under its kind and the test that started it
+    test_file = tmp_path / "test_profiled.py"
+    test_file.write_text(SUITE_CPU_TEST)
+    records = tmp_path / "records.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.suite_cpu", "--keep", str(records), str(test_file),
+         "-q", "-p", "no:cacheprovider", "-p", "no:xdist"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    from benchmarks.suite_cpu import read_records
+
+    processes = list(read_records(records.read_text().splitlines()).values())
+    kinds = {process.kind for process in processes}
+    assert {"pytest", "dplaunch --help", "other python"} <= kinds, kinds
+    busy = next(p for p in processes if "sum(range(3 * 10**7))" in p.argv)
+    assert busy.test.endswith("test_profiled.py::test_starts_processes"), busy.test
+    assert busy.cpu is not None and busy.cpu > 0.1
+    table = result.stdout.split("CPU of the processes each test started")[1]
+    assert "test_profiled.py::test_starts_processes" in table
+    assert "dplaunch --help" in result.stdout.split("CPU of the processes each test file")[0]
