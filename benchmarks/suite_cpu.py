@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LOG_VARIABLE = "DPLAUNCH_SUITE_CPU_LOG"
+LOG_VARIABLE = "SUITE_CPU_LOG"
 DEFAULT_PYTEST = ("-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile")
 XDIST_WORKER = "import sys;exec(eval(sys.stdin.readline()))"
 
@@ -115,7 +115,7 @@ def report(processes: dict[int, Process], top: int = 25) -> str:
             unmeasured[process.kind] += 1
         else:
             kinds[process.kind].append(process.cpu)
-    total = sum(sum(values) for values in kinds.values())
+    total = sum(sum(values) for values in kinds.values()) or 1e-9  # none measured: no shares
     lines.append(f"{len(processes)} Python processes, {total:.0f} s of CPU measured")
     lines.append(f"{'kind of process':34} {'count':>6} {'CPU s':>8} {'share':>6} {'mean s':>7}")
     for kind, values in sorted(kinds.items(), key=lambda item: -sum(item[1])):
