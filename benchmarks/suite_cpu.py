@@ -2,11 +2,11 @@
 
 Runs pytest (the arguments as `make test` would take them; default: the whole suite on two
 workers) with a tracer that every Python process of the run loads at start-up (a sitecustomize
-module on PYTHONPATH): it records the process's command line, its parent and the test that
-started it (pytest's PYTEST_CURRENT_TEST, which the children inherit), and at exit the CPU the
-process used (user + system, its own, not its children's). Then it prints the CPU by kind of
-process (pytest, the dplaunch CLI by command, `accelerate launch`, the ranks, the rest) and the
-CPU of the processes each test file and each test started — what a faster suite must cut.
+module on PYTHONPATH): it records the process's command line and the test that started it
+(pytest's PYTEST_CURRENT_TEST, which the children inherit), and at exit the CPU the process used
+(user + system, its own, not its children's). Then it prints the CPU by kind of process (pytest,
+the dplaunch CLI by command, `accelerate launch`, the ranks, the rest) and the CPU of the
+processes each test file and each test started — what a faster suite must cut.
 
 A process killed by a signal records no exit (counted under "no exit record"); processes that
 SLURM's daemons start are not the test run's children and are not seen. The tracer takes the
@@ -41,9 +41,8 @@ _LOG = os.environ.get("{LOG_VARIABLE}")
 
 def _record(kind):
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    record = {{"kind": kind, "pid": os.getpid(), "ppid": os.getppid(),
-              "argv": list(sys.orig_argv), "test": os.environ.get("PYTEST_CURRENT_TEST"),
-              "cpu": usage.ru_utime + usage.ru_stime}}
+    record = {{"kind": kind, "pid": os.getpid(), "argv": list(sys.orig_argv),
+              "test": os.environ.get("PYTEST_CURRENT_TEST"), "cpu": usage.ru_utime + usage.ru_stime}}
     try:
         with open(_LOG, "a") as log:
             log.write(json.dumps(record) + "\\n")
@@ -67,7 +66,6 @@ if _LOG:
 @dataclass
 class Process:
     pid: int
-    ppid: int
     argv: list[str]
     test: str
     cpu: float | None = None
@@ -98,7 +96,7 @@ def read_records(lines: Iterable[str]) -> dict[int, Process]:
         record = json.loads(line)
         if record["kind"] == "start":
             test = (record["test"] or "").split(" (")[0]
-            processes[record["pid"]] = Process(record["pid"], record["ppid"], record["argv"], test)
+            processes[record["pid"]] = Process(record["pid"], record["argv"], test)
         elif record["pid"] in processes:
             process = processes[record["pid"]]
             process.cpu = max(process.cpu or 0.0, record["cpu"])
