@@ -10,7 +10,10 @@ processes each test file and each test started — what a faster suite must cut.
 
 A process killed by a signal records no exit (counted under "no exit record"); processes that
 SLURM's daemons start are not the test run's children and are not seen. The tracer takes the
-place of any other sitecustomize module while it runs. The whole suite takes as long as
+place of the interpreter's own sitecustomize; the suite's (tests/rank_zygote_site) runs it after
+its own. A rank the suite's fork server starts (tests/rank_zygote.py) inherits the tracer from the
+server and records only its exit (its CPU, not the server's imports); the process that waits for
+it hands over before the tracer loads and is not measured (tens of milliseconds). The whole suite takes as long as
 `make test` (and a little more); `--keep FILE` keeps the records (JSON lines) for another look,
 `--records FILE` reports on kept ones without running anything.
 """
@@ -94,11 +97,13 @@ def read_records(lines: Iterable[str]) -> dict[int, Process]:
         if not line.strip():
             continue
         record = json.loads(line)
-        if record["kind"] == "start":
+        process = processes.get(record["pid"])
+        # a process forked from a measured one (the suite's fork server's ranks: tests/rank_zygote.py)
+        # records only its exit, with its own command line and test
+        if record["kind"] == "start" or process is None:
             test = (record["test"] or "").split(" (")[0]
-            processes[record["pid"]] = Process(record["pid"], record["argv"], test)
-        elif record["pid"] in processes:
-            process = processes[record["pid"]]
+            process = processes[record["pid"]] = Process(record["pid"], record["argv"], test)
+        if record["kind"] == "exit":
             process.cpu = max(process.cpu or 0.0, record["cpu"])
     return processes
 

@@ -2,19 +2,93 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, spy_environment, train, write_config
+from tests.helpers import REPO, child_environment, spy_environment, train, write_config
 
 
 def pytest_configure(config):
     """The suite never reads the user's caches: a profile saved by `dplaunch calibrate` in
     ~/.cache/dplaunch/profiles would change the forecast and what `parallel: auto` picks."""
     os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="dplaunch-tests-cache-")
+
+
+# the test files whose training ranks start as themselves, not from the suite's fork server
+# (tests/rank_zygote.py): they check how processes start, what they import, how much memory they
+# take, or their process tree
+REAL_START_FILES = frozenset(
+    {
+        "test_benchmark_harness.py",
+        "test_cli.py",
+        "test_estimate.py",
+        "test_forecast.py",
+        "test_reliability.py",
+        "test_slurm_cluster.py",
+        "test_tensorflow_launch.py",
+        "test_trackers.py",
+    }
+)
+ZYGOTE_VARIABLE = "SUITE_RANK_ZYGOTE"
+# set (SUITE_REAL_START=1 make test): every rank starts as itself
+REAL_START_VARIABLE = "SUITE_REAL_START"
+ZYGOTE_SITE = Path(__file__).parent / "rank_zygote_site"
+_zygote: dict[str, object] = {}
+
+
+def _zygote_socket() -> str:
+    """The socket of this worker's fork server, started on first use (~5 s of imports)."""
+    if "socket" not in _zygote:
+        folder = tempfile.mkdtemp(prefix="dplaunch-zygote-")
+        path = os.path.join(folder, "socket")
+        log = open(os.path.join(folder, "server.log"), "w")  # noqa: SIM115 — the server's life
+        environment = child_environment(DS_ACCELERATOR="cpu")  # what the ranks' imports see
+        server = subprocess.Popen(
+            [sys.executable, "-u", "-m", "tests.rank_zygote", path],
+            cwd=REPO,
+            env=environment,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            start_new_session=True,
+        )
+        ready = server.stdout.readline()
+        if not ready.startswith("ready"):
+            raise RuntimeError(f"the ranks' fork server did not start: see {log.name}")
+        # its group: the server, its keepers and any rank still alive
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        atexit.register(os.killpg, server.pid, signal.SIGKILL)
+        _zygote.update(socket=path, server=server)
+    return str(_zygote["socket"])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Around each test but REAL_START_FILES', its module fixtures included: ranks from the server."""
+    if item.path.name in REAL_START_FILES or os.environ.get(REAL_START_VARIABLE):
+        yield
+        return
+    saved = {name: os.environ.get(name) for name in (ZYGOTE_VARIABLE, "PYTHONPATH")}
+    os.environ[ZYGOTE_VARIABLE] = _zygote_socket()
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ZYGOTE_SITE), saved["PYTHONPATH"]])
+    )
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)

@@ -193,3 +193,31 @@ def test_the_suite_profile_counts_the_cpu_of_the_processes_each_test_starts(tmp_
     table = result.stdout.split("CPU of the processes each test started")[1]
     assert "test_profiled.py::test_starts_processes" in table
     assert "dplaunch --help" in result.stdout.split("CPU of the processes each test file")[0]
+
+
+def test_a_forked_process_that_records_only_its_exit_is_counted():
+    # a rank the suite's fork server forks inherits the tracer: no start record, its exit has
+    # its own command line, test and CPU
+    from benchmarks.suite_cpu import read_records
+
+    rank = ["python", "-u", "-m", "dplaunch.train", "/run"]
+    records = [
+        {
+            "kind": "start",
+            "pid": 7,
+            "argv": ["python", "-m", "x"],
+            "test": "t.py::a (call)",
+            "cpu": 0.0,
+        },
+        {
+            "kind": "exit",
+            "pid": 7,
+            "argv": ["python", "-m", "x"],
+            "test": "t.py::a (call)",
+            "cpu": 1.5,
+        },
+        {"kind": "exit", "pid": 9, "argv": rank, "test": "t.py::b (setup)", "cpu": 2.5},
+    ]
+    processes = read_records(json.dumps(record) for record in records)
+    assert (processes[7].cpu, processes[9].cpu, processes[9].test) == (1.5, 2.5, "t.py::b")
+    assert processes[9].kind == "rank (python -m dplaunch.train)"

@@ -1,0 +1,28 @@
+"""Test runs only (tests/rank_zygote.py): a training rank asks the suite's fork server to run it.
+
+Any other sitecustomize further on the path (the suite profiler's tracer, the distribution's own)
+runs as well, in every process that does not hand itself over."""
+
+import importlib.machinery as _machinery
+import importlib.util as _util
+import os as _os
+import sys as _sys
+
+if _os.environ.get("SUITE_RANK_ZYGOTE") and any(
+    _argument.startswith("dplaunch.train") for _argument in _sys.orig_argv
+):
+    _spec = _util.spec_from_file_location(
+        "tests.rank_zygote", _os.path.join(_os.path.dirname(__file__), "..", "rank_zygote.py")
+    )
+    _zygote = _util.module_from_spec(_spec)
+    _spec.loader.exec_module(_zygote)
+    _zygote.hand_over(_os.environ["SUITE_RANK_ZYGOTE"])  # returns only if refused
+
+_here = _os.path.dirname(_os.path.abspath(__file__))
+_spec = _machinery.PathFinder.find_spec(
+    "sitecustomize", [p for p in _sys.path if _os.path.abspath(p or ".") != _here]
+)
+if _spec is not None:
+    _module = _util.module_from_spec(_spec)
+    _sys.modules["sitecustomize"] = _module
+    _spec.loader.exec_module(_module)
