@@ -11,11 +11,11 @@ processes each test file and each test started — what a faster suite must cut.
 A process killed by a signal records no exit (counted under "no exit record"); processes that
 SLURM's daemons start are not the test run's children and are not seen. The tracer takes the
 place of the interpreter's own sitecustomize; the suite's (tests/rank_zygote_site) runs it after
-its own. A rank the suite's fork server starts (tests/rank_zygote.py) inherits the tracer from the
-server and records only its exit (its CPU, not the server's imports); the process that waits for
-it hands over before the tracer loads and is not measured (tens of milliseconds). The whole suite takes as long as
-`make test` (and a little more); `--keep FILE` keeps the records (JSON lines) for another look,
-`--records FILE` reports on kept ones without running anything.
+its own. A rank the suite's fork server starts (tests/rank_zygote.py) inherits the tracer from
+the server and records only its exit (its CPU, not the server's imports); the process that waits
+for it hands over before the tracer loads and is not measured (tens of milliseconds). The whole
+suite takes as long as `make test` (and a little more); `--keep FILE` keeps the records (JSON
+lines) for another look, `--records FILE` reports on kept ones without running anything.
 """
 
 from __future__ import annotations

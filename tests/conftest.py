@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, child_environment, spy_environment, train, write_config
+from tests.helpers import REPO, cpu_rank_environment, spy_environment, train, write_config
+from tests.rank_zygote import LOG_NAME, REAL_START_VARIABLE, SOCKET_VARIABLE
 
 
 def pytest_configure(config):
@@ -37,11 +38,8 @@ REAL_START_FILES = frozenset(
         "test_trackers.py",
     }
 )
-ZYGOTE_VARIABLE = "SUITE_RANK_ZYGOTE"
-# set (SUITE_REAL_START=1 make test): every rank starts as itself
-REAL_START_VARIABLE = "SUITE_REAL_START"
 ZYGOTE_SITE = Path(__file__).parent / "rank_zygote_site"
-_zygote: dict[str, object] = {}
+_zygote: dict[str, str] = {}
 
 
 def _zygote_socket() -> str:
@@ -49,12 +47,11 @@ def _zygote_socket() -> str:
     if "socket" not in _zygote:
         folder = tempfile.mkdtemp(prefix="dplaunch-zygote-")
         path = os.path.join(folder, "socket")
-        log = open(os.path.join(folder, "server.log"), "w")  # noqa: SIM115 — the server's life
-        environment = child_environment(DS_ACCELERATOR="cpu")  # what the ranks' imports see
+        log = open(os.path.join(folder, LOG_NAME), "w")  # noqa: SIM115 — the server's life
         server = subprocess.Popen(
             [sys.executable, "-u", "-m", "tests.rank_zygote", path],
             cwd=REPO,
-            env=environment,
+            env=cpu_rank_environment(),  # what the ranks' imports would see
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
@@ -66,8 +63,8 @@ def _zygote_socket() -> str:
         # its group: the server, its keepers and any rank still alive
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
         atexit.register(os.killpg, server.pid, signal.SIGKILL)
-        _zygote.update(socket=path, server=server)
-    return str(_zygote["socket"])
+        _zygote["socket"] = path
+    return _zygote["socket"]
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -76,8 +73,8 @@ def pytest_runtest_protocol(item, nextitem):
     if item.path.name in REAL_START_FILES or os.environ.get(REAL_START_VARIABLE):
         yield
         return
-    saved = {name: os.environ.get(name) for name in (ZYGOTE_VARIABLE, "PYTHONPATH")}
-    os.environ[ZYGOTE_VARIABLE] = _zygote_socket()
+    saved = {name: os.environ.get(name) for name in (SOCKET_VARIABLE, "PYTHONPATH")}
+    os.environ[SOCKET_VARIABLE] = _zygote_socket()
     os.environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(ZYGOTE_SITE), saved["PYTHONPATH"]])
     )

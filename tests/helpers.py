@@ -62,6 +62,12 @@ def child_environment(**extra: str) -> dict[str, str]:
     return env
 
 
+def cpu_rank_environment(**extra: str) -> dict[str, str]:
+    """child_environment plus what dplaunch sets for CPU ranks that a library reads while it is
+    imported (launching/prepare.rank_environment): the suite's fork server imports with it."""
+    return child_environment(DS_ACCELERATOR="cpu", **extra)
+
+
 def fake_nvidia_smi(folder: Path, body: str) -> str:
     """An `nvidia-smi` shell script in ``folder`` running ``body``; returns a PATH that finds it first.
 

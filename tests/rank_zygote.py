@@ -51,9 +51,11 @@ PRELOAD = (
     "safetensors.torch",
     "deepspeed",
 )
-# the variables dplaunch sets for CPU ranks (launching/prepare.rank_environment) that a library
-# reads while it is imported
-IMPORT_ENVIRONMENT = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+# the variable naming the server's socket (set by conftest around each test; the site hook reads
+# it too), the server's log beside it, and the variable that turns the server off
+SOCKET_VARIABLE = "SUITE_RANK_ZYGOTE"
+LOG_NAME = "server.log"
+REAL_START_VARIABLE = "SUITE_REAL_START"
 # the modules the waiting process may hand over: dplaunch's training ranks and the conversion of
 # a checkpoint to another layout (launching/reshard.py)
 MODULES = ("dplaunch.train", "dplaunch.train.convert")
@@ -88,9 +90,11 @@ READ_LATER = frozenset(
         # has GNU's (torch/lib/libgomp.so.1), which does not
         "KMP_AFFINITY",
         "KMP_BLOCKTIME",
+        # the waiting process's path is sent apart, and its streams are made as -u would
+        "PYTHONPATH",
+        "PYTHONUNBUFFERED",
     }
 )
-READ_LATER |= {"PYTHONPATH", "PYTHONUNBUFFERED"}
 # sys.flags that change how the same code runs (-u is not among them: see streams())
 FLAGS = frozenset(
     {
@@ -146,8 +150,8 @@ def interpreter() -> dict:
 
 
 def serve(path: str) -> None:
-    for name, value in IMPORT_ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
+    """Import PRELOAD in this process's environment (conftest gives it a CPU rank's:
+    tests/helpers.cpu_rank_environment), then fork a keeper for each waiting process."""
     from dplaunch.train.quick_start import skip_unused_imports
 
     skip_unused_imports()  # as a rank does first: DeepSpeed's import skips MLflow

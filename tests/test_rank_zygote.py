@@ -9,26 +9,21 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import child_environment, losses_by_step, train
+from tests.helpers import child_environment, cpu_rank_environment, losses_by_step, train, wait_for
+from tests.rank_zygote import LOG_NAME, REAL_START_VARIABLE, SOCKET_VARIABLE
 
 pytestmark = pytest.mark.skipif(
-    bool(os.environ.get("SUITE_REAL_START")), reason="SUITE_REAL_START: no fork server"
+    bool(os.environ.get(REAL_START_VARIABLE)), reason=f"{REAL_START_VARIABLE}: no fork server"
 )
 
 
 def server_log() -> Path:
     """This pytest worker's server log (conftest starts the server; its socket is in the environment)."""
-    return Path(os.environ["SUITE_RANK_ZYGOTE"]).with_name("server.log")
-
-
-def rank_environment() -> dict[str, str]:
-    """A rank's environment as dplaunch sets it for CPU ranks (what the server imported with)."""
-    return child_environment(DS_ACCELERATOR="cpu")
+    return Path(os.environ[SOCKET_VARIABLE]).with_name(LOG_NAME)
 
 
 def new_lines(log: Path, offset: int) -> list[str]:
@@ -55,12 +50,14 @@ def test_ranks_from_the_server_train_exactly_as_started_ranks(tmp_path):
 
 
 def test_a_served_process_prints_and_ends_as_its_rank(tmp_path):
+    log = server_log()
+    offset = len(log.read_text())
     command = [sys.executable, "-u", "-m", "dplaunch.train"]
     result = subprocess.run(
-        command, env=rank_environment(), capture_output=True, text=True, timeout=120
+        command, env=cpu_rank_environment(), capture_output=True, text=True, timeout=120
     )
     assert (result.returncode, result.stderr) == (2, "usage: python -m dplaunch.train RUN_DIR\n")
-    assert "started dplaunch.train [] pid" in server_log().read_text()
+    assert any(line.startswith("started dplaunch.train [] pid") for line in new_lines(log, offset))
 
 
 def _ignore_sigusr1() -> None:
@@ -75,33 +72,28 @@ def _served_rank_blocked(run_dir: Path, **popen) -> tuple[subprocess.Popen, int]
     os.mkfifo(run_dir / "run.yaml")
     waiting = subprocess.Popen(
         [sys.executable, "-u", "-m", "dplaunch.train", str(run_dir)],
-        env=rank_environment(),
+        env=cpu_rank_environment(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         **popen,
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        found = [
-            re.search(r"pid (\d+)$", line)
-            for line in new_lines(log, offset)
-            if str(run_dir) in line
-        ]
-        if found and found[0]:
-            return waiting, int(found[0].group(1))
-        time.sleep(0.05)
-    waiting.kill()
-    raise AssertionError(f"the server never started {run_dir}: {log}")
+
+    def started() -> re.Match | None:
+        lines = [line for line in new_lines(log, offset) if str(run_dir) in line]
+        return re.search(r"pid (\d+)$", lines[0]) if lines else None
+
+    try:
+        return waiting, int(wait_for(started, 60, f"the server to start {run_dir}").group(1))
+    except AssertionError:
+        waiting.kill()
+        raise
 
 
-def _gone(pid: int, timeout: float = 30) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
     return False
 
 
@@ -119,13 +111,14 @@ def test_signals_pass_both_ways(tmp_path):
         waiting.append(process)
         process.send_signal(signal.SIGUSR1)
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == -signal.SIGTERM and _gone(rank)
+        assert process.wait(timeout=30) == -signal.SIGTERM
+        wait_for(lambda: _gone(rank), 30, "the stopped rank to end")
         # the waiting process killed outright (no handler runs): its rank does not outlive it
         process, rank = _served_rank_blocked(tmp_path / "orphaned")
         waiting.append(process)
         process.kill()
         process.wait(timeout=30)
-        assert _gone(rank)
+        wait_for(lambda: _gone(rank), 30, "the orphaned rank to end")
     finally:
         for process in waiting:
             process.kill()

@@ -8,6 +8,8 @@ import importlib.util as _util
 import os as _os
 import sys as _sys
 
+# the variable is rank_zygote.SOCKET_VARIABLE, written out: every Python process of a test run
+# passes here, and only a rank loads rank_zygote.py
 if _os.environ.get("SUITE_RANK_ZYGOTE") and any(
     _argument.startswith("dplaunch.train") for _argument in _sys.orig_argv
 ):
