@@ -13,8 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, cpu_rank_environment, spy_environment, train, write_config
-from tests.rank_zygote import LOG_NAME, REAL_START_VARIABLE, SOCKET_VARIABLE
+from tests.helpers import (
+    REPO,
+    child_environment,
+    cpu_rank_environment,
+    spy_environment,
+    train,
+    write_config,
+)
+from tests.rank_zygote import CLI_SUFFIX, LOG_NAME, REAL_START_VARIABLE, SOCKET_VARIABLE
 
 
 def pytest_configure(config):
@@ -43,26 +50,33 @@ _zygote: dict[str, str] = {}
 
 
 def _zygote_socket() -> str:
-    """The socket of this worker's fork server, started on first use (~5 s of imports)."""
+    """The socket of this worker's fork servers, started on first use (~5 s of imports): the
+    ranks' (its path) and the command line's (the path + CLI_SUFFIX)."""
     if "socket" not in _zygote:
         folder = tempfile.mkdtemp(prefix="dplaunch-zygote-")
         path = os.path.join(folder, "socket")
-        log = open(os.path.join(folder, LOG_NAME), "w")  # noqa: SIM115 — the server's life
-        server = subprocess.Popen(
-            [sys.executable, "-u", "-m", "tests.rank_zygote", path],
-            cwd=REPO,
-            env=cpu_rank_environment(),  # what the ranks' imports would see
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            start_new_session=True,
-        )
-        ready = server.stdout.readline()
-        if not ready.startswith("ready"):
-            raise RuntimeError(f"the ranks' fork server did not start: see {log.name}")
-        # its group: the server, its keepers and any rank still alive
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        atexit.register(os.killpg, server.pid, signal.SIGKILL)
+        log = open(os.path.join(folder, LOG_NAME), "w")  # noqa: SIM115 — the servers' life
+        servers = [
+            subprocess.Popen(
+                [sys.executable, "-u", "-m", "tests.rank_zygote", *options, path + suffix],
+                cwd=REPO,
+                env=environment,  # what the imports of what it serves would see
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                start_new_session=True,
+            )
+            for options, suffix, environment in (
+                ((), "", cpu_rank_environment()),
+                (("--cli",), CLI_SUFFIX, child_environment()),
+            )
+        ]
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # after the kills below
+        for server in servers:
+            if not server.stdout.readline().startswith("ready"):
+                raise RuntimeError(f"a fork server of the suite did not start: see {log.name}")
+            # its group: the server, its keepers and any process it serves still alive
+            atexit.register(os.killpg, server.pid, signal.SIGKILL)
         _zygote["socket"] = path
     return _zygote["socket"]
 

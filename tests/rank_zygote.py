@@ -1,10 +1,10 @@
-"""Rank processes that start with their libraries already imported: a test-only fork server.
+"""Processes that start with their libraries already imported: the suite's fork servers.
 
 Nine tenths of a tiny test rank's CPU is its imports (torch, transformers, Accelerate, datasets,
 DeepSpeed: ~3.3 s of ~4.5 s on the 2-core CI machine), and the suite starts ~460 ranks. In every
-test file but conftest.REAL_START_FILES (tests of start-up, imports, memory and process trees),
-each training rank and checkpoint conversion is born from this server instead, which imported
-those libraries once:
+test file but conftest.REAL_START_FILES (tests of start-up, imports, memory, process trees and
+SLURM), each training rank and checkpoint conversion is born from this server instead, which
+imported those libraries once:
 
     python -u -m dplaunch.train RUN   (started by accelerate launch → torchrun, as always)
       └ tests/rank_zygote_site/sitecustomize.py, before anything else: hands its command line,
@@ -16,11 +16,26 @@ those libraries once:
           └ rank (fork): the stdio, directory, environment and path of the waiting process, then
             runs the module exactly as `python -m` would
 
-The rank is a real process running the same code, with the same stdio, environment and signals;
-what differs is who its parent is and that the libraries were imported before its environment
-was set (the server imports them with the variables dplaunch sets for CPU ranks that libraries
-read at import, and refuses a rank whose import-time variables differ: it starts as usual, as
-does any command line, interpreter or flag the server does not match).
+The launchers (`python -m accelerate.commands.launch …`, torchrun: ~1.6 s of CPU each, most of
+it importing torch) are served the same way, and dplaunch's command line (`python -m dplaunch …`)
+by a second server that imported only the command line's modules. dplaunch finds the ranks as
+its launcher's children (SIGUSR1 to checkpoint and stop, stack dumps, what is left at the end:
+launching/process.ProcessTree), tests find dplaunch's children and signal its process group, but
+a served process's children are the server's descendants. So the waiting process of a served
+launcher or command line starts a stand-in for each child, in the place the child would have had:
+
+    python -m accelerate.commands.launch …   (dplaunch's child: the launcher's waiting process)
+      └ stand-in: `python -I -S -c STAND_IN -u -m dplaunch.train RUN`, the child's command line,
+        in a session of its own if the child has one (torchrun's ranks), else in the waiting
+        process's group; passes every signal on to the child and ends when it ends; if the
+        stand-in is killed, so is the child
+
+A served process is a real process running the same code, with the same stdio, environment and
+signals; what differs is who its parent is and that the libraries were imported before its
+environment was set (a server imports them with the variables that libraries read at import as
+conftest gives them: a CPU rank's for the ranks' server, the tests' for the command line's; a
+process whose import-time variables differ starts as usual, as does any command line,
+interpreter or flag the servers do not match).
 """
 
 from __future__ import annotations
@@ -56,9 +71,38 @@ PRELOAD = (
 SOCKET_VARIABLE = "SUITE_RANK_ZYGOTE"
 LOG_NAME = "server.log"
 REAL_START_VARIABLE = "SUITE_REAL_START"
-# the modules the waiting process may hand over: dplaunch's training ranks and the conversion of
-# a checkpoint to another layout (launching/reshard.py)
-MODULES = ("dplaunch.train", "dplaunch.train.convert")
+# dplaunch's command line (`python -m dplaunch …`, ~0.5 s of CPU, half of it imports): served by a
+# second server that imported these only (the command line never imports torch), so that what it
+# does not import stays unimported; its socket is the ranks' server's with CLI_SUFFIX
+CLI = "dplaunch"
+CLI_PRELOAD = (
+    "dplaunch.cli",
+    "dplaunch.commands.train",
+    "dplaunch.commands.export",
+    "dplaunch.commands.slurm",
+    "dplaunch.launching.prepare",
+    "dplaunch.launching.process",
+    "dplaunch.launching.restarts",
+    "dplaunch.launching.reshard",
+    "dplaunch.launching.frameworks",
+    "psutil",
+)
+CLI_SUFFIX = "-cli"
+# what the waiting process may hand over: dplaunch's training ranks and the ranks of a script
+# (`dplaunch launch`), the conversion of a checkpoint to another layout (launching/reshard.py),
+# the launchers (Accelerate's, and torchrun that tests/test_pipeline_engine.py calls) and the
+# pipeline engine's test driver
+LAUNCHERS = ("accelerate.commands.launch", "torch.distributed.run")
+MODULES = (CLI, "dplaunch.train", "dplaunch.train.script", "dplaunch.train.convert", *LAUNCHERS)
+# the served processes whose children get stand-ins (below): the processes tests and dplaunch
+# signal, count and stop through their children (dplaunch's ProcessTree, killpg of a group)
+PARENTS = (CLI, *LAUNCHERS)
+SCRIPTS = (os.path.join(os.path.dirname(os.path.realpath(__file__)), "pipeline_driver.py"),)
+# set in a served PARENTS' environment: "PID:NAME", its pid and the (abstract) socket where its
+# waiting process starts stand-ins; a process whose parent is PID asks for one as it starts
+PARENT_VARIABLE = "SUITE_RANK_ZYGOTE_PARENT"
+# a stand-in's environment: "FD:PID", its end of the child's connection and the child's pid
+STAND_IN_VARIABLE = "SUITE_RANK_ZYGOTE_STAND_IN"
 # the variables libraries read while they are imported (cache folders, offline modes, log levels,
 # DeepSpeed's accelerator): a rank whose values differ from the server's starts as usual
 IMPORT_TIME_PREFIXES = (
@@ -77,6 +121,7 @@ IMPORT_TIME_PREFIXES = (
     "CUDA_",
     "TF_",
     "PYTHON",
+    "TQDM_",
 )
 # ... except these, read later: OMP_NUM_THREADS (the rank sets its thread count itself), where
 # DeepSpeed builds its ops, and what torchrun sets for CUDA checks and NCCL process groups
@@ -149,16 +194,24 @@ def interpreter() -> dict:
     }
 
 
-def serve(path: str) -> None:
-    """Import PRELOAD in this process's environment (conftest gives it a CPU rank's:
-    tests/helpers.cpu_rank_environment), then fork a keeper for each waiting process."""
-    from dplaunch.train.quick_start import skip_unused_imports
-
-    skip_unused_imports()  # as a rank does first: DeepSpeed's import skips MLflow
+def serve(path: str, cli: bool) -> None:
+    """Import PRELOAD (CLI_PRELOAD for the command line's server) in this process's environment
+    (conftest gives it a CPU rank's, tests/helpers.cpu_rank_environment, or the command line's,
+    child_environment), then fork a keeper for each waiting process."""
     import importlib
 
-    for module in PRELOAD:
-        importlib.import_module(module)
+    if cli:
+        for module in CLI_PRELOAD:
+            importlib.import_module(module)
+        heavy = [name for name in ("torch", "transformers", "datasets") if name in sys.modules]
+        if heavy:
+            raise RuntimeError(f"the command line's server imported {heavy}")
+    else:
+        from dplaunch.train.quick_start import skip_unused_imports
+
+        skip_unused_imports()  # as a rank does first: DeepSpeed's import skips MLflow
+        for module in PRELOAD:
+            importlib.import_module(module)
     gc.collect()
     gc.freeze()  # the ranks' collections never walk (and so never copy) the libraries' objects
     me = interpreter()
@@ -207,7 +260,7 @@ def keep(connection: socket.socket, me: dict) -> None:
     rank = os.fork()
     if rank == 0:
         connection.close()
-        become_rank(request, fds, keeper)
+        become_rank(request, fds, keeper)  # never returns
     for fd in fds:
         os.close(fd)
     print(f"started {request['module']} {request['argv']} pid {rank}", file=sys.stderr)
@@ -240,6 +293,8 @@ def become_rank(request: dict, fds: list[int], keeper: int) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != keeper:
         os._exit(1)
+    if request["session_leader"]:  # started with start_new_session, as dplaunch and torchrun do
+        os.setsid()
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -255,29 +310,52 @@ def become_rank(request: dict, fds: list[int], keeper: int) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["environ"])
-    sys.path[:] = [os.getcwd(), *request["path"]]  # `-m` puts the working directory first
-    sys.argv = ["-m", *request["argv"]]
+    if request["stand_ins"]:
+        os.environ[PARENT_VARIABLE] = f"{os.getpid()}:{request['stand_ins']}"
+    if request["module"] in SCRIPTS:  # `python SCRIPT` puts the script's folder first
+        sys.path[:] = [os.path.dirname(request["module"]), *request["path"]]
+        sys.argv = [request["script"], *request["argv"]]
+    else:  # `-m` puts the working directory first
+        sys.path[:] = [os.getcwd(), *request["path"]]
+        sys.argv = ["-m", *request["argv"]]
     sys.orig_argv = request["orig_argv"]  # what the waiting process was started with
     threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
-        import torch
-
-        torch.set_num_threads(int(threads))
+    torch = sys.modules.get("torch")  # imported by the ranks' server only
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))  # what torch's import does with the variable
     import runpy
 
-    status = 0
+    from dplaunch.train.rank_process import exit_rank, status_of
+
+    status, interrupted = 0, False
     try:
-        runpy._run_module_as_main(request["module"])
+        if request["module"] in SCRIPTS:
+            runpy.run_path(request["module"], run_name="__main__")
+        else:
+            runpy._run_module_as_main(request["module"])
     except SystemExit as request_to_exit:
-        from dplaunch.train.rank_process import status_of
-
         status = status_of(request_to_exit)
-    except BaseException:  # noqa: BLE001 — printed as the interpreter would, status 1
+    except BaseException as error:  # noqa: BLE001 — printed as the interpreter would, status 1
         sys.excepthook(*sys.exc_info())
-        status = 1
-    from dplaunch.train.rank_process import exit_rank
+        status, interrupted = 1, isinstance(error, KeyboardInterrupt)
+    if request["module"].startswith("dplaunch."):
+        exit_rank(status)  # how dplaunch's rank entry points end
+    # the others end as the interpreter ends a program: their threads, their exit handlers, their
+    # buffered output
+    import atexit
+    import threading
 
-    exit_rank(status)
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if interrupted:  # an uncaught Ctrl-C: the interpreter ends by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(status)
 
 
 def streams(unbuffered: bool) -> None:
@@ -306,12 +384,14 @@ def streams(unbuffered: bool) -> None:
 
 
 def module_of(argv: list[str]) -> tuple[str, list[str]] | None:
-    """(module, its arguments) for `python [-u] -m MODULE ARGS…`, else None."""
+    """(module or SCRIPTS' path, its arguments) for `python [-u] -m MODULE|SCRIPT ARGS…`, else None."""
     options = argv[1:]
     while options and options[0] in ("-u", "-B", "-E", "-s"):
         options = options[1:]
     if len(options) >= 2 and options[0] == "-m" and options[1] in MODULES:
         return options[1], options[2:]
+    if options and os.path.realpath(options[0]) in SCRIPTS:
+        return os.path.realpath(options[0]), options[1:]
     return None
 
 
@@ -327,18 +407,26 @@ def read_exactly(connection: socket.socket, size: int) -> bytes:
 
 
 def hand_over(path: str) -> None:
-    """Run this process's rank in the server and end as it ends; return if the server says no."""
+    """Run this process's module in the server and end as it ends; return if the server says no."""
     command = module_of(sys.orig_argv)
     if command is None:
         return
     module, argv = command
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        connection.connect(path)
+        connection.connect(path + CLI_SUFFIX if module == CLI else path)
     except OSError:
         return  # no server: start as usual
+    stand_ins = name = None
+    if module in PARENTS:  # where its children ask for stand-ins: an abstract socket
+        name = f"suite-rank-zygote-{os.getpid()}-{os.urandom(6).hex()}"
+        stand_ins = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stand_ins.bind(f"\0{name}")
+        stand_ins.listen(64)
     request = {
         "module": module,
+        # a script as the command line gave it
+        "script": None if module in MODULES else sys.orig_argv[-len(argv) - 1],
         "argv": argv,
         "orig_argv": sys.orig_argv,
         "cwd": os.getcwd(),
@@ -347,13 +435,18 @@ def hand_over(path: str) -> None:
         "interpreter": interpreter(),
         "unbuffered": bool(getattr(sys.stdout, "write_through", False)),  # -u or PYTHONUNBUFFERED
         "ignored": [n for n in RELAYED if signal.getsignal(n) == signal.SIG_IGN],
+        "session_leader": os.getsid(0) == os.getpid(),
+        "stand_ins": name,
     }
     data = json.dumps(request).encode()
     socket.send_fds(connection, [HEADER.pack(len(data)) + data], [0, 1, 2])
     answer = read_exactly(connection, 1)
     if answer != ACCEPTED:
+        if stand_ins is not None:
+            stand_ins.close()  # its children are its own: no stand-ins
+        connection.close()
         return
-    read_exactly(connection, HEADER.size)  # the rank's pid
+    read_exactly(connection, HEADER.size)  # the served process's pid
 
     def relay(number, frame):  # noqa: ANN001, ARG001 — a signal handler
         try:
@@ -365,15 +458,117 @@ def hand_over(path: str) -> None:
         signal.signal(number, relay)
     code = 1
     try:
+        listening = [s for s in (connection, stand_ins, _stand_in) if s is not None]
+        running: list[int] = []  # the stand-ins' pidfds
+        while True:
+            readable, _, _ = select.select(listening + running, [], [])
+            if _stand_in in readable:  # this process's stand-in was killed: so is this process
+                os.kill(os.getpid(), signal.SIGKILL)
+            if stand_ins in readable:
+                running += start_stand_in(stand_ins.accept()[0])
+            running = reap(running, readable)
+            if connection in readable:
+                break
         ended = read_exactly(connection, 5)
         code = struct.unpack("!i", ended[1:5])[0] if len(ended) == 5 else 1  # 1: the keeper died
-        if code < 0:  # the rank was killed by signal -code: so is this process
+        # a launcher ends after its children, and so after their stand-ins (dplaunch stops what
+        # is left of its own when it ends)
+        wait_for_exits(running, STAND_IN_END_SECONDS)
+        if code < 0:  # killed by signal -code: so is this process
             if -code not in (signal.SIGKILL, signal.SIGSTOP):
                 signal.signal(-code, signal.SIG_DFL)
             os.kill(os.getpid(), -code)
-    finally:  # never on to run the rank here as well
+    finally:  # never on to run the module here as well
         os._exit(code & 0xFF if code >= 0 else 128 - code)
 
 
-if __name__ == "__main__":
-    serve(sys.argv[1])
+# ---- stand-ins: a served process's children where dplaunch and the tests look for them
+
+# how long a waiting process waits for its stand-ins to end after its served process ended
+# (they end as soon as their child has; a launcher killed by a signal leaves its children behind)
+STAND_IN_END_SECONDS = 10.0
+# the stand-in's program (`python -I -S -c STAND_IN CHILD'S ARGUMENTS…`): pass signals on to the
+# child, end when its connection closes (the child ended)
+STAND_IN = f"""
+import os, signal
+fd, pid = (int(part) for part in os.environ["{STAND_IN_VARIABLE}"].split(":"))
+def relay(number, frame):
+    try:
+        os.kill(pid, number)
+    except ProcessLookupError:
+        pass
+relayed = {[int(n) for n in RELAYED]}
+for number in relayed:
+    signal.signal(number, relay)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, relayed)
+while os.read(fd, 64):
+    pass
+"""
+_stand_in: socket.socket | None = None  # this process's connection to its stand-in
+
+
+def ask_for_stand_in(parent: str) -> None:
+    """In a served process's child: have a stand-in started under the process's waiting process
+    (PARENT_VARIABLE's value), and wait for it."""
+    global _stand_in
+    pid, _, name = parent.partition(":")
+    if pid != str(os.getppid()):
+        return  # not the served process's child (its children's children inherit the variable)
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(f"\0{name}")
+    except OSError:
+        return
+    me = {"pid": os.getpid(), "argv": sys.orig_argv, "session_leader": os.getsid(0) == os.getpid()}
+    connection.sendall(json.dumps(me).encode() + b"\n")
+    if read_exactly(connection, 1) == ACCEPTED:
+        _stand_in = connection  # kept open for this process's life: its end ends the stand-in
+
+
+def start_stand_in(connection: socket.socket) -> list[int]:
+    """In a served process's waiting process: start the stand-in a child asks for; [its pidfd]."""
+    request = b""
+    while not request.endswith(b"\n"):
+        more = connection.recv(1 << 16)
+        if not more:
+            connection.close()
+            return []
+        request += more
+    child = json.loads(request)
+    os.set_inheritable(connection.fileno(), True)
+    pid = os.posix_spawn(
+        sys.executable,
+        [sys.executable, "-I", "-S", "-c", STAND_IN, *child["argv"][1:]],
+        {STAND_IN_VARIABLE: f"{connection.fileno()}:{child['pid']}"},
+        # its stdio: none (the child holds the streams it shares with the waiting process)
+        file_actions=[(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)],
+        setsid=child["session_leader"],  # torchrun starts each rank in a session of its own
+        setsigmask=RELAYED,  # held until its handlers are in place
+    )
+    handle = os.pidfd_open(pid)
+    connection.sendall(ACCEPTED)
+    connection.close()
+    return [handle]
+
+
+def reap(handles: list[int], ended: list) -> list[int]:
+    """Reap the processes whose pidfds are in ``ended``; the pidfds of those still running."""
+    for handle in handles:
+        if handle in ended:
+            os.waitid(os.P_PIDFD, handle, os.WEXITED)
+            os.close(handle)
+    return [handle for handle in handles if handle not in ended]
+
+
+def wait_for_exits(handles: list[int], seconds: float) -> None:
+    """Wait until the processes (pidfds) have ended and reap them, at most ``seconds``."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while handles and time.monotonic() < deadline:
+        readable, _, _ = select.select(handles, [], [], max(0.0, deadline - time.monotonic()))
+        handles = reap(handles, readable)
+
+
+if __name__ == "__main__":  # python -m tests.rank_zygote [--cli] SOCKET
+    serve(sys.argv[-1], cli="--cli" in sys.argv)

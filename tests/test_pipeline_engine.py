@@ -18,7 +18,7 @@ from deepspeed.pipe import TiedLayerSpec
 
 from dplaunch.train.pipeline import create_pipeline_engine, pipeline_layers
 from tests import pipeline_driver
-from tests.helpers import child_environment, free_port
+from tests.helpers import cpu_rank_environment, free_port
 
 DRIVER = Path(pipeline_driver.__file__)
 # fp32 on CPU reproduces the reference to rounding (measured gaps ≤ 1e-7), far inside the 1e-3
@@ -39,7 +39,7 @@ def drive(tmp_path: Path, name: str, *args: str, nproc: int = 2) -> dict:
         ]  # fmt: skip
     result = subprocess.run(
         [*command, *args, "--out", str(out)],
-        capture_output=True, text=True, timeout=240, env=child_environment(), check=False,
+        capture_output=True, text=True, timeout=240, env=cpu_rank_environment(), check=False,
     )  # fmt: skip
     assert result.returncode == 0, (
         f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"

@@ -13,7 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import child_environment, cpu_rank_environment, losses_by_step, train, wait_for
+from tests.helpers import (
+    TINY_LLAMA,
+    child_environment,
+    cpu_rank_environment,
+    losses_by_step,
+    run_dplaunch,
+    run_processes,
+    train,
+    wait_for,
+)
 from tests.rank_zygote import LOG_NAME, REAL_START_VARIABLE, SOCKET_VARIABLE
 
 pytestmark = pytest.mark.skipif(
@@ -39,12 +48,16 @@ def test_ranks_from_the_server_train_exactly_as_started_ranks(tmp_path):
     verbose = child_environment(TRANSFORMERS_VERBOSITY="warning")
     train(started, "--cpu", "--gpus", "2", "--max-steps", "3", env=verbose)
     lines = new_lines(log, offset)
-    assert (
-        sum(line.startswith("started dplaunch.train") and str(served) in line for line in lines)
-        == 2
-    )
+    # the command line, the launcher and its 2 ranks, each time
+    served_lines = [line.split(" [")[0] for line in lines if str(served) in line]
+    assert sorted(served_lines) == [
+        "started accelerate.commands.launch",
+        "started dplaunch",
+        "started dplaunch.train",
+        "started dplaunch.train",
+    ]
     refused = [line for line in lines if line.startswith("refused") and str(started) in line]
-    assert len(refused) == 2 and all("TRANSFORMERS_VERBOSITY" in line for line in refused)
+    assert len(refused) == 4 and all("TRANSFORMERS_VERBOSITY" in line for line in refused)
     assert len(losses_by_step(served)) == 3
     assert losses_by_step(served) == losses_by_step(started)
 
@@ -122,3 +135,95 @@ def test_signals_pass_both_ways(tmp_path):
     finally:
         for process in waiting:
             process.kill()
+
+
+def test_a_served_launchers_ranks_have_stand_ins_where_dplaunch_looks_for_them(tmp_path):
+    """dplaunch signals the ranks it finds as its launcher's children (ProcessTree): a served
+    launcher's waiting process has one stand-in per rank there, with the rank's command line and
+    its own session (as torchrun starts ranks), and a stand-in killed takes its rank along."""
+    import psutil
+
+    run = tmp_path / "run"
+    assert run_dplaunch("config", TINY_LLAMA, "--cpu", "--gpus", "2", "-o", run).returncode == 0
+    (run / "run.yaml").unlink()
+    os.mkfifo(run / "run.yaml")  # the ranks block reading it
+    log = server_log()
+    offset = len(log.read_text())
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(run / "accelerate.yaml"),
+            "--module",
+            "dplaunch.train",
+            str(run),
+        ],
+        env=cpu_rank_environment(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        stand_ins = wait_for(
+            lambda: len(children := psutil.Process(launcher.pid).children()) == 2 and children,
+            60,
+            "two stand-ins under the launcher",
+        )
+        for stand_in in stand_ins:
+            assert stand_in.cmdline()[-3:] == ["-m", "dplaunch.train", str(run)]
+            assert os.getsid(stand_in.pid) == stand_in.pid
+        served = lambda: [  # noqa: E731
+            line for line in new_lines(log, offset) if str(run) in line and "started" in line
+        ]
+        lines = wait_for(lambda: len(served()) == 3 and served(), 60, "the launcher and 2 ranks")
+        ranks = [int(line.rsplit(" ", 1)[1]) for line in lines if "started dplaunch.train" in line]
+        assert len(ranks) == 2 and "started accelerate.commands.launch" in lines[0]
+        stand_ins[0].kill()
+        assert launcher.wait(timeout=120) != 0  # torchrun saw a rank die and stopped the other
+        for rank in ranks:
+            wait_for(lambda rank=rank: _gone(rank), 60, f"rank {rank} to end")
+        assert not psutil.pid_exists(stand_ins[1].pid)
+    finally:
+        launcher.kill()
+
+
+def test_a_served_command_lines_launcher_has_a_stand_in_in_its_own_session(tmp_path):
+    """Tests look for dplaunch's children and signal its process group: the served command line's
+    waiting process has a stand-in for its launcher (a session leader, as dplaunch starts it),
+    and dplaunch stopped by SIGTERM stops everything, stand-ins included."""
+    import psutil
+
+    script = tmp_path / "wait.py"
+    script.write_text("import time\ntime.sleep(600)\n")
+    log = server_log()
+    offset = len(log.read_text())
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "dplaunch", "launch", str(script), "--cpu", "--gpus", "2"]
+    process = subprocess.Popen(
+        [*command, "-o", str(run)],
+        env=child_environment(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        launcher = wait_for(
+            lambda: next(iter(psutil.Process(process.pid).children()), None),
+            60,
+            "a stand-in for the launcher under dplaunch",
+        )
+        assert "accelerate.commands.launch" in launcher.cmdline()
+        assert os.getsid(launcher.pid) == launcher.pid
+        wait_for(
+            lambda: sum("started dplaunch.train.script" in x for x in new_lines(log, offset)) == 2,
+            60,
+            "the 2 ranks",
+        )
+        assert any(line.startswith("started dplaunch [") for line in new_lines(log, offset))
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=120) != 0
+        wait_for(lambda: not run_processes(str(tmp_path)), 60, "every process of the run to end")
+    finally:
+        process.kill()
