@@ -30,9 +30,9 @@ def pytest_configure(config):
     os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="dplaunch-tests-cache-")
 
 
-# the test files whose training ranks start as themselves, not from the suite's fork server
-# (tests/rank_zygote.py): they check how processes start, what they import, how much memory they
-# take, or their process tree
+# the test files whose processes (command line, launchers, ranks) start as themselves, not from
+# the suite's fork servers (tests/rank_zygote.py): they check how processes start, what they
+# import, how much memory they take, their process tree, or SLURM's
 REAL_START_FILES = frozenset(
     {
         "test_benchmark_harness.py",
@@ -83,7 +83,8 @@ def _zygote_socket() -> str:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Around each test but REAL_START_FILES', its module fixtures included: ranks from the server."""
+    """Around each test but REAL_START_FILES', its module fixtures included: processes from the
+    servers."""
     if item.path.name in REAL_START_FILES or os.environ.get(REAL_START_VARIABLE):
         yield
         return

@@ -37,6 +37,8 @@ def drive(tmp_path: Path, name: str, *args: str, nproc: int = 2) -> dict:
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
             "--master_port", str(free_port()), str(DRIVER),
         ]  # fmt: skip
+    # DS_ACCELERATOR=cpu, as dplaunch sets for CPU ranks (and what DeepSpeed finds without a
+    # GPU): the suite's fork server serves the driver with that environment
     result = subprocess.run(
         [*command, *args, "--out", str(out)],
         capture_output=True, text=True, timeout=240, env=cpu_rank_environment(), check=False,

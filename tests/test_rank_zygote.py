@@ -1,6 +1,6 @@
-"""The suite's fork server for ranks (tests/rank_zygote.py): a rank it starts is the rank a started
-process would have been — same numbers, same output, same end — and a rank whose libraries would
-import differently starts as itself."""
+"""The suite's fork servers (tests/rank_zygote.py): a process they start is the process a real start
+would have been — same numbers, same output, same signals, same end, its children where dplaunch
+and the tests look for them — and one whose libraries would import differently starts as itself."""
 
 from __future__ import annotations
 
