@@ -102,15 +102,20 @@ def _served_rank_blocked(run_dir: Path, **popen) -> tuple[subprocess.Popen, int]
         raise
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+def _start_in_its_own_session(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """ARGV in a session of its own, as dplaunch starts a launcher, its output discarded."""
+    return subprocess.Popen(
+        argv,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def test_signals_pass_both_ways(tmp_path):
+    import psutil
+
     waiting = []
     try:
         # the rank killed: the waiting process ends by the same signal, as if it had been killed
@@ -125,13 +130,13 @@ def test_signals_pass_both_ways(tmp_path):
         process.send_signal(signal.SIGUSR1)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == -signal.SIGTERM
-        wait_for(lambda: _gone(rank), 30, "the stopped rank to end")
+        wait_for(lambda: not psutil.pid_exists(rank), 30, "the stopped rank to end")
         # the waiting process killed outright (no handler runs): its rank does not outlive it
         process, rank = _served_rank_blocked(tmp_path / "orphaned")
         waiting.append(process)
         process.kill()
         process.wait(timeout=30)
-        wait_for(lambda: _gone(rank), 30, "the orphaned rank to end")
+        wait_for(lambda: not psutil.pid_exists(rank), 30, "the orphaned rank to end")
     finally:
         for process in waiting:
             process.kill()
@@ -149,22 +154,9 @@ def test_a_served_launchers_ranks_have_stand_ins_where_dplaunch_looks_for_them(t
     os.mkfifo(run / "run.yaml")  # the ranks block reading it
     log = server_log()
     offset = len(log.read_text())
-    launcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(run / "accelerate.yaml"),
-            "--module",
-            "dplaunch.train",
-            str(run),
-        ],
-        env=cpu_rank_environment(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    # the launch command and environment dplaunch rendered for the run (its launch.sh execs the
+    # launcher: same process)
+    launcher = _start_in_its_own_session(["bash", str(run / "launch.sh")], child_environment())
     try:
         stand_ins = wait_for(
             lambda: len(children := psutil.Process(launcher.pid).children()) == 2 and children,
@@ -183,7 +175,7 @@ def test_a_served_launchers_ranks_have_stand_ins_where_dplaunch_looks_for_them(t
         stand_ins[0].kill()
         assert launcher.wait(timeout=120) != 0  # torchrun saw a rank die and stopped the other
         for rank in ranks:
-            wait_for(lambda rank=rank: _gone(rank), 60, f"rank {rank} to end")
+            wait_for(lambda rank=rank: not psutil.pid_exists(rank), 60, f"rank {rank} to end")
         assert not psutil.pid_exists(stand_ins[1].pid)
     finally:
         launcher.kill()
@@ -201,13 +193,7 @@ def test_a_served_command_lines_launcher_has_a_stand_in_in_its_own_session(tmp_p
     offset = len(log.read_text())
     run = tmp_path / "run"
     command = [sys.executable, "-m", "dplaunch", "launch", str(script), "--cpu", "--gpus", "2"]
-    process = subprocess.Popen(
-        [*command, "-o", str(run)],
-        env=child_environment(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    process = _start_in_its_own_session([*command, "-o", str(run)], child_environment())
     try:
         launcher = wait_for(
             lambda: next(iter(psutil.Process(process.pid).children()), None),
