@@ -680,16 +680,21 @@ def test_a_resume_from_an_earlier_checkpoint_of_the_run_leaves_the_later_ones_al
 
 def test_a_checkpoint_is_synced_to_disk_once_per_node_shared_by_its_ranks(tmp_path, monkeypatch):
     from dplaunch.run_directory.files import sync_to_disk
+    from dplaunch.run_directory.layout import TEMP_PREFIX, digests_part_file
 
     folder = tmp_path / ".tmp-step-2"
     for name in ("pytorch_model/mp_rank_00_model_states.pt", "pytorch_model/zero_1.pt", "a.pkl"):
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_bytes(b"x" * 10)
+    # another rank's digests part, written through a temporary name while this rank syncs: it is
+    # renamed away at any moment, even between the listing and the fsync; its writer syncs it
+    in_flight = folder / f"{TEMP_PREFIX}{digests_part_file(1)}.4242.0a1b2c3d"
+    in_flight.write_text("{}")
     synced: list[int] = []
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
     shares = [sync_to_disk(folder, local_rank, 3) for local_rank in range(3)]
-    everything = sorted(folder.rglob("*"))
+    everything = sorted(entry for entry in folder.rglob("*") if entry != in_flight)
     assert sorted(entry for share in shares for entry in share) == everything  # each once
     assert all(shares)  # the work is shared
     assert len(synced) == len(everything) + 1  # and the folder itself, by local rank 0

@@ -81,8 +81,10 @@ def sync_to_disk(folder: Path, local_rank: int, local_size: int) -> list[Path]:
     """fsync FOLDER's files and folders, shared among the ranks of a node; return this rank's.
 
     Every node syncs every file: dirty pages live in the page cache of the node that wrote them
-    (Lustre and NFS clients too), and a node does not know which files its ranks wrote."""
-    entries = sorted(folder.rglob("*"))
+    (Lustre and NFS clients too), and a node does not know which files its ranks wrote. A
+    TEMP_PREFIX name is another rank's write_text_atomic in flight: it may be renamed away under
+    this rank's feet, and its writer makes it durable itself."""
+    entries = sorted(entry for entry in folder.rglob("*") if not entry.name.startswith(TEMP_PREFIX))
     mine = [entry for index, entry in enumerate(entries) if index % local_size == local_rank]
     for entry in mine:
         if entry.is_dir():

@@ -119,8 +119,9 @@ class Checkpointer:
             problem = error
         # rank 0 may have failed to create the directory: nobody writes then
         if self.control.any(problem is not None):
+            what = f"{temp}: {problem}" if problem else f"{temp} (on rank 0)"
             raise CheckpointError(
-                f"checkpoint step {step} failed, {intact}: could not create {temp}: {problem}"
+                f"checkpoint step {step} failed, {intact}: could not create {what}"
             )
         try:
             self._inject_fault(step, "max_file_bytes")
@@ -147,8 +148,9 @@ class Checkpointer:
         else:
             problem = None
         if self.control.any(problem is not None):
+            why = problem or "another rank could not (its error file says why)"
             raise CheckpointError(
-                f"could not write checkpoint step {step} to disk, {intact}: {temp}: {problem}"
+                f"could not write checkpoint step {step} to disk, {intact}: {temp}: {why}"
             )
         failed = False
         if self.rank == 0:
