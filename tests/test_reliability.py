@@ -222,11 +222,61 @@ def test_ctrl_c_while_the_ranks_start_is_one_line_without_tracebacks(tmp_path):
     )
     # the launcher and the ranks are importing torch: each would print a KeyboardInterrupt
     wait_for(lambda: len(run_processes(str(tmp_path / "run"))) >= 3, 60, "the ranks")
+    assert_ctrl_c_is_one_line(dplaunch, tmp_path)
+
+
+# imported by `site` while Python starts, before any program (or its handlers) exists
+HOLD_RANKS_IN_SITE = """import os, time
+if "LOCAL_RANK" in os.environ:  # torchrun's ranks, not the launcher
+    open(os.path.join(os.path.dirname(__file__), f"held-{os.getpid()}"), "w").close()
+    time.sleep(120)
+"""
+
+
+def test_ctrl_c_while_python_itself_starts_in_the_ranks_is_one_line(tmp_path):
+    # a rank interrupted inside `site` ends with "Fatal Python error: init_import_site" and a
+    # traceback (seen once as a rare race of the test above); here the ranks are held there
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(HOLD_RANKS_IN_SITE)
+    dplaunch = start_dplaunch(
+        tmp_path, "train", TINY_LLAMA, "--cpu", "--gpus", "2", "-o", tmp_path / "run",
+        env=child_environment(PYTHONPATH=str(site)),
+    )  # fmt: skip
+    wait_for(lambda: len(list(site.glob("held-*"))) == 2, 60, "the ranks in site")
+    assert_ctrl_c_is_one_line(dplaunch, tmp_path)
+
+
+def test_two_ranks_reports_of_python_interrupted_while_starting_are_dropped_even_interleaved(
+    tmp_path,
+):
+    # C writes "Fatal Python error: ", then the function, then the message: the test above saw
+    # the two ranks' pieces in one line
+    from dplaunch.launching.process import RankWatch
+
+    report = [
+        "Fatal Python error: Fatal Python error: init_import_site: Failed to import the site module",
+        "init_import_site: Failed to import the site module",
+        "Python runtime state: initialized",
+        "Python runtime state: initialized",
+        "Traceback (most recent call last):",
+        '  File "<frozen site>", line 548, in execsitecustomize',
+        "KeyboardInterrupt",
+    ]
+    watch = RankWatch(tmp_path / "errors")
+    assert [watch.filter(line) for line in report[:4]] == [[line] for line in report[:4]]
+    watch.note_signal(signal.SIGINT)  # only once dplaunch was asked to stop
+    assert [watch.filter(line) for line in report] == [[]] * len(report)
+    assert watch.filter("[dplaunch] a line after the stop") == ["[dplaunch] a line after the stop"]
+
+
+def assert_ctrl_c_is_one_line(dplaunch: subprocess.Popen, tmp_path: Path) -> None:
     dplaunch.send_signal(signal.SIGINT)
     code = dplaunch.wait(timeout=120)
     stdout, stderr = output(tmp_path)
     assert code != 0
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert "Fatal Python error" not in stderr and "Python runtime state" not in stderr, stderr
     assert last_line(stderr) == (
         "dplaunch: stopped by SIGINT (sent to dplaunch, passed on to every rank)"
     )

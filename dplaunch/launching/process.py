@@ -261,6 +261,11 @@ INTERRUPTED_TRACEBACK = (
     "During handling of the above exception",
     "The above exception was the direct cause",
 )
+# a process that gets the signal while Python itself starts (importing `site`, before any program
+# runs) ends with the interpreter's own report before that traceback: "Fatal Python error:
+# init_import_site: Failed to import the site module", "Python runtime state: initialized". C
+# writes it in pieces, so two ranks' reports interleave inside a line
+INTERRUPTED_START_RE = re.compile(r"Fatal Python error: |^Python runtime state: |^init_\w+: ")
 # every rank's DeepSpeed says it "built" the op it only loaded: the launcher built it and said so
 DEEPSPEED_OP_LOADED_RE = re.compile(r"^DeepSpeed deepspeed\.ops\.\S+ built successfully$")
 WATCHDOG_TIMEOUT = "Watchdog caught collective operation timeout"
@@ -362,6 +367,7 @@ class RankWatch:
             return [line]
         if self.signal_received and (
             line.startswith(INTERRUPTED_TRACEBACK)
+            or INTERRUPTED_START_RE.search(line)
             or not line.strip()
             or line[:1] in (" ", "\t")
             or LAUNCHER_EXCEPTION_RE.match(line)
