@@ -121,8 +121,9 @@ def run_cli(
     root = logging.getLogger()
     saved_logging = (list(root.handlers), root.level)
     claims, held = len(ports._claims), set(ports._held)
+    environment = env or child_environment()  # before the clear: it copies os.environ
     os.environ.clear()
-    os.environ.update(env or child_environment())
+    os.environ.update(environment)
     status = 0
     try:
         os.chdir(cwd or REPO)

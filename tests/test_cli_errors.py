@@ -26,6 +26,20 @@ SLURM_JOB = ["slurm", TINY_LLAMA, "--gpus", "16", "--gpus-per-node", "4", "--glo
 CLUSTER = [TINY_LLAMA, "--gpus", "16", "--nodes", "4", "--global-batch", "16"]
 
 
+def test_the_in_process_command_line_sees_the_environment_a_process_would(monkeypatch):
+    # run_cli once emptied os.environ before copying it: its commands ran without PATH, HOME or
+    # the suite's cache folder, and a plan needing a DeepSpeed op found no compiler unless an
+    # earlier test had happened to build the op (a CI failure of test_planning_tools)
+    from dplaunch import cli
+
+    seen: dict[str, str] = {}
+    monkeypatch.setattr(cli, "main", lambda: seen.update(os.environ))
+    assert run_cli("--help").returncode == 0
+    for name in ("PATH", "HOME", "XDG_CACHE_HOME"):
+        assert seen.get(name) == os.environ[name], name
+    assert seen["OMP_NUM_THREADS"] == "1"  # and the ranks' own settings (child_environment)
+
+
 # ------------------------------------------------------------------ mistyped flags
 
 
