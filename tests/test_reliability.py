@@ -239,9 +239,10 @@ def test_ctrl_c_while_python_itself_starts_in_the_ranks_is_one_line(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(HOLD_RANKS_IN_SITE)
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
     dplaunch = start_dplaunch(
         tmp_path, "train", TINY_LLAMA, "--cpu", "--gpus", "2", "-o", tmp_path / "run",
-        env=child_environment(PYTHONPATH=str(site)),
+        env=child_environment(PYTHONPATH=path),
     )  # fmt: skip
     wait_for(lambda: len(list(site.glob("held-*"))) == 2, 60, "the ranks in site")
     assert_ctrl_c_is_one_line(dplaunch, tmp_path)
