@@ -103,6 +103,8 @@ SCRIPTS = (os.path.join(os.path.dirname(os.path.realpath(__file__)), "pipeline_d
 PARENT_VARIABLE = "SUITE_RANK_ZYGOTE_PARENT"
 # a stand-in's environment: "FD:PID", its end of the child's connection and the child's pid
 STAND_IN_VARIABLE = "SUITE_RANK_ZYGOTE_STAND_IN"
+# test_rank_zygote only: seconds a served process waits right after its fork (a signal then)
+HOLD_VARIABLE = "SUITE_RANK_ZYGOTE_HOLD"
 # the variables libraries read while they are imported (cache folders, offline modes, log levels,
 # DeepSpeed's accelerator): a rank whose values differ from the server's starts as usual
 IMPORT_TIME_PREFIXES = (
@@ -257,10 +259,14 @@ def keep(connection: socket.socket, me: dict) -> None:
         connection.sendall(REFUSED)
         return
     keeper = os.getpid()
+    # the rank holds the relayed signals until it has the waiting process's dispositions: one
+    # relayed meanwhile would meet the server's (a SIGUSR1 the waiting process ignores killed it)
+    signal.pthread_sigmask(signal.SIG_BLOCK, RELAYED)
     rank = os.fork()
     if rank == 0:
         connection.close()
         become_rank(request, fds, keeper)  # never returns
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED)
     for fd in fds:
         os.close(fd)
     print(f"started {request['module']} {request['argv']} pid {rank}", file=sys.stderr)
@@ -293,6 +299,11 @@ def become_rank(request: dict, fds: list[int], keeper: int) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != keeper:
         os._exit(1)
+    hold = request["environ"].get(HOLD_VARIABLE)
+    if hold:
+        import time
+
+        time.sleep(float(hold))
     if request["session_leader"]:  # started with start_new_session, as dplaunch and torchrun do
         os.setsid()
     for target, fd in enumerate(fds):
@@ -307,6 +318,7 @@ def become_rank(request: dict, fds: list[int], keeper: int) -> None:
     if signal.SIGINT not in request["ignored"]:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED)  # held since the fork: now as it would be
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["environ"])

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from tests.helpers import (
     train,
     wait_for,
 )
-from tests.rank_zygote import LOG_NAME, REAL_START_VARIABLE, SOCKET_VARIABLE
+from tests.rank_zygote import HOLD_VARIABLE, LOG_NAME, REAL_START_VARIABLE, SOCKET_VARIABLE
 
 pytestmark = pytest.mark.skipif(
     bool(os.environ.get(REAL_START_VARIABLE)), reason=f"{REAL_START_VARIABLE}: no fork server"
@@ -77,7 +78,9 @@ def _ignore_sigusr1() -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
-def _served_rank_blocked(run_dir: Path, **popen) -> tuple[subprocess.Popen, int]:
+def _served_rank_blocked(
+    run_dir: Path, *, preexec_fn=None, **variables: str
+) -> tuple[subprocess.Popen, int]:
     """A served rank that blocks reading its run file (a FIFO nobody writes): (waiting process, rank pid)."""
     log = server_log()
     offset = len(log.read_text())
@@ -85,10 +88,10 @@ def _served_rank_blocked(run_dir: Path, **popen) -> tuple[subprocess.Popen, int]
     os.mkfifo(run_dir / "run.yaml")
     waiting = subprocess.Popen(
         [sys.executable, "-u", "-m", "dplaunch.train", str(run_dir)],
-        env=cpu_rank_environment(),
+        env=cpu_rank_environment(**variables),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        **popen,
+        preexec_fn=preexec_fn,
     )
 
     def started() -> re.Match | None:
@@ -131,6 +134,19 @@ def test_signals_pass_both_ways(tmp_path):
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == -signal.SIGTERM
         wait_for(lambda: not psutil.pid_exists(rank), 30, "the stopped rank to end")
+        # the same signal while the rank is just forked, before it took over those dispositions
+        # (HOLD_VARIABLE keeps it there 2 s; the waiting process relays by then): held, then
+        # ignored, not the server's default action (a CI failure: a converter killed by SIGUSR1)
+        process, rank = _served_rank_blocked(
+            tmp_path / "just-forked", preexec_fn=_ignore_sigusr1, **{HOLD_VARIABLE: "2"}
+        )
+        waiting.append(process)
+        time.sleep(0.5)
+        process.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        assert process.poll() is None and psutil.pid_exists(rank)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == -signal.SIGTERM
         # the waiting process killed outright (no handler runs): its rank does not outlive it
         process, rank = _served_rank_blocked(tmp_path / "orphaned")
         waiting.append(process)
