@@ -48,6 +48,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 
 # what a rank imports before its first line of work (measured: `python -X importtime` of a tiny
 # DDP and a ZeRO-3 rank); dplaunch's own modules are not among them: each rank imports its own
@@ -301,8 +302,6 @@ def become_rank(request: dict, fds: list[int], keeper: int) -> None:
         os._exit(1)
     hold = request["environ"].get(HOLD_VARIABLE)
     if hold:
-        import time
-
         time.sleep(float(hold))
     if request["session_leader"]:  # started with start_new_session, as dplaunch and torchrun do
         os.setsid()
@@ -574,8 +573,6 @@ def reap(handles: list[int], ended: list) -> list[int]:
 
 def wait_for_exits(handles: list[int], seconds: float) -> None:
     """Wait until the processes (pidfds) have ended and reap them, at most ``seconds``."""
-    import time
-
     deadline = time.monotonic() + seconds
     while handles and time.monotonic() < deadline:
         readable, _, _ = select.select(handles, [], [], max(0.0, deadline - time.monotonic()))

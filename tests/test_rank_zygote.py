@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -105,6 +104,18 @@ def _served_rank_blocked(
         raise
 
 
+def _signals(pid: int, field: str) -> int:
+    """A process's set of signals from /proc (SigCgt: caught, ShdPnd: pending), as a bit mask."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1], 16)
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def _bit(number: int) -> int:
+    return 1 << (number - 1)
+
+
 def _start_in_its_own_session(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
     """ARGV in a session of its own, as dplaunch starts a launcher, its output discarded."""
     return subprocess.Popen(
@@ -135,16 +146,21 @@ def test_signals_pass_both_ways(tmp_path):
         assert process.wait(timeout=30) == -signal.SIGTERM
         wait_for(lambda: not psutil.pid_exists(rank), 30, "the stopped rank to end")
         # the same signal while the rank is just forked, before it took over those dispositions
-        # (HOLD_VARIABLE keeps it there 2 s; the waiting process relays by then): held, then
-        # ignored, not the server's default action (a CI failure: a converter killed by SIGUSR1)
+        # (HOLD_VARIABLE keeps it there): held, then ignored, not the server's default action (a
+        # fresh-clone failure: a checkpoint conversion killed by SIGUSR1)
         process, rank = _served_rank_blocked(
-            tmp_path / "just-forked", preexec_fn=_ignore_sigusr1, **{HOLD_VARIABLE: "2"}
+            tmp_path / "just-forked", preexec_fn=_ignore_sigusr1, **{HOLD_VARIABLE: "3"}
         )
         waiting.append(process)
-        time.sleep(0.5)
+        # once the waiting process relays it (its handler is in place), not before: it ignores it
+        wait_for(lambda: _signals(process.pid, "SigCgt") & _bit(signal.SIGUSR1), 30, "the relay")
         process.send_signal(signal.SIGUSR1)
-        time.sleep(2)
-        assert process.poll() is None and psutil.pid_exists(rank)
+        wait_for(
+            lambda: process.poll() is not None or _signals(rank, "ShdPnd") & _bit(signal.SIGUSR1),
+            30,
+            "SIGUSR1 to reach the held rank",
+        )
+        assert process.poll() is None and psutil.pid_exists(rank)  # held there, not its death
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == -signal.SIGTERM
         # the waiting process killed outright (no handler runs): its rank does not outlive it
