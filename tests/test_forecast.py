@@ -20,9 +20,11 @@ from dplaunch.config.schema import ModelConfig
 from dplaunch.errors import UserError
 from dplaunch.planning.forecast import (
     TERMS,
+    TORCH_ADAMW_OVER_CPU_ADAM,
     Collective,
     compare_with_forecast,
     forecast_step,
+    host_adamw_s_per_param,
     micro_batch_flops,
     model_weights,
     step_collectives,
@@ -360,6 +362,43 @@ def test_offload_adds_host_copies_and_cpu_adam_and_drops_the_gpu_optimizer():
     assert (
         offloaded.terms["optimizer"] == 0 and offloaded.terms["offload"] > on_gpu.terms["optimizer"]
     )
+
+
+def test_fsdp2s_cpu_offload_steps_torchs_adamw_on_the_host_not_at_the_gpus_fused_rate():
+    # 7 B on 8 H100s (datasheet): CPUOffloadPolicy keeps the fp32 shards on the host and steps
+    # torch's AdamW there, at the host's rate (≥ 100× the GPU's fused AdamW)
+    facts = ModelFacts.from_config_dict(LLAMA_7B)
+    h100 = datasheet_profile("H100", 8, 1)
+    host = host_adamw_s_per_param(h100)
+    assert host == h100.cpu_adam_s_per_param * TORCH_ADAMW_OVER_CPU_ADAM
+    assert host >= 100 * h100.optimizer_s_per_param
+    on_gpu = forecast_step(facts, ParallelDims(8, 8, fsdp="full"), workload(), h100)
+    partition = on_gpu.terms["optimizer"] / h100.optimizer_s_per_param  # the whole model ÷ 8
+    offloaded = forecast_step(
+        facts, ParallelDims(8, 8, fsdp="full", offload="all"), workload(), h100
+    )
+    assert offloaded.terms["optimizer"] == 0
+    assert offloaded.terms["offload"] >= partition * host
+    # every micro-batch copies the fp32 weight shards in twice and the gradient shards out once
+    one = forecast_step(
+        facts,
+        ParallelDims(8, 8, fsdp="full", offload="all"),
+        workload(global_batch_size=8),
+        h100,
+    )
+    copies = (8 - 1) * 3 * partition * 4 / h100.host_device_bytes_per_s
+    assert offloaded.terms["offload"] - one.terms["offload"] == pytest.approx(copies)
+    # ZeRO's offload steps DeepSpeed's CPU Adam on the host too
+    for dims in (
+        ParallelDims(8, 8, zero_stage=2, offload="optimizer"),
+        ParallelDims(8, 8, zero_stage=3, offload="all"),
+    ):
+        zero = forecast_step(facts, dims, workload(), h100)
+        assert zero.terms["optimizer"] == 0
+        assert zero.terms["offload"] >= partition * h100.cpu_adam_s_per_param
+    # CPU ranks: calibrate measured torch's AdamW on the very cores that step it
+    cpu = small_profile(device="cpu", optimizer_s_per_param=3e-9)
+    assert host_adamw_s_per_param(cpu) == 3e-9
 
 
 def test_mfu_is_the_models_flops_over_step_time_ranks_and_peak():

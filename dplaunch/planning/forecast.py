@@ -21,8 +21,11 @@ below with the formula in its docstring:
 - **bubble** (:func:`pipeline_seconds`): the pipeline's idle time, (pp − 1) / (m + pp − 1) of the
   step under DeepSpeed's 1F1B schedule, m micro-batches a step;
 - **offload** (:func:`offload_seconds`): gradients to the host, DeepSpeed's CPU Adam over the
-  rank's partition, updated weights back;
-- **optimizer** (:func:`optimizer_seconds`): AdamW over the parameters this rank updates.
+  rank's partition, updated weights back; FSDP2's CPU offload (:func:`fsdp_offload_seconds`):
+  its weight and gradient shards through the host link every micro-batch, torch's AdamW over
+  its partition on the host;
+- **optimizer** (:func:`optimizer_seconds`): AdamW over the parameters this rank updates, on its
+  device (none when offloaded: the host steps them).
 
 MFU is the model's FLOPs of the step (no recomputation) over step time × ranks × peak FLOP/s.
 """
@@ -59,6 +62,11 @@ ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
 # DeepSpeed's pipeline engine sends a tensor's metadata (256 int32) before each micro-batch's
 # activations when shapes may change (dynamic_shape), and the attention mask (int64) with them
 PIPELINE_META_BYTES = 256 * 4
+# torch's AdamW on the host (unfused: one tensor at a time, a dozen passes over memory, with the
+# gradient clipping) over DeepSpeed's CPU Adam (fused AVX) on the same cores: 5.5× and 7.3× in two
+# runs of 4 M parameters at one thread each (Xeon with AVX-512, torch 2.13, DeepSpeed 0.19.8,
+# 2026-12-07); `dplaunch calibrate` measures only the GPU's fused AdamW and the CPU Adam
+TORCH_ADAMW_OVER_CPU_ADAM = 6.0
 # a term of the forecast, for the end-of-run "most wrong term"
 TERMS = ("compute", "communication", "bubble", "offload", "optimizer")
 
@@ -1172,12 +1180,31 @@ def _update_seconds(
         partition, _element(workload.mixed_precision), profile, dims.offload, held
     )
     if dims.fsdp is not None and dims.offload != "none":
-        # FSDP's offload steps torch's AdamW on the host shards: no CPU Adam, no extra copies
-        offload = 2 * held * _element(workload.mixed_precision) / profile.host_device_bytes_per_s
-        optimizer = optimizer_seconds(partition, profile)
-    else:
-        optimizer = 0.0 if dims.offload != "none" else optimizer_seconds(partition, profile)
+        micro_batches = workload.accumulation_steps(dims.dp) or 1
+        return fsdp_offload_seconds(partition, held, micro_batches, profile), 0.0
+    optimizer = 0.0 if dims.offload != "none" else optimizer_seconds(partition, profile)
     return offload, optimizer
+
+
+def host_adamw_s_per_param(profile: Profile) -> float:
+    """Seconds per parameter of torch's AdamW (unfused, with gradient clipping) on the host's
+    cores a rank gets: what FSDP2's CPUOffloadPolicy steps. A CPU profile measured exactly that
+    (its ``optimizer_s_per_param``); a GPU profile's AdamW is the GPU's fused kernel, so the host
+    rate is its CPU Adam's times TORCH_ADAMW_OVER_CPU_ADAM (see there)."""
+    if profile.device.upper().startswith("CPU"):
+        return profile.optimizer_s_per_param
+    return profile.cpu_adam_s_per_param * TORCH_ADAMW_OVER_CPU_ADAM
+
+
+def fsdp_offload_seconds(
+    partition: float, held: float, micro_batches: int, profile: Profile
+) -> float:
+    """FSDP2 with CPUOffloadPolicy: every micro-batch copies the HELD fp32 weight shards to the
+    GPU twice (the forward's all-gather, the backward's again: blocks reshard after forward) and
+    the reduce-scattered fp32 gradient shards back (4 bytes each way, the shards are fp32), then
+    torch's AdamW steps the PARTITION on the host (:func:`host_adamw_s_per_param`)."""
+    copies = micro_batches * (2 * held + partition) * 4
+    return copies / profile.host_device_bytes_per_s + partition * host_adamw_s_per_param(profile)
 
 
 __all__ = [
@@ -1196,6 +1223,8 @@ __all__ = [
     "seconds_apart",
     "why_faster",
     "model_weights",
+    "fsdp_offload_seconds",
+    "host_adamw_s_per_param",
     "offload_seconds",
     "optimizer_seconds",
     "pipeline_seconds",
