@@ -5,6 +5,7 @@ on the code before its fix (GPU readiness, round 2)."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -12,6 +13,7 @@ import yaml
 from tests.helpers import TINY_LLAMA
 
 torch = pytest.importorskip("torch")
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 
 class FakeCuda:
@@ -118,3 +120,52 @@ def test_a_quantized_base_loads_on_the_plans_device_and_under_zero3_without_a_de
     config = options["quantization_config"]
     assert config.bnb_4bit_quant_storage == config.bnb_4bit_compute_dtype == torch.bfloat16
     del zero3
+
+
+def test_the_fsdp_reference_is_sharded_block_by_block_never_moved_whole_to_the_device(
+    monkeypatch, tmp_path
+):
+    # model.to(device) before fully_shard put the whole fp32 reference on every GPU (4 bytes a
+    # parameter, offload: all too) while the plan counts it sharded: a 70 B DPO run went out of
+    # memory on any GPU. fully_shard moves each block's parameters itself, as the policy's
+    from torch.distributed.fsdp import FSDPModule
+
+    from dplaunch.config.schema import RunConfig
+    from dplaunch.planning.plan import Machine, make_plan
+    from dplaunch.train.modeling import load_model, load_tokenizer
+    from dplaunch.train.preference import build_reference, response_logps
+    from tests.helpers import REPO, one_rank_fsdp_engine
+
+    run = yaml.safe_load((REPO / "configs" / "dpo.yaml").read_text())
+    run["parallel"] = {"fsdp": "full", "offload": "all"}
+    config = RunConfig.model_validate(run)
+    launch = config.launch.model_copy(update={"cpu": True, "gpus": 1})
+    plan = make_plan(launch, config.parallel, config.train, Machine())
+    moved: list[str] = []
+    real_to = torch.nn.Module.to
+
+    def spy(module, *args, **kwargs):
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is not None and not isinstance(module, FSDPModule):
+            moved.append(f"{type(module).__name__} to {device}")
+        return real_to(module, *args, **kwargs)
+
+    tokenizer = load_tokenizer(config.model)
+    accelerator = SimpleNamespace(device=torch.device("cpu"))
+    with one_rank_fsdp_engine(config) as engine:
+        monkeypatch.setattr(torch.nn.Module, "to", spy)
+        reference, described = build_reference(
+            config, plan, accelerator, engine, tmp_path, tokenizer
+        )
+        monkeypatch.undo()
+        assert plan.engine == "fsdp" and moved == []
+        assert described["kind"] == "a frozen copy, FSDP2 full-sharded as the policy"
+        assert all(isinstance(p, DTensor) for p in reference.module.parameters())
+        # it computes the starting weights' log-probabilities
+        ids = torch.randint(3, 259, (4, 12), generator=torch.Generator().manual_seed(0))
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                 "labels": ids.masked_fill(torch.arange(12) < 6, -100)}  # fmt: skip
+        start = load_model(config.model, tokenizer, config.train.seed)
+        with torch.no_grad():
+            expected = response_logps(start, batch)[0]
+        assert torch.allclose(reference.logps(None, batch), expected, atol=1e-5)

@@ -304,7 +304,9 @@ def build_reference(
     if plan.engine == "fsdp":
         from dplaunch.train.fsdp import shard_model
 
-        model.to(accelerator.device)
+        # not moved to the device first (the whole fp32 model on every GPU, offload: all too):
+        # fully_shard moves each block's parameters to the mesh's device as it shards them,
+        # as the policy's (train/fsdp.py)
         shard_model(model, plan, compile_blocks=False, reference=True)
         module: Any = model
         kind = f"a frozen copy, FSDP2 {plan.fsdp}-sharded as the policy"
