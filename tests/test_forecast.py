@@ -460,6 +460,88 @@ def test_a_zero3_run_issues_the_forecast_collectives_and_checks_its_step_time_ag
     assert "measured / forecast" in text and summary["forecast_note"] in text
 
 
+class FakeGpu:
+    """A device that runs behind the host: what is queued runs after what was queued before,
+    and ``synchronize`` (torch.cuda's, patched) waits for it; ``now`` is the host's clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.busy_until = 0.0
+        self.waits = 0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def queue(self, seconds: float) -> None:
+        self.now += 0.001  # the host queues a kernel
+        self.busy_until = max(self.busy_until, self.now) + seconds
+
+    def synchronize(self, *args) -> None:
+        self.waits += 1
+        self.now = max(self.now, self.busy_until)
+
+
+@pytest.mark.parametrize("on_nonfinite", ["off", "stop"])
+def test_the_measured_step_is_the_devices_not_the_time_the_host_took_to_queue_it(
+    monkeypatch, on_nonfinite
+):
+    # a GPU faked with a spy on torch.cuda.synchronize and a clock: every step is 1 s of device
+    # work that the host queues in 3 ms. With on_nonfinite: off nothing waits for the device
+    # every step: the loop must wait around the steps it times, and only there
+    import time
+    import types
+
+    import torch
+
+    from dplaunch.train import loop, phase_clock
+    from dplaunch.train.nonfinite import NonFiniteGuard
+    from dplaunch.train.phase_clock import PhaseClock
+
+    gpu = FakeGpu()
+    clock = types.SimpleNamespace(perf_counter=gpu.perf_counter, time=time.time)
+    monkeypatch.setattr(loop, "time", clock)
+    monkeypatch.setattr(phase_clock, "time", clock)
+    monkeypatch.setattr(torch.cuda, "synchronize", gpu.synchronize)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cuda = torch.device("cuda")
+    guard = NonFiniteGuard(on_nonfinite, 5, None, "bf16")
+
+    class Engine:
+        clock = PhaseClock(cuda)
+
+        def current_lr(self) -> float:
+            return 1e-3
+
+        def train_step(self, micro_batches):
+            self.clock.start()
+            for phase, seconds in (("forward", 0.3), ("backward", 0.6), ("step", 0.1)):
+                if phase == "step" and guard.enabled:
+                    gpu.synchronize()  # the guard's verdict (.tolist()) before the update
+                gpu.queue(seconds)
+                self.clock.lap(phase)
+            return torch.zeros(())
+
+    run = types.SimpleNamespace(
+        engine=Engine(),
+        guard=guard,
+        batcher=types.SimpleNamespace(micro_batches=lambda step: []),
+        place=types.SimpleNamespace(counts_tokens=False),
+        accelerator=types.SimpleNamespace(device=cuda),
+    )
+    progress = loop._Progress(torch.zeros(3), 0)
+    for step in range(8):
+        loop._train_step(run, progress, step)
+    waits = gpu.waits
+    for step in range(8, 16):
+        loop._train_step(run, progress, step)
+    assert progress.times.median_step() == pytest.approx(1.0, abs=0.01)
+    assert progress.times.median_phases() == pytest.approx(
+        {"forward": 0.301, "backward": 0.601, "step": 0.101}, abs=0.002
+    )
+    if on_nonfinite == "off":  # no per-step sync past the timed steps
+        assert gpu.waits == waits
+
+
 # ---------------------------------------------------------------------------------------------
 # where it shows: `dplaunch plan`, parallel: auto
 

@@ -765,15 +765,16 @@ def _train_step(run: RankRun, progress: _Progress, step: int) -> tuple[float, st
     engine, guard = run.engine, run.guard
     step_lr = engine.current_lr()  # the step's own (the scheduler then moves to the next)
     guard.begin(step + 1)
+    progress.times.begin(run.accelerator.device, synced=guard.enabled)
     clock = engine.clock
     if clock is not None and clock.cuda:  # a GPU waits for each phase of a few steps only
-        clock.enabled = step + 1 in StepTimes.GPU_PHASE_STEPS
+        clock.enabled = progress.times.phase_timed
     with watched(progress.spy, step + 1):
         loss = engine.train_step(micro_batches)
     if run.place.counts_tokens:
         progress.interval[1] += sum(batch_tokens(b) for b in micro_batches)
     stopping = guard.verdict()
-    progress.times.add(time.perf_counter() - began, clock.seconds if clock is not None else {})
+    progress.times.end(began, clock.seconds if clock is not None else {})
     if guard.event is None:
         progress.interval[0] += loss
         progress.interval_steps += 1

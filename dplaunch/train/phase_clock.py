@@ -5,6 +5,11 @@ lap (or ``start``) is added to that phase. On GPUs a lap waits for the device, w
 overlap of host and device: the loop times only a few steps there (``enabled``); on CPU ranks
 every step is timed. The end-of-run comparison (train/loop.py) names the phase, and so the term
 of the forecast, that was most wrong.
+
+A step's own seconds (``StepTimes``) are the device's only when the device is idle where the step
+begins and ends: a GPU runs behind the host, and without a wait the clock reads how long the host
+took to queue the work. The non-finite guard waits every step (its verdict); with
+``train.on_nonfinite: off`` nothing does, so the loop waits around the few steps it times.
 """
 
 from __future__ import annotations
@@ -43,26 +48,63 @@ class PhaseClock:
 
     def _now(self) -> float:
         if self.cuda:
-            import torch
-
-            torch.cuda.synchronize()
+            wait_for_device()
         return time.perf_counter()
+
+
+def wait_for_device() -> None:
+    """Wait until the GPU has run everything queued on it."""
+    import torch
+
+    torch.cuda.synchronize()
 
 
 class StepTimes:
     """Every step's seconds and phases, for the end-of-run comparison with the forecast: the
-    median step after the first WARMUP (engines build buffers, DDP rebuilds its buckets)."""
+    median step after the first WARMUP (engines build buffers, DDP rebuilds its buckets), of the
+    steps that began and ended on an idle device."""
 
     WARMUP = 2
-    # the steps a GPU run times phase by phase (each lap waits for the device)
+    # the steps of a launch a GPU run times phase by phase (each lap waits for the device)
     GPU_PHASE_STEPS = range(3, 8)
 
     def __init__(self) -> None:
         self.seconds: list[float] = []
+        # whether each step began and ended on an idle device (its seconds are the device's)
+        self.idle: list[bool] = []
         self.phases: list[dict[str, float]] = []
+        self._cuda = False
+        self._synced = True
+        self._waits = False
+        self._ended_idle = True
 
-    def add(self, seconds: float, phases: dict[str, float]) -> None:
+    def begin(self, device: Any, synced: bool) -> None:
+        """The next step starts on DEVICE; SYNCED: something waits for the device every step
+        (the non-finite guard's verdict). Unsynced on a GPU, the loop waits at the end of the
+        steps of GPU_PHASE_STEPS and of the one before them, so that these begin and end idle."""
+        self._cuda = getattr(device, "type", "cpu") == "cuda"
+        step = len(self.seconds) + 1
+        timed = range(self.GPU_PHASE_STEPS.start - 1, self.GPU_PHASE_STEPS.stop)
+        self._waits = self._cuda and not synced and step in timed
+        self._synced = synced
+
+    @property
+    def phase_timed(self) -> bool:
+        """Whether a GPU times the next step phase by phase."""
+        return len(self.seconds) + 1 in self.GPU_PHASE_STEPS
+
+    def end(self, began: float, phases: dict[str, float]) -> None:
+        """The step that began at BEGAN (time.perf_counter) has been queued: on a GPU that no one
+        waits for every step, wait for it if it is timed; then record it."""
+        if self._waits:
+            wait_for_device()
+        ended_idle = not self._cuda or self._synced or self._waits
+        self.add(time.perf_counter() - began, phases, idle=ended_idle and self._ended_idle)
+        self._ended_idle = ended_idle
+
+    def add(self, seconds: float, phases: dict[str, float], idle: bool) -> None:
         self.seconds.append(seconds)
+        self.idle.append(idle)
         if set(PHASES) <= set(phases):
             self.phases.append(dict(phases))
 
@@ -70,8 +112,11 @@ class StepTimes:
         return values[self.WARMUP :] if len(values) > self.WARMUP else values
 
     def median_step(self) -> float | None:
-        """The median step after the warm-up (None: no step trained)."""
-        steady = self._steady(self.seconds)
+        """The median step after the warm-up of those that began and ended on an idle device
+        (None: none did)."""
+        steady = [
+            s for s, idle in self._steady(list(zip(self.seconds, self.idle, strict=True))) if idle
+        ]
         return _median(steady) if steady else None
 
     def median_phases(self) -> dict[str, float] | None:
