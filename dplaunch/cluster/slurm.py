@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from dplaunch.cluster.hostlist import parse_hostlist
+from dplaunch.cluster.jobs import ClusterJob, check_job_gpus, launch_for_job
 from dplaunch.config.schema import LaunchConfig
 from dplaunch.errors import UserError
 
@@ -57,9 +58,26 @@ class SlurmAllocation:
     @property
     def total_gpus(self) -> int | None:
         """GPUs in the whole allocation (nodes × GPUs per node), None when unknown."""
-        if self.gpus_per_node is None:
-            return None
-        return self.num_nodes * self.gpus_per_node
+        return self.job().total_gpus
+
+    def job(self) -> ClusterJob:
+        """The allocation as every scheduler's job is seen (cluster/jobs.py)."""
+        # the batch script and an salloc shell run on the first node; SLURM_NODEID says so in a step
+        node_rank = self.node_rank if self.node_rank is not None else 0
+        return ClusterJob(
+            label=f"SLURM job {self.job_id}",
+            source="SLURM",
+            num_nodes=self.num_nodes,
+            node_rank=node_rank,
+            head_node=self.head_node,
+            master_port=self.master_port,
+            gpus_per_node=self.gpus_per_node,
+            this_node=self.hostnames[node_rank],
+            shape="the allocation",
+            gpu_fix="ask SLURM for --gres=gpu:{gpus}",
+            gpu_request=" (request them with --gres=gpu:N)",
+            job_id=self.job_id,
+        )
 
 
 def detect_allocation(
@@ -145,7 +163,6 @@ def parse_tasks_per_node(value: str) -> list[int]:
 
 def check_allocation(alloc: SlurmAllocation, requested_gpus: int | None) -> list[str]:
     """Refuse allocations dplaunch cannot use (UserError); return warnings for doubtful ones."""
-    warnings: list[str] = []
     # outside a step the job's task count does not matter: dplaunch starts its own step with
     # one task per node; inside one, several tasks would start several launchers per node
     if alloc.inside_step and alloc.ntasks_per_node is not None and alloc.ntasks_per_node > 1:
@@ -155,86 +172,17 @@ def check_allocation(alloc: SlurmAllocation, requested_gpus: int | None) -> list
             "dplaunch starts one launcher per node: use --ntasks-per-node=1 "
             "(or run dplaunch without srun: it starts `srun --ntasks-per-node=1` itself)",
         )
-    total = alloc.total_gpus
-    if requested_gpus is not None:
-        if total is None and requested_gpus > 0:
-            warnings.append(
-                f"cannot check --gpus {requested_gpus}: SLURM job {alloc.job_id} states no GPUs "
-                "(request them with --gres=gpu:N)"
-            )
-        elif total is not None and requested_gpus != total:
-            raise UserError(
-                "--gpus",
-                f"{requested_gpus} GPUs requested but SLURM job {alloc.job_id} holds {total} "
-                f"({alloc.num_nodes} nodes × {alloc.gpus_per_node} GPUs)",
-                f"use --gpus {total} or change the allocation",
-            )
-    return warnings
+    return check_job_gpus(alloc.job(), requested_gpus)
 
 
 def launch_for_allocation(
     launch: LaunchConfig, alloc: SlurmAllocation
 ) -> tuple[LaunchConfig, list[str]]:
-    """The launch section as this node of the allocation sees it, and notes for the plan.
-
-    SLURM decides nodes, this node's rank, the head node, the port and GPUs per node; values the
-    user stated must agree with it (UserError naming the field otherwise). With launch.cpu the
-    allocation's GPUs do not matter: --gpus N means N CPU ranks in total.
-    """
-    given = launch.model_fields_set
-    job = f"SLURM job {alloc.job_id}"
-    if launch.hostfile:
-        raise UserError(
-            "launch.hostfile",
-            f"a hostfile inside {job}",
-            "drop --hostfile: in an allocation dplaunch reads the nodes from SLURM",
-        )
-    nodes = alloc.num_nodes
-    if "nodes" in given and launch.nodes != nodes:
-        raise UserError(
-            "launch.nodes",
-            f"{launch.nodes} node(s) planned but {job} holds {nodes}",
-            "drop --nodes (dplaunch reads it from SLURM) or change the allocation",
-        )
-    # the batch script and an salloc shell run on the first node; SLURM_NODEID says so in a step
-    node_rank = alloc.node_rank if alloc.node_rank is not None else 0
-    if "node_rank" in given and launch.node_rank != node_rank:
-        raise UserError(
-            "launch.node_rank",
-            f"--node-rank {launch.node_rank} but SLURM says this is node {node_rank} of {job}",
-            "drop --node-rank inside an allocation",
-        )
-    notes: list[str] = []
-    update: dict[str, object] = {"nodes": nodes, "node_rank": node_rank}
-    if launch.cpu:
-        if launch.gpus is None and launch.gpus_per_node is None:
-            update["gpus"] = nodes  # one CPU rank per node
-    elif alloc.gpus_per_node is not None:
-        if launch.gpus_per_node is not None and launch.gpus_per_node != alloc.gpus_per_node:
-            raise UserError(
-                "launch.gpus_per_node",
-                f"the plan puts {launch.gpus_per_node} GPUs on each node but {job} has "
-                f"{alloc.gpus_per_node} per node",
-                f"use --gpus-per-node {alloc.gpus_per_node} or drop it, "
-                f"or ask SLURM for --gres=gpu:{launch.gpus_per_node}",
-            )
-        notes += check_allocation(alloc, launch.gpus)
-        update["gpus"] = alloc.total_gpus
-        update["gpus_per_node"] = alloc.gpus_per_node
-    else:
-        notes += check_allocation(alloc, launch.gpus)
+    """The launch section as this node of the allocation sees it, and notes for the plan
+    (cluster/jobs.launch_for_job, after SLURM's own check of the task count)."""
     if alloc.inside_step:
         check_allocation(alloc, None)  # the task count
-    if launch.master_port is None:
-        update["master_port"] = alloc.master_port
-    if nodes > 1 and "master_addr" not in given:
-        update["master_addr"] = alloc.head_node
-    resolved = launch.model_copy(update=update)
-    notes.append(
-        f"{job}: this is node {node_rank} of {nodes} ({alloc.hostnames[node_rank]}); "
-        "nodes, head node, port and GPUs per node come from SLURM"
-    )
-    return resolved, notes
+    return launch_for_job(launch, alloc.job())
 
 
 def srun_argv(alloc: SlurmAllocation, argv: list[str]) -> list[str]:

@@ -14,8 +14,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from dplaunch.cluster.environments import detect_job
 from dplaunch.cluster.hostfile import launch_for_hostfile, read_hostfile
 from dplaunch.cluster.hostlist import expand_hostlist
+from dplaunch.cluster.jobs import ClusterJob, launch_for_job
 from dplaunch.cluster.slurm import (
     SlurmAllocation,
     detect_allocation,
@@ -87,6 +89,8 @@ class PreparedRun:
     files: dict[str, str]
     argv: list[str]
     env: dict[str, str]
+    # where a scheduler's job decided the launch section (ClusterJob.note), said first
+    cluster_note: str | None = None
 
 
 def model_facts(model: ModelConfig) -> ModelFacts:
@@ -221,28 +225,35 @@ def prepare_training_run(
         flags.config, overrides=flags.overrides(), assignments=flags.assignments
     )
     allocation = current_allocation() if use_allocation else None
-    checked = check_training_run(config, allocation, render_only=render_only)
+    job = current_job(allocation) if use_allocation else None
+    checked = check_training_run(config, allocation, render_only=render_only, job=job)
     machine, gpus = local_machine(render_only=render_only)
     config, plan = plan_training_run(checked, machine, gpus)
     run_dir = out_dir or Path(config.output_dir or _default_run_dir(config.name or "run"))
     here = ThisMachine(
         gpus,
-        claims_gpus=not (render_only or allocation is not None or config.launch.hostfile),
+        claims_gpus=not (render_only or job is not None or config.launch.hostfile),
         render_only=render_only,
         # `dplaunch slurm` plans another machine: the job decides its threads itself
         threads=openmp_threads(plan, allocation, here=not render_only) if use_allocation else None,
     )
     target = ["-m", "dplaunch.train", str(run_dir.absolute())]
-    return settle_and_render(config, plan, run_dir, target, here)
+    prepared = settle_and_render(config, plan, run_dir, target, here)
+    prepared.cluster_note = job.note() if job is not None else None
+    return prepared
 
 
 def check_training_run(
-    config: RunConfig, allocation: SlurmAllocation | None, *, render_only: bool
+    config: RunConfig,
+    allocation: SlurmAllocation | None,
+    *,
+    render_only: bool,
+    job: ClusterJob | None = None,
 ) -> CheckedRun:
     """Everything about a training run that can be refused before planning: the cluster's launch
     section, the model, its tokenizer, the data (SFT examples too) and the trackers."""
     launch, notes = launch_for_cluster(
-        config.launch, allocation=allocation, render_only=render_only
+        config.launch, allocation=allocation, render_only=render_only, job=job
     )
     config = config.model_copy(update={"launch": launch})
     facts = model_facts(config.model)
@@ -371,8 +382,9 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
     torchrun-style script."""
     config = load_script_config(flags)
     allocation = current_allocation()
+    job = current_job(allocation)
     launch, cluster_notes = launch_for_cluster(
-        config.launch, allocation=allocation, render_only=False
+        config.launch, allocation=allocation, render_only=False, job=job
     )
     config = config.model_copy(update={"launch": launch})
     check_script_exists(script)
@@ -389,14 +401,16 @@ def prepare_script_launch(flags: RunFlags, script: list[str]) -> PreparedRun:
         )
     here = ThisMachine(
         gpus,
-        claims_gpus=not (allocation is not None or config.launch.hostfile),
+        claims_gpus=not (job is not None or config.launch.hostfile),
         render_only=False,
         threads=openmp_threads(plan, allocation),
     )
     # each rank runs the script as `python SCRIPT ARGS…` would, and exits without gloo's teardown race
     target = ["-m", "dplaunch.train.script", *script]
     run_dir = script_run_dir(config, script)
-    return settle_and_render(config, plan, run_dir, target, here, notes=tuple(notes))
+    prepared = settle_and_render(config, plan, run_dir, target, here, notes=tuple(notes))
+    prepared.cluster_note = job.note() if job is not None else None
+    return prepared
 
 
 def settle_and_render(
@@ -706,12 +720,27 @@ def current_allocation() -> SlurmAllocation | None:
         ) from None
 
 
+def current_job(allocation: SlurmAllocation | None) -> ClusterJob | None:
+    """The scheduler's job this process runs in: SLURM's allocation, else a Kubernetes pod's, a
+    SkyPilot or a dstack node's (cluster/environments.py); None on a machine of its own."""
+    if allocation is not None:
+        return allocation.job()
+    return detect_job(os.environ)
+
+
 def launch_for_cluster(
-    launch: LaunchConfig, *, allocation: SlurmAllocation | None, render_only: bool
+    launch: LaunchConfig,
+    *,
+    allocation: SlurmAllocation | None,
+    render_only: bool,
+    job: ClusterJob | None = None,
 ) -> tuple[LaunchConfig, list[str]]:
-    """The launch section once SLURM (inside a job) or a hostfile has had its say; plan notes."""
+    """The launch section once SLURM (inside a job), another scheduler's job (``job``) or a
+    hostfile has had its say; plan notes."""
     if allocation is not None:
         return launch_for_allocation(launch, allocation)
+    if job is not None:
+        return launch_for_job(launch, job)
     if not launch.hostfile:
         if not render_only:  # files rendered for a cluster name its hosts, not this machine's
             check_master_addr(launch)

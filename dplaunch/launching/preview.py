@@ -15,9 +15,14 @@ from dplaunch.run_directory.layout import LAUNCH_SCRIPT
 
 
 def print_prepared(prepared: PreparedRun, *, show_files: bool) -> None:
-    """The plan (and with show_files the rendered files) and the exact launch command."""
+    """The plan (and with show_files the rendered files) and the exact launch command; first,
+    where a scheduler's job decided the launch section."""
+    cluster = prepared.cluster_note
+    if cluster is not None:
+        typer.echo(cluster)
     for line in prepared.plan.summary_lines():
-        typer.echo(line)
+        if line != f"note: {cluster}":
+            typer.echo(line)
     if show_files:
         for name, text in prepared.files.items():
             if name == LAUNCH_SCRIPT:
