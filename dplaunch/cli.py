@@ -20,6 +20,7 @@ from dplaunch.commands import (
     doctor,
     env,
     export,
+    k8s,
     plan,
     report,
     slurm,
@@ -60,6 +61,7 @@ COMMANDS = {
     "export": export.export_command,
     "convert": convert.convert_command,
     "slurm": slurm.slurm_command,
+    "k8s": k8s.k8s_command,
 }
 for name, function in COMMANDS.items():
     app.command(name)(function)

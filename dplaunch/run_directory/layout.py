@@ -15,6 +15,7 @@
       adapter/              a LoRA run's adapter, a PEFT folder (PeftModel.from_pretrained(base, adapter/))
         base/               its untrained base when that is randomly initialised (model.config)
       job.sbatch, logs/     the SLURM job's script and logs (`dplaunch slurm`)
+      trainjob.yaml         the Kubernetes job's manifests (`dplaunch k8s`; pytorchjob.yaml)
       .requeue-JOBID        a job's ranks checkpointed to be requeued (in logs/ from job.sbatch)
 
     RUN/checkpoints/
@@ -64,6 +65,10 @@ BASE_MODEL_DIR = "base"
 # `dplaunch slurm`: RUN/job.sbatch and the job's RUN/logs/
 SBATCH_SCRIPT = "job.sbatch"
 LOGS_DIR = "logs"
+# `dplaunch k8s`: the job's manifests (a TrainJob, or with --kind pytorchjob a PyTorchJob, after
+# the ConfigMap of the run file), one file for `kubectl apply -f`
+TRAINJOB_FILE = "trainjob.yaml"
+PYTORCHJOB_FILE = "pytorchjob.yaml"
 # + the SLURM job id: the job's ranks checkpointed on the time-limit signal, so requeue it
 REQUEUE_MARK_PREFIX = ".requeue-"
 # files a finished or running training run leaves; their presence means "this is a run"
