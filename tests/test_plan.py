@@ -16,7 +16,7 @@ from dplaunch.planning.rules import ParallelDims
 from dplaunch.planning.workload import Workload
 from dplaunch.rendering.accelerate_config import accelerate_config_dict, render_accelerate_config
 from dplaunch.rendering.deepspeed_config import deepspeed_config_dict
-from tests.helpers import LLAMA, plan_for
+from tests.helpers import LLAMA, TINY_LLAMA, plan_for, run_cli
 
 BERT = ModelFacts.from_config_dict(
     {
@@ -438,3 +438,79 @@ def test_plan_json_rows_name_their_engine_and_fsdp_kind():
     kinds = {(row["name"], row["engine"], row["fsdp"]) for row in rows}
     assert ("DDP", "ddp", None) in kinds and ("ZeRO-3", "deepspeed", None) in kinds
     assert ("FSDP", "fsdp", "full") in kinds and ("HSDP", "fsdp", "hybrid") in kinds
+
+
+def cpu_profile_file(path) -> str:
+    """A profile of CPU ranks (as `dplaunch calibrate --cpu --gpus 2` writes one), round numbers."""
+    from dplaunch.planning.profiles import CALIBRATED, DensePoint, Link, Profile, profile_text
+
+    link = Link(50e-6, 1e9)
+    ops = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
+    profile = Profile(
+        device="cpu", devices_per_node=2, nodes=1, interconnect="gloo", intra="gloo",
+        source=CALIBRATED, peak_flops={"fp32": 1e10},
+        dense=(DensePoint("fp32", 64, 128, 1e10),), attention=(),
+        collectives={"intra": dict.fromkeys(ops, link)}, overlap=0.0,
+        optimizer_s_per_param=1e-9, cpu_adam_s_per_param=1e-9, host_device_bytes_per_s=10e9,
+    )  # fmt: skip
+    path.write_text(profile_text(profile))
+    return str(path)
+
+
+def plan_rows(tmp_path, *flags: str) -> list[dict]:
+    """`dplaunch plan examples/tiny-llama.yaml --gpus 2 --cpu FLAGS --json` on a CPU profile;
+    every row's micro batch and accumulation checked against make_plan's for its layout (what
+    `train` runs), and every forecast against the tokens a step they make."""
+    profile = cpu_profile_file(tmp_path / "cpu.json")
+    args = ("plan", TINY_LLAMA, "--gpus", "2", "--cpu", "--profile", profile, *flags, "--json")
+    result = run_cli(*args)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    train = dict(yaml.safe_load(TINY_LLAMA.read_text())["train"])
+    for flag, key in (
+        ("--micro-batch", "micro_batch_size"),
+        ("--global-batch", "global_batch_size"),
+    ):
+        if flag in flags:
+            train[key] = int(flags[flags.index(flag) + 1])
+    batch = {key: train.get(key) for key in ("micro_batch_size", "global_batch_size")}
+    for row in rows:
+        layout = {key: row[key] for key in ("zero_stage", "offload", "tp", "pp", "sp", "fsdp")}
+        try:
+            plan = plan_for(gpus=2, cpu=True, render_only=True, **batch, **layout)
+        except UserError:  # `train` refuses this layout for this batch: no forecast either
+            assert row["micro_batch"] is row["step_time_s"] is None, row
+            continue
+        accumulation = plan.gradient_accumulation_steps
+        tokens = plan.micro_batch_size * accumulation * plan.data_parallel_size * 64
+        assert tokens == train["global_batch_size"] * 64
+        assert row["tokens_per_s"] * row["step_time_s"] == pytest.approx(tokens, rel=1e-3), row
+        assert (row["micro_batch"], row["gradient_accumulation_steps"]) == (
+            plan.micro_batch_size,
+            accumulation,
+        )
+    return rows
+
+
+def test_every_row_of_the_plan_table_trains_the_runs_global_batch_a_step(tmp_path):
+    # tiny-llama: global batch 8 × 64 tokens = 512 tokens a step on every layout of 2 ranks; each
+    # row takes the micro batch `train` derives for its dp (DDP: 4 a rank, tp 2: 8 on one dp rank)
+    rows = plan_rows(tmp_path)
+    assert all(r["step_time_s"] is not None for r in rows)
+    assert {r["micro_batch"] for r in rows if r["dp"] == 2} == {4}
+    # the same tokens a step everywhere: DDP's two ranks beat tp 2's one, and are recommended
+    [best] = [r for r in rows if r["recommended"]]
+    fitting = [r for r in rows if r["fits"] and r["fsdp"] is None]
+    assert best["step_time_s"] == min(r["step_time_s"] for r in fitting)
+    assert (best["engine"], best["dp"]) == ("ddp", 2)
+    [tp] = [r for r in rows if (r["tp"], r["zero_stage"]) == (2, 0)]
+    assert tp["step_time_s"] > best["step_time_s"]
+
+
+def test_a_layout_that_cannot_split_the_global_batch_has_no_forecast_and_is_not_picked(tmp_path):
+    # micro batch 4 × dp 2 does not split a global batch of 4: only the dp-1 layouts (tp 2, pp 2)
+    # can train it, each 256 tokens a step
+    rows = plan_rows(tmp_path, "--micro-batch", "4", "--global-batch", "4")
+    assert {r["dp"] for r in rows if r["step_time_s"] is None} == {2}
+    [best] = [r for r in rows if r["recommended"]]
+    assert best["dp"] == 1 and best["step_time_s"] is not None

@@ -299,7 +299,7 @@ def test_auto_pipelines_an_sft_run_only_when_the_pipeline_can_take_its_examples(
         config = run_config(path, "model.task=sft", f"data.packing={str(packing).lower()}")
         workload = run_workload(config)
         assert workload.pipeline is not packing
-        workload = dataclasses.replace(workload, micro_batch=8, seq_len=4096)
+        workload = dataclasses.replace(workload, micro_batch=8, fixed_micro_batch=8, seq_len=4096)
         table = plan_candidates(
             ModelFacts.from_config_dict({**LLAMA_7B, "num_key_value_heads": 1}),
             workload,

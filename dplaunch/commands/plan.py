@@ -441,10 +441,13 @@ def describe(setting: PlanSetting, safety_margin: float) -> list[str]:
     picked = "" if work.attn_implementation else ", as transformers picks it"
     scores = "keeps" if attention == "eager" else "never builds"
     micro = str(work.micro_batch)
+    if work.fixed_micro_batch is None:
+        # each row's is the run's batch maths on its dp (candidates.layout_workload)
+        micro = f"up to {work.micro_batch}"
     if work.rows_per_sample > 1:
         micro += f" pairs ({work.micro_batch * work.rows_per_sample} rows: chosen and rejected in one forward)"
     if work.fixed_micro_batch is None:
-        micro += " (the largest one dplaunch would derive; set train.micro_batch_size)"
+        micro += " (each layout's: the largest that splits global batch ÷ dp, as train derives it; set train.micro_batch_size)"
     lora = []
     if work.lora is not None:
         adapters = count_lora(setting.facts, work.lora, work.task, work.num_labels)

@@ -6,9 +6,9 @@ or a function that asks nvidia-smi, called only when needed).
 What the estimate assumes for the run (the same inputs `dplaunch plan CONFIG` uses):
 
 - the layout the launcher will use: total ranks and ranks per node, as ``make_plan`` decides them;
-- the micro batch: ``train.micro_batch_size``, or when unset the largest the planner could derive
-  for any layout (≤ 8 and dividing the global batch; an upper bound, so the estimate errs on
-  the side of memory);
+- the micro batch of each layout: the one `train` derives for its dp (plan.batch_math:
+  ``train.micro_batch_size``, or the largest ≤ 8 that splits the global batch ÷ dp), so every
+  row trains the run's global batch a step; a layout whose dp cannot split it is not picked;
 - sequence length ``data.max_length``, ``train.mixed_precision``, activation checkpointing from
   ``model.gradient_checkpointing``, the attention kernel from ``model.attn_implementation``
   (unset: transformers' own pick, sdpa for the families that support it), the model's task and
@@ -67,7 +67,8 @@ class AutoChoice:
 
 
 def planning_micro_batch(train: TrainConfig) -> int:
-    """The micro batch the memory estimate assumes (see the module docstring)."""
+    """The workload's micro batch before a layout is chosen: the configured one, or the largest
+    any layout could derive (the table's rows take their own: candidates.layout_workload)."""
     if train.micro_batch_size is not None:
         return train.micro_batch_size
     limit = min(train.global_batch_size, DEFAULT_MAX_MICRO_BATCH)
@@ -110,21 +111,11 @@ def reference_kind(config: RunConfig) -> str | None:
 
 
 def _runs_as_configured(workload: Workload) -> Callable[[Candidate], bool] | None:
-    if workload.global_batch_size is None and workload.pipeline:
+    """No pipeline for data the pipeline cannot take (the plan table itself leaves out the
+    layouts that cannot split the global batch)."""
+    if workload.pipeline:
         return None
-
-    def feasible(candidate: Candidate) -> bool:
-        if candidate.pp > 1 and not workload.pipeline:
-            return False
-        if workload.global_batch_size is None:
-            return True
-        try:
-            batch_math(workload.global_batch_size, workload.fixed_micro_batch, candidate.dp)
-        except UserError:
-            return False
-        return True
-
-    return feasible
+    return lambda candidate: candidate.pp == 1
 
 
 def plan_candidates(

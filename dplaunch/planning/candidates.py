@@ -42,6 +42,7 @@ from dplaunch.planning.estimate import (
 from dplaunch.planning.forecast import Forecast, forecast_step, seconds_apart, why_faster
 from dplaunch.planning.lora import LoraCount, count_lora
 from dplaunch.planning.model_facts import ModelFacts, attention_implementation
+from dplaunch.planning.plan import batch_math
 from dplaunch.planning.profiles import Profile
 from dplaunch.planning.rules import (
     ParallelDims,
@@ -91,8 +92,14 @@ class Candidate:
     fsdp: str | None = None
     # ranks sharing each sequence (Ulysses); dp × sp × tp × pp = GPUs
     sp: int = 1
-    # the step's forecast on the profile `dplaunch plan` was given (None: no profile)
+    # the step's forecast on the profile `dplaunch plan` was given (None: no profile, or the
+    # layout cannot split the global batch)
     forecast: Forecast | None = None
+    # the run's batch maths on dp ranks (plan.batch_math, as `train` does it): samples per
+    # forward on each rank and micro-batches per step; None: no global batch given, or dp
+    # cannot split it
+    micro_batch: int | None = None
+    gradient_accumulation_steps: int | None = None
 
     def dims(self, gpus: int, gpus_per_node: int) -> ParallelDims:
         """The layout as the rules and the forecast take it."""
@@ -155,6 +162,20 @@ def workload_memory(
     if lora is None and workload.lora is not None:
         lora = count_lora(facts, workload.lora, workload.task, workload.num_labels)
     return estimate_memory(facts, dims, workload, count=count, lora=lora)
+
+
+def layout_workload(workload: Workload, dp: int) -> Workload | None:
+    """WORKLOAD as `train` runs it on DP data-parallel ranks: its micro batch from the run's
+    batch maths (plan.batch_math: the configured one, or the largest that splits the global
+    batch ÷ dp); None when dp cannot split the global batch; unchanged without a global batch
+    (each rank one micro batch a step)."""
+    if workload.global_batch_size is None:
+        return workload
+    try:
+        micro, _ = batch_math(workload.global_batch_size, workload.fixed_micro_batch, dp)
+    except UserError:
+        return None
+    return replace(workload, micro_batch=micro)
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -256,26 +277,47 @@ def candidate_plans(
         ):  # each rank holds an equal slice (ParallelDims.check_sequence_length)
             continue
         for dims in _stages_and_offloads(ParallelDims(gpus, gpus_per_node, tp, pp, sp=sp)):
-            memory = workload_memory(facts, dims, workload, count=count, lora=lora_count)
-            traffic = estimate_communication(facts, dims, workload, count=count, lora=lora_count)
+            # a layout that cannot split the global batch: its memory at the planning micro batch
+            work = layout_workload(workload, dims.dp) or workload
+            memory = workload_memory(facts, dims, work, count=count, lora=lora_count)
+            traffic = estimate_communication(facts, dims, work, count=count, lora=lora_count)
             network, offload = traffic.network_bytes, traffic.offload_bytes
             candidates.append(_row(memory, network, offload, gpu_memory_gb, usable, dims))
     if lora is None or lora.quantize is None:  # no QLoRA under FSDP (lora_check.check_lora)
         candidates += _fsdp_rows(
             facts, workload, gpus, gpus_per_node, gpu_memory_gb, usable, count, lora_count
         )
-    if profile is not None:
-        for candidate in candidates:
+    for candidate in candidates:
+        work = layout_workload(workload, candidate.dp)
+        if work is None:
+            continue
+        if work.global_batch_size is not None:
+            candidate.micro_batch = work.micro_batch
+            candidate.gradient_accumulation_steps = work.accumulation_steps(candidate.dp)
+        if profile is not None:
+            dims = candidate.dims(gpus, gpus_per_node)
             candidate.forecast = forecast_step(
-                facts,
-                candidate.dims(gpus, gpus_per_node),
-                workload,
-                profile,
-                guard=workload.guard,
-                clip=workload.clip,
+                facts, dims, work, profile, guard=work.guard, clip=work.clip
             )
-    _recommend(candidates, _only_for_activations(candidates, eligible.feasible), eligible.fsdp)
+    feasible = _splits_the_batch(workload, eligible.feasible)
+    _recommend(candidates, _only_for_activations(candidates, feasible), eligible.fsdp)
     return candidates
+
+
+def _splits_the_batch(
+    workload: Workload, feasible: Callable[[Candidate], bool] | None
+) -> Callable[[Candidate], bool] | None:
+    """``feasible``, and only the layouts whose dp splits the global batch (a run refuses the
+    others: plan.batch_math)."""
+    if workload.global_batch_size is None:
+        return feasible
+
+    def splits(candidate: Candidate) -> bool:
+        if layout_workload(workload, candidate.dp) is None:
+            return False
+        return feasible is None or feasible(candidate)
+
+    return splits
 
 
 def _fsdp_rows(
@@ -299,11 +341,12 @@ def _fsdp_rows(
         for offload in ("none", "all"):
             dims = ParallelDims(gpus, gpus_per_node, offload=offload, fsdp=kind)
             shard = dims.fsdp_shard_size
-            memory = workload_memory(facts, dims, workload, count=count, lora=lora)
+            work = layout_workload(workload, dims.dp) or workload
+            memory = workload_memory(facts, dims, work, count=count, lora=lora)
             if lora is not None:
                 frozen = count.total - lora.trainable
-                memory = _fp32_frozen_shards(memory, frozen, shard, offload, workload)
-            traffic = estimate_communication(facts, dims, workload, count=count, lora=lora)
+                memory = _fp32_frozen_shards(memory, frozen, shard, offload, work)
+            traffic = estimate_communication(facts, dims, work, count=count, lora=lora)
             network = traffic.network_bytes
             replicas = gpus // shard
             if replicas > 1:
@@ -503,6 +546,8 @@ ROW_KEYS = (
     "pp",
     "sp",
     "dp",
+    "micro_batch",
+    "gradient_accumulation_steps",
     "params_per_gpu",
     "weights_gb",
     "gradients_gb",
