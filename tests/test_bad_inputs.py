@@ -11,6 +11,7 @@ import pytest
 
 from tests.helpers import (
     DEFAULT_CONFIG,
+    SFT_CONFIG,
     TINY_LLAMA,
     child_environment,
     files_under,
@@ -31,6 +32,19 @@ def _list_yaml(tmp: Path) -> list:
     path = tmp / "list.yaml"
     path.write_text("- a\n- b\n")
     return ["train", path]
+
+
+def _latin1_yaml(tmp: Path) -> list:
+    path = tmp / "latin1.yaml"
+    path.write_bytes("# a run file saved as Latin-1\nname: café\n".encode("latin-1"))
+    return ["train", path]
+
+
+def _declared_format_mismatch(tmp: Path) -> list:
+    path = tmp / "pc.jsonl"
+    path.write_text('{"prompt": "Review: ok. ", "completion": "positive"}\n' * 20)
+    sets = [f"data.dataset={path}", "data.eval_dataset=null", "data.format=conversational"]
+    return ["train", SFT_CONFIG, *[part for s in sets for part in ("--set", s)]]
 
 
 def _tiny(tmp: Path, **sections) -> Path:
@@ -318,6 +332,19 @@ CASES = [
         "--cpus-per-gpu: 0",
     ),
     ("launch-script-missing", lambda t: ["launch", t / "nope.py", "--cpu"], "SCRIPT: "),
+    (
+        "run-file-not-utf8",
+        _latin1_yaml,
+        "CONFIG: {tmp}/latin1.yaml is not UTF-8 text (byte 0xe9 at line 2, column 10) — save "
+        "the run file as UTF-8",
+    ),
+    (
+        "format-conversational-on-prompt-completion",
+        _declared_format_mismatch,
+        "data.format: is conversational, which needs a 'messages' (or ShareGPT 'conversations') "
+        "column, but the first record of {tmp}/pc.jsonl has the columns completion, prompt — "
+        "remove data.format (these columns say prompt-completion)",
+    ),
 ]
 
 
@@ -338,7 +365,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, busy_port, b
         argv += ["-o", tmp_path / "run"]
     before = files_under(tmp_path)
     result = run_cli(*argv, env=child_environment(CUDA_VISIBLE_DEVICES="0,1"), timeout=60)
-    line = refusal_line(result, expected)
+    line = refusal_line(result, expected.replace("{tmp}", str(tmp_path)))
     assert " — " in line or "unknown key" in line or ":" in line
     assert files_under(tmp_path) == before, "something was written"
 

@@ -162,6 +162,18 @@ def test_records_without_the_pairs_columns_are_refused_at_the_first(tmp_path):
             "train.precompute_ref: the simpo loss has no reference model to precompute",
         ),
         (["model.task=sft"], {"precompute_ref": True}, "is for preference tuning, but model.task is sft"),
+        (
+            [],
+            {"preference": {"loss": "orpo", "simpo_gamma": 1.0}},
+            "train.preference.simpo_gamma: is not read by the orpo loss (only by simpo) — remove "
+            "it, or use train.preference.loss simpo",
+        ),
+        (
+            [],
+            {"preference": {"loss": "ipo", "label_smoothing": 0.1}},
+            "train.preference.label_smoothing: is not read by the ipo loss (only by sigmoid or "
+            "simpo)",
+        ),
         (["parallel.tp=2"], {}, "parallel.tp: model.task dpo trains on data-parallel layouts only"),
         (["parallel.pp=2"], {}, "parallel.pp: model.task dpo trains on data-parallel layouts only"),
         (["data.chat_template=null"], {}, "has no chat template to render the messages of line 1"),
@@ -171,7 +183,7 @@ def test_records_without_the_pairs_columns_are_refused_at_the_first(tmp_path):
             "train.global_batch_size: 0 training pairs are kept (8 left out), fewer than one",
         ),
     ],
-    ids=["sft-key", "packing", "streaming", "precompute-simpo", "dpo-key-with-sft", "tp", "pp", "no-template", "too-few-kept"],
+    ids=["sft-key", "packing", "streaming", "precompute-simpo", "dpo-key-with-sft", "gamma-orpo", "smoothing-ipo", "tp", "pp", "no-template", "too-few-kept"],
 )  # fmt: skip
 def test_a_run_file_dpo_cannot_train_is_refused_naming_the_key(
     tmp_path, assignments, train_keys, expected

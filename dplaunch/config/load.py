@@ -86,10 +86,21 @@ def read_yaml_file(path: str | Path) -> dict[str, Any]:
     if path.is_dir():
         raise UserError("CONFIG", f"{path} is a directory", "give the path of a YAML run file")
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as exc:
         raise UserError(
             "CONFIG", f"cannot read {path}: {exc.strerror}", "check its permissions"
+        ) from None
+    try:
+        text = raw.decode("utf-8-sig")  # YAML files are UTF-8; a byte-order mark is allowed
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise UserError(
+            "CONFIG",
+            f"{path} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at line {line}, column "
+            f"{column})",
+            "save the run file as UTF-8",
         ) from None
     return parse_yaml_text(text, str(path))
 

@@ -27,6 +27,13 @@ EXAMPLE_TASKS = ("sft", "dpo")
 PreferenceLoss = Literal["sigmoid", "ipo", "orpo", "simpo"]
 # the losses that compare the policy with a reference model (the others need none)
 REFERENCE_LOSSES = ("sigmoid", "ipo")
+# the train.preference keys each loss reads besides beta (train/preference.py's PairTerms)
+LOSS_KEYS: dict[str, tuple[str, ...]] = {
+    "sigmoid": ("label_smoothing",),
+    "ipo": (),
+    "orpo": (),
+    "simpo": ("label_smoothing", "simpo_gamma"),
+}
 SftFormat = Literal["conversational", "prompt-completion", "text"]
 Scheduler = Literal[
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"
@@ -619,6 +626,16 @@ class RunConfig(Section):
                 "remove it",
             )
         preference = self.train.preference
+        for key in ("label_smoothing", "simpo_gamma"):
+            # a value the loss never reads: the run would not train as its file says
+            unused = key not in LOSS_KEYS[preference.loss]
+            if unused and getattr(preference, key) != PreferenceConfig.model_fields[key].default:
+                users = " or ".join(loss for loss, keys in LOSS_KEYS.items() if key in keys)
+                raise FieldProblem(
+                    f"train.preference.{key}",
+                    f"is not read by the {preference.loss} loss (only by {users})",
+                    f"remove it, or use train.preference.loss {users}",
+                )
         if self.train.precompute_ref and not preference.needs_reference:
             raise FieldProblem(
                 "train.precompute_ref",

@@ -55,6 +55,46 @@ def resolve_format(declared: str | None, columns: Iterable[str], text_column: st
     )
 
 
+# the columns each declared data.format needs, and how to say them (text: data.text_column,
+# which checks.py names)
+FORMAT_COLUMNS = {
+    CONVERSATIONAL: (
+        ((MESSAGES_COLUMN,), (SHAREGPT_COLUMN,)),
+        f"a {MESSAGES_COLUMN!r} (or ShareGPT {SHAREGPT_COLUMN!r}) column",
+    ),
+    PROMPT_COMPLETION: (
+        ((PROMPT_COLUMN, COMPLETION_COLUMN),),
+        f"{PROMPT_COLUMN!r} and {COMPLETION_COLUMN!r} columns",
+    ),
+}
+
+
+def check_declared_format(declared: str, columns: Iterable[str], data: Any) -> None:
+    """Refuse data.format DECLARED when the first record's COLUMNS do not hold that format
+    (DATA: the data section, for the text column and the dataset's name)."""
+    present = set(columns)
+    if declared not in FORMAT_COLUMNS:
+        return
+    options, wanted = FORMAT_COLUMNS[declared]
+    if any(all(column in present for column in option) for option in options):
+        return
+    from dplaunch.errors import UserError
+
+    try:
+        found = resolve_format(None, present, data.text_column)
+    except UserError:
+        found = None
+    listed = ", ".join(sorted(present)) or "none"
+    raise UserError(
+        "data.format",
+        f"is {declared}, which needs {wanted}, but the first record of {data.dataset} has "
+        f"the columns {listed}",
+        f"remove data.format (these columns say {found}), or give the records {wanted}"
+        if found is not None
+        else f"give the records {wanted}, or set data.format to their format",
+    )
+
+
 def record_problem(record: Mapping[str, Any], fmt: str) -> tuple[str, str] | None:
     """(problem, fix) of a record the ranks cannot train on, else None. The problem text follows
     the record's place ("line 3 of data.jsonl ")."""

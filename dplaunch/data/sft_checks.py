@@ -56,8 +56,9 @@ def sft_data_task(config: RunConfig) -> str:
     return "causal-lm" if fmt == TEXT else "sft"
 
 
-def check_sft_examples(config: RunConfig) -> list[str]:
-    """Refuse a record the ranks cannot train on; the plan notes on examples cut or left out."""
+def check_sft_examples(config: RunConfig, *, fill_a_batch: bool = True) -> list[str]:
+    """Refuse a record the ranks cannot train on, and (FILL_A_BATCH) examples too few for one
+    global batch; the plan notes on examples cut or left out."""
     data = config.data
     if config.parallel.pp > 1 and data.packing:
         raise UserError(
@@ -66,8 +67,12 @@ def check_sft_examples(config: RunConfig) -> list[str]:
             f"(parallel.pp {config.parallel.pp})",
             "set data.packing: false, or use --pp 1",
         )
-    columns = () if data.format else first_columns(config)
-    if columns is None:
+    columns = first_columns(config)
+    if data.format and columns is not None:
+        conversations.check_declared_format(data.format, columns, data)
+    if data.format:
+        columns = ()
+    elif columns is None:
         return []  # a hub dataset the ranks will download: its records are checked there
     tokenizer = launch_tokenizer(config)
     pipeline = SftExamples.of(data, columns, tokenizer)
@@ -102,7 +107,7 @@ def check_sft_examples(config: RunConfig) -> list[str]:
         return []
     encoded = pipeline.tokens(examples)
     noun = "conversations" if pipeline.fmt == CONVERSATIONAL else "examples"
-    if budget[0] > 0:
+    if budget[0] > 0 and fill_a_batch:
         _check_one_global_batch(config, encoded, noun)
     found = pitfalls(encoded, len(examples), noun, data.max_length, data.truncation)
     return [f"{pitfall.text} (e.g. {places[pitfall.first]})" for pitfall in found]
