@@ -13,9 +13,19 @@ pytest.importorskip("torch")
 from dplaunch.commands.data import run_data  # noqa: E402
 from dplaunch.config.flags import RunFlags  # noqa: E402
 from dplaunch.errors import UserError  # noqa: E402
-from tests.helpers import SFT_CONFIG, TINY_LLAMA  # noqa: E402
+from dplaunch.run_directory.environment import DATA_CHECK_MB_ENV  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    REPO,
+    SFT_CONFIG,
+    TINY_LLAMA,
+    child_environment,
+    refusal_line,
+    run_cli,
+)
 
 IGNORE = -100
+DPO_CONFIG = REPO / "configs" / "dpo.yaml"
+SHIPPED = REPO / "dplaunch" / "resources" / "data"
 # configs/sft.yaml with blocks of 160 tokens: some conversations are cut, some lose every answer
 CUT = ["data.max_length=160"]
 
@@ -153,7 +163,8 @@ def test_a_record_the_ranks_cannot_train_on_is_one_line_naming_it(capsys, tmp_pa
         "{{ m['role'] + ': ' + m['content'] + eos_token }}{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}assistant: {% endif %}"
     )
-    with pytest.raises(UserError, match=r'example 2 message 1 \(role "bot"\) is left out'):
+    # dplaunch train's words: the record's line in its file
+    with pytest.raises(UserError, match=r'message 1 \(role "bot"\) is left out.* \(line 3 of '):
         data_output(
             capsys,
             SFT_CONFIG,
@@ -172,3 +183,106 @@ def test_a_causal_lm_run_shows_its_blocks_every_token_trained(capsys):
     assert len(block["tokens"]) == stats["block_tokens"] and block["trained"][1:] == [True] * (
         len(block["trained"]) - 1
     )
+
+
+def _spoilt(tmp_path, source: str, changes: dict) -> list[str]:
+    """The --set flags of a run on the first 40 records of SOURCE (a shipped file) with
+    CHANGES[n](record) applied to the record on line n."""
+    records = [json.loads(line) for line in (SHIPPED / source).read_text().splitlines()[:40]]
+    for number, change in changes.items():
+        change(records[number - 1])
+    path = tmp_path / source
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    flags = [f"data.dataset={path}", "data.eval_dataset=null", "train.sample_prompts=null"]
+    return [part for flag in flags for part in ("--set", flag)]
+
+
+def _same_responses(record: dict) -> None:
+    record["rejected"] = record["chosen"]
+
+
+def _content(value):
+    def change(record: dict) -> None:
+        record["messages"][1]["content"] = value
+
+    return change
+
+
+SPOILT = [
+    (
+        "dpo-pair",
+        DPO_CONFIG,
+        "pairs-train.jsonl",
+        {23: _same_responses},
+        "data.dataset: line 23 of {file} has the same chosen and rejected response: nothing to "
+        "prefer — fix that record or drop it",
+    ),
+    (
+        # a content 1 on line 6 makes `datasets` read the column as JSON, turning line 1's "1" into 1
+        "chat-content",
+        SFT_CONFIG,
+        "chat-train.jsonl",
+        {1: _content("1"), 6: _content(1)},
+        "data.dataset: line 6 of {file} message 2 of 'messages' has 1 as content, not a text — "
+        "fix that record or drop it",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "config,source,changes,expected", [c[1:] for c in SPOILT], ids=[c[0] for c in SPOILT]
+)
+def test_a_record_train_refuses_is_refused_in_trains_words_before_datasets_reads_it(
+    tmp_path, config, source, changes, expected
+):
+    flags = _spoilt(tmp_path, source, changes)
+    line = refusal_line(run_cli("data", config, *flags))  # one line: no progress bar before it
+    assert line == "dplaunch: error: " + expected.format(file=tmp_path / source)
+    trained = run_cli("train", config, *flags, "--cpu", "--dry-run", "-o", tmp_path / "run")
+    assert refusal_line(trained) == line
+
+
+def test_a_pair_past_the_checks_budget_is_named_once_with_its_fix_and_no_progress_bar(tmp_path):
+    # the launch check reads each file's first record only: the preview finds the pair itself
+    flags = _spoilt(tmp_path, "pairs-train.jsonl", {23: _same_responses})
+    result = run_cli("data", DPO_CONFIG, *flags, env=child_environment(**{DATA_CHECK_MB_ENV: "0"}))
+    line = refusal_line(result, "data.dataset: pair 22 has the same chosen and rejected response")
+    assert line.count(" — ") == 1 and line.endswith("— fix that record or drop it")
+
+
+def test_a_start_past_the_end_is_refused_naming_the_count(tmp_path):
+    result = run_cli("data", TINY_LLAMA, "--start", "5000")
+    line = refusal_line(result, "--start: 5,000 is past the end: the data has ")
+    assert "blocks" in line and "use a --start below" in line
+    assert result.stdout == ""
+
+
+def test_piped_the_preview_prints_no_progress_bar(tmp_path):
+    texts = tmp_path / "texts.jsonl"  # new: `datasets` has no split of it cached
+    texts.write_text(
+        "".join(json.dumps({"text": f"review {n} of {tmp_path}"}) + "\n" for n in range(40))
+    )
+    result = run_cli("data", TINY_LLAMA, "--set", f"data.dataset={texts}", "--show", "1")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "" and result.stdout.startswith("data: ")
+
+
+def test_a_causal_lm_run_without_packing_shows_a_row_per_text_as_the_ranks_cut_it(capsys):
+    from dplaunch.config.load import load_run_config
+    from dplaunch.train.data import load_splits, tokenize
+    from dplaunch.train.modeling import load_tokenizer
+
+    shown = data_json(capsys, TINY_LLAMA, "data.packing=false", show=1)
+    stats = shown["stats"]
+    config = load_run_config(TINY_LLAMA, assignments=["data.packing=false"])
+    training, _ = load_splits(config.data, config.train.seed)
+    rows = tokenize(training, load_tokenizer(config.model), config.data, "causal-lm")
+    assert stats["packing"] is False and "blocks" not in stats
+    assert stats["rows"] == len(rows) == stats["texts"] == len(training)
+    assert stats["tokens"] == sum(len(row["input_ids"]) for row in rows)
+    assert stats["trained_tokens"] == stats["tokens"] - len(rows)
+    (row,) = shown["examples"]
+    assert len(row["tokens"]) == len(rows[0]["input_ids"]) < stats["max_length"]
+    out = data_output(capsys, TINY_LLAMA, "data.packing=false", show=1)
+    assert "concatenated" not in out and "no packing (data.packing: false): a row per text" in out
+    assert "row 0: " in out

@@ -15,7 +15,10 @@ position ids. `--json` prints {"stats": …, "examples": [{index, tokens, traine
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
@@ -86,33 +89,62 @@ def run_data(
 
         data_task = sft_data_task(config)
     check_data(config.data, data_task)  # one line for missing files, broken records, columns
-
-    from dplaunch.train.data import attach_chat_template, load_splits
-    from dplaunch.train.modeling import load_tokenizer
-
-    tokenizer = load_tokenizer(config.model)
-    attach_chat_template(tokenizer, config.data, task)
-    if config.data.streaming:  # a stream is never read whole: its first records
-        from datasets import Dataset
-
-        from dplaunch.data.streams import first_records
-
-        training = Dataset.from_list(first_records(config.data, STREAM_SAMPLE))
-        if not as_json:
-            typer.echo(f"data.streaming: the first {len(training):,} records of the stream")
-    else:
-        training, _ = load_splits(config.data, config.train.seed)
-    if data_task == "sft":
-        report = _SftReport.build(config, tokenizer, training, range(start, start + show), blocks)
-    elif data_task == "dpo":
-        report = _PairReport.build(config, tokenizer, training, range(start, start + show))
-    else:
-        report = _CausalReport.build(config, tokenizer, training, range(start, start + show))
+    report_class = _REPORTS.get(data_task, _CausalReport)
+    # `dplaunch train`'s check of every record, in its words (file and line), before `datasets`
+    # reads them (its reading may turn a text "1" into a number)
+    report_class.check(config)
+    with _library_progress(as_json):
+        training, tokenizer = _training_data(config, task, as_json)
+        report = report_class.build(config, tokenizer, training, range(start, start + show), blocks)
+    if show and start >= report.count:
+        raise UserError(
+            "--start",
+            f"{start:,} is past the end: the data has {report.count:,} {report.noun} "
+            f"(0–{max(report.count - 1, 0):,})",
+            f"use a --start below {report.count:,}",
+        )
     if as_json:
         typer.echo(json.dumps(report.as_json(), indent=1, ensure_ascii=False))
     else:
         report.print(_Printer(boundaries))
     return 0
+
+
+def _training_data(config: Any, task: str, as_json: bool) -> tuple[Any, Any]:
+    """(the training records as the ranks read them, the run's tokenizer); a stream's first
+    records only."""
+    from dplaunch.train.data import attach_chat_template, load_splits
+    from dplaunch.train.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(config.model)
+    attach_chat_template(tokenizer, config.data, task)
+    if not config.data.streaming:
+        training, _ = load_splits(config.data, config.train.seed)
+        return training, tokenizer
+    from datasets import Dataset
+
+    from dplaunch.data.streams import first_records
+
+    training = Dataset.from_list(first_records(config.data, STREAM_SAMPLE))  # never read whole
+    if not as_json:
+        typer.echo(f"data.streaming: the first {len(training):,} records of the stream")
+    return training, tokenizer
+
+
+@contextlib.contextmanager
+def _library_progress(as_json: bool) -> Iterator[None]:
+    """`datasets`' progress bars (generating the split, tokenising) on a terminal only: piped
+    or as JSON, the report is all that is printed."""
+    import datasets
+
+    shown = datasets.is_progress_bar_enabled()
+    if shown and (as_json or not sys.stderr.isatty()):
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
 
 
 class _Printer:
@@ -158,6 +190,15 @@ class _SftReport:
         self.lines: list[str] = []
         self.shown: list[dict[str, Any]] = []
         self.blocks: list[dict[str, Any]] = []
+        self.count, self.noun = 0, "examples"
+
+    @staticmethod
+    def check(config: Any) -> None:
+        """`dplaunch train`'s refusals of the records (not of a global batch left unfilled:
+        the report counts the batches)."""
+        from dplaunch.data.sft_checks import check_sft_examples
+
+        check_sft_examples(config, fill_a_batch=False)
 
     @classmethod
     def build(
@@ -177,11 +218,11 @@ class _SftReport:
             for index in indices:
                 try:
                     examples.append(pipeline.example(dataset[index]))
-                except TemplateError as error:
+                except TemplateError as error:  # past the launch check's budget
                     raise UserError(
                         "data.dataset",
-                        f"example {index} {error}",
-                        "fix that record, or the template (data.chat_template)",
+                        f"example {index} {error.problem}",
+                        error.fix or "fix that record, or the template (data.chat_template)",
                     ) from None
             details: list = []
             counted = pipeline.tokens(examples, details)
@@ -214,6 +255,7 @@ class _SftReport:
                 for block in pack_runs([facts[i].tokens for i in kept], data.max_length)
             ]
         noun = "conversations" if pipeline.fmt == CONVERSATIONAL else "examples"
+        report.count, report.noun = len(dataset), noun
         found = pitfalls(encoded, len(dataset), noun, data.max_length, data.truncation)
         report.stats = sft_stats(
             facts,
@@ -330,11 +372,23 @@ class _PairReport:
     """dpo pairs through the ranks' pipeline: statistics, pitfalls, and the shown pairs' chosen
     and rejected responses with their trained tokens."""
 
+    noun = "pairs"
+
     def __init__(self, stats: dict[str, Any], shown: list[dict[str, Any]], lines: list[str]):
         self.stats, self.shown, self.lines = stats, shown, lines
+        self.count = stats["pairs"]
+
+    @staticmethod
+    def check(config: Any) -> None:
+        """`dplaunch train`'s refusals of the pairs (not of a global batch left unfilled)."""
+        from dplaunch.data.preference_checks import check_preference_examples
+
+        check_preference_examples(config, fill_a_batch=False)
 
     @classmethod
-    def build(cls, config: Any, tokenizer: Any, dataset: Any, wanted: range) -> _PairReport:
+    def build(
+        cls, config: Any, tokenizer: Any, dataset: Any, wanted: range, _blocks: int
+    ) -> _PairReport:
         from dplaunch.data.example_tokens import Encoded, pitfalls
         from dplaunch.data.preference import RESPONSES
         from dplaunch.data.preview import percentile, token_texts
@@ -426,14 +480,14 @@ class _PairReport:
 
 def _rendered_pair(pipeline: Any, record: dict, index: int) -> Any:
     """RECORD's two responses rendered; refused naming pair INDEX when the ranks cannot train
-    on it."""
+    on it (a record past the launch check's budget: that check names the others' lines)."""
     from dplaunch.data.answer_spans import TemplateError
     from dplaunch.data.preference import pair_problem
 
+    problem = pair_problem(record)
+    if problem is not None:
+        raise UserError("data.dataset", f"pair {index} {problem[0]}", problem[1])
     try:
-        problem = pair_problem(record)
-        if problem is not None:
-            raise TemplateError(" — ".join(problem))
         return pipeline.examples(record)
     except TemplateError as error:
         raise UserError(
@@ -463,49 +517,78 @@ def _pair_lines(config: Any, stats: dict[str, Any]) -> list[str]:
 
 
 class _CausalReport:
-    """causal-LM texts packed into full blocks by the ranks' tokenize(): every token trained."""
+    """causal-LM texts as the ranks' tokenize() makes them: concatenated into full blocks
+    (data.packing, the default), or a row per text cut at data.max_length; every token but a
+    row's first is trained."""
 
     def __init__(self, stats: dict[str, Any], shown: list[dict[str, Any]], lines: list[str]):
         self.stats, self.shown, self.lines = stats, shown, lines
+        self.noun = "blocks" if stats["packing"] else "rows"
+        self.count = stats[self.noun]
+
+    @staticmethod
+    def check(config: Any) -> None:
+        """Nothing more: check_data has read every text the ranks will."""
 
     @classmethod
-    def build(cls, config: Any, tokenizer: Any, dataset: Any, wanted: range) -> _CausalReport:
-        from dplaunch.train.data import tokenize
+    def build(
+        cls, config: Any, tokenizer: Any, dataset: Any, wanted: range, _blocks: int
+    ) -> _CausalReport:
+        from dplaunch.data.preview import percentile
+        from dplaunch.train.data import data_task, packs_texts, tokenize
 
         data = config.data
-        blocks = tokenize(dataset, tokenizer, data, config.model.task)
+        rows = tokenize(dataset, tokenizer, data, config.model.task)
+        packed = packs_texts(data_task(config.model.task, data, dataset.column_names), data)
         shown = []
         for index in wanted:
-            if index >= len(blocks):
+            if index >= len(rows):
                 break
-            ids = blocks[index]["input_ids"]
+            ids = rows[index]["input_ids"]
             shown.append(
                 {
                     "index": index,
                     "tokens": [tokenizer.decode([token]) for token in ids],
-                    # the first token of a block is predicted by nothing in it
+                    # the first token of a row is predicted by nothing in it
                     "trained": [position > 0 for position in range(len(ids))],
                 }
             )
+        # packed blocks are all full: their column is not read whole
+        lengths = (
+            [data.max_length] * len(rows) if packed else [len(ids) for ids in rows["input_ids"]]
+        )
         global_batch = config.train.global_batch_size
+        noun = "blocks" if packed else "rows"
         stats = {
             "task": "causal-lm",
             "texts": len(dataset),
-            "blocks": len(blocks),
-            "block_tokens": data.max_length,
-            "tokens": len(blocks) * data.max_length,
-            "trained_tokens": len(blocks) * (data.max_length - 1),
+            "packing": packed,
+            noun: len(rows),
+            ("block_tokens" if packed else "max_length"): data.max_length,
+            "tokens": sum(lengths),
+            "trained_tokens": sum(max(length - 1, 0) for length in lengths),
             "global_batch_size": global_batch,
-            "global_batches_per_epoch": len(blocks) // global_batch,
+            "global_batches_per_epoch": len(rows) // global_batch,
             "warnings": [],
         }
+        if packed:
+            layout = (
+                f"packing: every text and its EOS token concatenated into {len(rows):,} blocks "
+                f"of {data.max_length:,} tokens; every token is trained"
+            )
+        else:
+            layout = (
+                f"no packing (data.packing: false): a row per text with its EOS token, cut at "
+                f"{data.max_length:,} tokens: {len(rows):,} rows, {stats['tokens']:,} tokens "
+                f"(median {percentile(lengths, 50):,} a row, max {max(lengths, default=0):,}); "
+                "every token but a row's first is trained"
+            )
         lines = [
             f"data: {_source(data.dataset)} ({len(dataset):,} texts, causal LM), tokenizer "
             f"{config.model.tokenizer or config.model.name_or_path}",
-            f"packing: every text and its EOS token concatenated into {len(blocks):,} blocks of "
-            f"{data.max_length:,} tokens; every token is trained",
-            f"global batches per epoch: {stats['global_batches_per_epoch']:,} ({len(blocks):,} "
-            f"blocks ÷ global batch {global_batch:,})",
+            layout,
+            f"global batches per epoch: {stats['global_batches_per_epoch']:,} ({len(rows):,} "
+            f"{noun} ÷ global batch {global_batch:,})",
         ]
         return cls(stats, shown, lines)
 
@@ -517,8 +600,14 @@ class _CausalReport:
             out.line(line)
         for example in self.shown:
             out.line()
-            out.line(f"block {example['index']}: {len(example['tokens']):,} tokens", "bold")
+            out.line(
+                f"{self.noun[:-1]} {example['index']}: {len(example['tokens']):,} tokens", "bold"
+            )
             out.tokens(example["tokens"], example["trained"])
+
+
+# the report of each data task; causal-LM texts for the others
+_REPORTS: dict[str, Any] = {"sft": _SftReport, "dpo": _PairReport}
 
 
 def _source(dataset: Any) -> str:

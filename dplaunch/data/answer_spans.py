@@ -65,7 +65,12 @@ class Example:
 
 
 class TemplateError(ValueError):
-    """A conversation the chat template does not render, or renders inconsistently."""
+    """A conversation the chat template does not render, or renders inconsistently; or, with
+    FIX, a record the ranks cannot train on (its text: "PROBLEM — FIX")."""
+
+    def __init__(self, problem: str, fix: str | None = None):
+        super().__init__(f"{problem} — {fix}" if fix else problem)
+        self.problem, self.fix = problem, fix
 
 
 def has_generation_markers(template: str | None) -> bool:

@@ -33,9 +33,9 @@ from dplaunch.data.sft_checks import (
 from dplaunch.errors import UserError
 
 
-def check_preference_examples(config: RunConfig) -> list[str]:
-    """Refuse a record the ranks cannot train on; the plan notes on responses cut and pairs
-    left out."""
+def check_preference_examples(config: RunConfig, *, fill_a_batch: bool = True) -> list[str]:
+    """Refuse a record the ranks cannot train on, and (FILL_A_BATCH) pairs too few for one
+    global batch; the plan notes on responses cut and pairs left out."""
     data = config.data
     columns = first_columns(config)
     if columns is None:
@@ -70,7 +70,7 @@ def check_preference_examples(config: RunConfig) -> list[str]:
     if tokenizer.encode is None or not pairs:
         return []
     encoded = pipeline.tokens(pairs)
-    if budget[0] > 0:
+    if budget[0] > 0 and fill_a_batch:
         check_kept_fill_a_batch(config, encoded.kept, encoded.pairs_dropped, "pairs")
     found = pitfalls(
         encoded.responses, 2 * len(pairs), "responses", data.max_length, data.truncation

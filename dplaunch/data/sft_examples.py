@@ -81,7 +81,7 @@ class SftExamples:
         ranks cannot train on it."""
         problem = conversations.record_problem(record, self.fmt)
         if problem is not None:
-            raise TemplateError(" — ".join(part for part in problem if part))
+            raise TemplateError(problem[0], problem[1] or None)
         return self.renderer.example(record, self.fmt)
 
     def tokens(
