@@ -27,6 +27,7 @@ from typing import Any
 from tests.helpers import (
     TINY_LLAMA,
     losses_by_step,
+    read_metrics,
     run_dplaunch,
     run_loopback_nodes,
     write_config,
@@ -35,7 +36,13 @@ from tests.helpers import (
 STEPS = 6
 # the straight run's checkpoint the root's targets resume from
 FIRST_CHECKPOINT = 2
-RUN = ("--max-steps", str(STEPS), "--global-batch", "8", "--micro-batch", "2")
+# launch.timeout_minutes: neither torch's default group timeout (30 min gloo, 10 NCCL) nor
+# DeepSpeed's (10 min), so a process group an engine builds without it shows in the header
+TIMEOUT_MINUTES = 7
+RUN = (
+    "--max-steps", str(STEPS), "--global-batch", "8", "--micro-batch", "2",
+    "--set", f"launch.timeout_minutes={TIMEOUT_MINUTES}",
+)  # fmt: skip
 LOSS_TOLERANCE = 1e-5
 # the universal form of a resumed run's checkpoint against the straight run's at the same step
 WEIGHT_TOLERANCE = 1e-5
@@ -248,6 +255,8 @@ def check_edge(matrix: Matrix, plan: EdgePlan) -> None:
     edge = matrix.edges[plan]
     assert edge.error is None, edge.error
     reference = matrix.references[plan.prefix]
+    assert_group_timeouts(reference)
+    assert_group_timeouts(edge.run_dir)
     straight = losses_by_step(reference)
     assert sorted(edge.losses) == list(range(plan.step + 1, plan.last + 1)), edge.losses
     gaps = {at: abs(loss - straight[at]) for at, loss in edge.losses.items()}
@@ -261,6 +270,16 @@ def check_edge(matrix: Matrix, plan: EdgePlan) -> None:
     else:
         converted = universal_form(edge.checkpoint, edge.run_dir / "universal-check")
         assert_same_state(converted, matrix.universal[(plan.prefix, plan.last)])
+
+
+def assert_group_timeouts(run_dir: Path) -> None:
+    """Every process group rank 0 was in (the world, the engine's: DeepSpeed's, FSDP2's mesh, the
+    TP, PP and SP groups, the control channel) held launch.timeout_minutes, at every launch."""
+    for header in (r for r in read_metrics(run_dir) if r["type"] == "header"):
+        timeouts = header["process_group_timeouts_s"]
+        # one rank without DeepSpeed or FSDP has no process group at all
+        alone = header["world_size"] == 1 and timeouts == []
+        assert timeouts == [TIMEOUT_MINUTES * 60.0] or alone, (run_dir.name, timeouts)
 
 
 def assert_same_state(got: Path, expected: Path) -> None:

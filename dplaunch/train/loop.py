@@ -14,7 +14,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +34,7 @@ from dplaunch.stop_signals import EXIT_CHECKPOINTED, StopSignals
 from dplaunch.train.checkpoint import Checkpointer, SaveHooks
 from dplaunch.train.checkpoint_faults import hold_start_up
 from dplaunch.train.collective_spy import spy_from_environment, watched
+from dplaunch.train.collective_timeout import group_timeouts_s, use_collective_timeout
 from dplaunch.train.control import ControlChannel
 from dplaunch.train.data import (
     Batcher,
@@ -115,15 +115,12 @@ def make_accelerator(plan: Plan, config: RunConfig, run_dir: Path) -> Any:
         InitProcessGroupKwargs,
     )
 
+    # before any process group exists: the world's and every group an engine builds later
+    timeout = use_collective_timeout(plan.timeout_minutes)
     handlers: list[Any] = []
     if plan.world_size > 1 or plan.uses_deepspeed:
         # a single non-DeepSpeed process has no process group: naming a backend would make Accelerate expect one
-        handlers.append(
-            InitProcessGroupKwargs(
-                backend=plan.process_group_backend,
-                timeout=timedelta(minutes=plan.timeout_minutes),
-            )
-        )
+        handlers.append(InitProcessGroupKwargs(backend=plan.process_group_backend, timeout=timeout))
     kwargs: dict[str, Any] = {"step_scheduler_with_optimizer": False}
     if config.train.compile:
         # Accelerate compiles the wrapped model (DDP) or calls the DeepSpeed engine's compile()
@@ -277,6 +274,8 @@ def start_run(run_dir: Path, signals: StopSignals) -> tuple[RankRun, int]:
         resumed_from_step=start_step if resume is not None else None,
         # the model and engine built, no step taken: what each step's peak adds activations to
         memory_at_start_gb=memory_now_gb(accelerator.device),
+        # the engine built: every process group this rank is in, and the timeout each holds
+        process_group_timeouts_s=group_timeouts_s(),
         **({"reference": reference} if reference is not None else {}),
     )
     _say_start(say, plan, batcher, train_set, total_steps, parameters)

@@ -36,6 +36,7 @@ from torch import nn
 
 from dplaunch.planning.rules import PIPELINE_FAMILIES, PIPELINE_TASKS
 from dplaunch.run_directory.layout import PIPELINE_TAG
+from dplaunch.train.collective_timeout import collective_timeout
 from dplaunch.train.engines import EngineBase, RunFileHyperparameters, loss_sums
 
 # the families the layers below can cut; the planner refuses others before launch
@@ -574,12 +575,13 @@ def create_pipeline_engine(
     _check_supported(model.config.model_type)
     _check_config(ds_config, num_stages)
     # deepspeed.comm keeps its own handle on the process group even when torch's exists (the
-    # caller's): init_distributed then only wraps it, and creates one only when there is none
+    # caller's): init_distributed then only wraps it, and creates one only when there is none,
+    # with DeepSpeed's own default timeout unless told launch.timeout_minutes' (the rank's)
     if dist.is_initialized():
         backend = dist.get_backend()
     else:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend)
+    deepspeed.init_distributed(dist_backend=backend, timeout=collective_timeout())
     # same seed on every rank, as the data-parallel path does (dropout masks, nothing else)
     set_seed(seed)
     activation_checkpoint_interval = int(
