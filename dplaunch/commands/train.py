@@ -258,9 +258,10 @@ def _train_with_restarts(prepared: PreparedRun, point: ResumePoint | None) -> in
         else:
             verdict = verdict_for(failure)
         if not verdict.restart:
-            _report_failure(
-                watch, code, run_dir, [*hints, f"dplaunch: not restarted: {verdict.reason}"]
-            )
+            # a stop on purpose is its own one line (the watch's), no failure left unrestarted
+            if not watch.stopped_on_purpose():
+                hints = [*hints, f"dplaunch: not restarted: {verdict.reason}"]
+            _report_failure(watch, code, run_dir, hints)
             return code
         done += 1
         wait_s = restarts.backoff_seconds(done)

@@ -507,6 +507,11 @@ class RankWatch:
         if not self.signal_received:
             self.signal_received, self.signal_at = signum, time.time()
 
+    def stopped_on_purpose(self) -> bool:
+        """dplaunch itself was asked to stop (Ctrl-C, scancel) before any rank failed."""
+        first = self.first_failure()
+        return bool(self.signal_received) and (first is None or first[1] >= self.signal_at)
+
     def report(self, code: int, run_dir: Path, hints: Sequence[str] = ()) -> list[str]:
         """What to print after the job failed; the first failing rank's error is the last line.
 
@@ -517,7 +522,7 @@ class RankWatch:
         if self.leftovers:
             lines.append(f"dplaunch: stopped {self.leftovers} process(es) the job left behind")
         stop_line = None
-        if self.signal_received and (first is None or first[1] >= self.signal_at):
+        if self.stopped_on_purpose():
             name = signal.Signals(self.signal_received).name
             stop_line = f"dplaunch: stopped by {name} (sent to dplaunch, passed on to every rank)"
             first = None
@@ -531,7 +536,8 @@ class RankWatch:
         timed_out = self.timeout_seen or (first is not None and TIMEOUT_RE.search(first[2]))
         if self.timeout_minutes is not None and timed_out:
             lines.append(self._timeout_line())
-        lines.append(f"dplaunch: the job failed with status {code} (run directory: {run_dir})")
+        if not stop_line:  # stopped on purpose before any rank failed: that one line says it all
+            lines.append(f"dplaunch: the job failed with status {code} (run directory: {run_dir})")
         lines += hints
         if stop_line:
             lines.append(stop_line)
