@@ -29,6 +29,9 @@ $(TEST_STAMP): $(STAMP)
 	# the trackers whose logs the tracker tests read back (train.report_to), and QLoRA's
 	# bitsandbytes (tests/test_lora.py trains a 4-bit base on CPU ranks)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[wandb,mlflow,trackio,qlora]'
+	# Ray Train and the Kubernetes client (tests/test_ray.py starts a Ray cluster here,
+	# tests/test_k8s.py validates the TrainJob it writes with jsonschema)
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[ray,kubernetes]' jsonschema
 	$(PY) -m pip install --quiet -c constraints.txt tensorflow-cpu
 	$(PY) -m pip install --quiet --no-deps -c constraints.txt tf-keras
 	# TRL, the reference tests/test_sft_parity.py compares sft masks with (and whose shipped chat

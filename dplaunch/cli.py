@@ -22,6 +22,7 @@ from dplaunch.commands import (
     export,
     k8s,
     plan,
+    ray,
     report,
     slurm,
     train,
@@ -62,6 +63,7 @@ COMMANDS = {
     "convert": convert.convert_command,
     "slurm": slurm.slurm_command,
     "k8s": k8s.k8s_command,
+    "ray": ray.ray_command,
 }
 for name, function in COMMANDS.items():
     app.command(name)(function)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import typer
 
 from dplaunch.commands.options import command
-from dplaunch.config.flags import RunFlags, flag_option
+from dplaunch.config.flags import RunFlags
 from dplaunch.errors import UserError
 from dplaunch.run_directory.layout import PYTORCHJOB_FILE, RUN_FILE, TRAINJOB_FILE
 
@@ -101,14 +101,16 @@ def k8s_command(flags: RunFlags, options: K8sOptions) -> int:
 
 def run_k8s(flags: RunFlags, options: K8sOptions) -> int:
     """Plan the run for the pods, write the job's manifests, and apply them with --submit."""
-    from dplaunch.commands.slurm import _say, train_command
+    from dplaunch.commands.slurm import _say, refuse_flags_the_job_decides, train_command
     from dplaunch.config.load import load_run_config
     from dplaunch.launching.prepare import prepare_training_run
     from dplaunch.launching.rundir import check_output_file
     from dplaunch.rendering.kubernetes import RUNS_FOLDER
     from dplaunch.run_directory.files import write_text_atomic
 
-    _refuse_flags_the_pods_decide(flags)
+    refuse_flags_the_job_decides(
+        flags, "the pods' runtime", "(PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT)"
+    )
     if options.submit and options.out == "-":
         raise UserError("--submit", "cannot apply manifests printed to stdout", "give --out FILE")
     config = load_run_config(
@@ -281,14 +283,3 @@ def _apply(pod: PodJob, documents: list[dict[str, Any]], say: Any) -> None:
     say(f"created {created} in namespace {pod.namespace}; follow it with:")
     for line in follow_commands(pod, documents[-1]["kind"]):
         say(f"  {line}")
-
-
-def _refuse_flags_the_pods_decide(flags: RunFlags) -> None:
-    for name in ("node_rank", "master_addr", "master_port", "hostfile"):
-        if getattr(flags, name) is not None:
-            option = flag_option(name)
-            raise UserError(
-                option,
-                "the pods' runtime decides it (PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT)",
-                f"drop {option}",
-            )

@@ -173,7 +173,7 @@ def run_slurm(flags: RunFlags, options: SlurmOptions) -> int:
     from dplaunch.launching.rundir import check_output_dir, check_output_file
     from dplaunch.run_directory.files import write_text_atomic
 
-    _refuse_flags_slurm_decides(flags)
+    refuse_flags_the_job_decides(flags, "SLURM", "inside the job (node list, SLURM_NODEID, job id)")
     _check_submit(options)
     signal_seconds = _signal_seconds(options)
     config = load_run_config(
@@ -505,15 +505,13 @@ def train_command(
     return [*command, "--output-dir", str(flags.output_dir), "--resume", "auto"]
 
 
-def _refuse_flags_slurm_decides(flags: RunFlags) -> None:
+def refuse_flags_the_job_decides(flags: RunFlags, who: str, how: str) -> None:
+    """A node rank, rendezvous or hostfile given to a command whose scheduler decides them:
+    one UserError saying WHO does, and HOW."""
     for name in ("node_rank", "master_addr", "master_port", "hostfile"):
         if getattr(flags, name) is not None:
             option = flag_option(name)
-            raise UserError(
-                option,
-                "SLURM decides it inside the job (node list, SLURM_NODEID, job id)",
-                f"drop {option}",
-            )
+            raise UserError(option, f"{who} decides it {how}", f"drop {option}")
 
 
 def _say(*, to_stderr: bool):
