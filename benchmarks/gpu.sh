@@ -15,10 +15,13 @@
 # Budget: one call, under 8 minutes (BUDGET_S from the start; the matrix gets SMOKE_BUDGET_S of
 # it, each benchmark run is cut at RUN_LIMIT_S or what is left).
 #
-# 1. Here (a machine with PyPI), once: the packages the GPU image may lack, as wheels in .whl/
-#    (git-ignored): DeepSpeed built from its sdist (pure Python; its ops JIT-build when needed,
-#    and ZeRO-2 with torch's AdamW needs none), pydantic, datasets and their whole dependency
-#    closure (benchmarks/gpu_wheels.py reads it from the installed packages' metadata).
+# 1. Here (a machine with PyPI), once, from `make install`'s venv or `make test`'s: the packages
+#    the GPU image lacks or holds below dplaunch's floors (transformers 5.17 there), as wheels in
+#    .whl/ (git-ignored): transformers, DeepSpeed built from its sdist (pure Python; its ops
+#    JIT-build when needed, and ZeRO-2 with torch's AdamW needs none), pydantic, datasets, peft,
+#    bitsandbytes and their whole dependency closure (benchmarks/gpu_wheels.py reads it from the
+#    installed packages' metadata, or a downloaded wheel's for a root not installed here). It
+#    fails when .whl/ and the working tree together exceed a call's 64 MiB.
 #        bash benchmarks/gpu.sh prepare
 # 2. On the device, one call (the tool `run`, carry [".whl"], timeout_s 540):
 #        bash benchmarks/gpu.sh
@@ -35,23 +38,41 @@ if [[ "${1:-}" == "prepare" ]]; then
     PY=${PY:-.venv/bin/python}
     mkdir -p .whl
     rm -f .whl/*.whl
-    # what the benchmark imports beyond the image's torch, and their dependency closure, at the
-    # versions installed here (constraints.txt): benchmarks/gpu_wheels.py
+    # the device runs CPython 3.12 on x86-64 manylinux
+    download() {
+        "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+            --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+            --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+            --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl -r "$1"
+    }
+    # what the benchmark imports beyond the image's torch and accelerate, and dplaunch's floors
+    # the image may miss, at the versions installed here (constraints.txt): benchmarks/gpu_wheels.py
     "$PY" -m benchmarks.gpu_wheels roots > .whl/roots.txt
+    # the roots this venv lacks (`make install`'s: bitsandbytes) first: pins reads their wheels
+    "$PY" -m benchmarks.gpu_wheels absent > .whl/absent.txt
+    if [[ -s .whl/absent.txt ]]; then
+        download .whl/absent.txt
+    fi
     "$PY" -m benchmarks.gpu_wheels pins > .whl/pins.txt
     "$PY" -m pip wheel --quiet --no-deps "$(grep '^deepspeed==' .whl/roots.txt)" -w .whl
-    # the device runs CPython 3.12 on x86-64 manylinux
-    "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
-        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-        --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl -r .whl/pins.txt
-    # what the device never loads left out: bitsandbytes for other CUDA versions (43 → 7 MB),
-    # pyarrow's Flight, S3, headers and tests (55 → 35 MB)
-    for wheel in .whl/bitsandbytes-*.whl .whl/pyarrow-*.whl; do
+    download .whl/pins.txt
+    # what the device never loads left out: bitsandbytes for other CUDA versions (43 → 3.5 MB),
+    # pyarrow's Flight, S3, headers, tests and link-time copies (55 → 33 MB), transformers'
+    # modular_ and convert_ sources (13 → 11 MB)
+    for wheel in .whl/bitsandbytes-*.whl .whl/pyarrow-*.whl .whl/transformers-*.whl; do
         "$PY" -m benchmarks.gpu_wheels slim "$wheel"
     done
     ls -la .whl
-    du -sh .whl
+    # a call carries the working tree and .whl/: 64 MiB in all
+    carry=$(du -sb .whl | cut -f1)
+    tree=$(git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- 2>/dev/null \
+        | tail -1 | cut -f1)
+    echo "the carry: .whl/ $(( carry >> 20 )) MiB + the working tree $(( tree >> 20 )) MiB" \
+        "= $(( (carry + tree) >> 20 )) MiB of a call's 64"
+    if (( carry + tree > 64 << 20 )); then
+        echo "gpu.sh prepare: over a call's 64 MiB: slim or leave out a wheel (benchmarks/gpu_wheels.py)"
+        exit 1
+    fi
     exit 0
 fi
 
@@ -71,10 +92,10 @@ SECONDS=0
 mkdir -p "$OUT" "$WORK"
 rm -rf "${WORK:?}"/*
 
-# the carried wheels, unless this python already has what they provide (the smoke test here).
-# The device's pip resolves the roots against the image (a dry run writes nothing) and only the
-# wheels it finds missing are installed: the image's own packages are not shadowed by others
-if compgen -G ".whl/*.whl" > /dev/null && ! "$PY" -c "import deepspeed, datasets, pydantic, peft, bitsandbytes" > /dev/null 2>&1; then
+# the carried wheels: the device's pip resolves roots.txt against the image (a dry run writes
+# nothing) and only the wheels it finds missing, or below what roots.txt asks, are installed:
+# the image's own packages that do are not shadowed by others
+if compgen -G ".whl/*.whl" > /dev/null; then
     "$PY" -m pip install --dry-run --quiet --no-index --find-links .whl --report /tmp/wheels.json \
         -r .whl/roots.txt
     mapfile -t NEEDED < <("$PY" -c 'import json, sys, urllib.parse as u
@@ -93,12 +114,14 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "no GPU"; } \
     | tee "$OUT/gpu.txt"
-"$PY" - <<'EOF' | tee -a "$OUT/gpu.txt"
-import importlib.metadata as m
-import torch
-print("torch", torch.__version__, "cuda", torch.version.cuda,
-      *(f"{p} {m.version(p)}" for p in ("accelerate", "transformers", "deepspeed", "datasets")))
-EOF
+"$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' \
+    | tee -a "$OUT/gpu.txt"
+# dplaunch's floors (resources/requirements.txt) on this python, the carry installed: one line,
+# the versions or what is missing. A miss stops here: every run would end on it
+if ! "$PY" -m benchmarks.gpu_wheels floors | tee -a "$OUT/gpu.txt"; then
+    echo "== stopped before the smoke matrix: carry what is missing (bash benchmarks/gpu.sh prepare)"
+    exit 1
+fi
 # the measured dense bf16 matmul rate, reported beside the datasheet peak (GPU only)
 "$PY" - "$OUT/matmul_peak.json" <<'EOF'
 import json, sys, torch

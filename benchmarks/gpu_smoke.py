@@ -6,7 +6,9 @@ Each case is one `dplaunch train` of a small Llama (GPU: benchmarks/configs/llam
 `--cpu`: examples/tiny-llama.yaml on CPU ranks) for STEPS steps on one rank, cut at CASE_LIMIT_S.
 OUT/gpu-smoke.json gets, per case: pass/fail/skipped and why, the first error line, steps/s of
 the steps after the first, the peak memory the ranks logged and the plan's estimate of it
-(planning/estimate.py, as benchmarks/gpu_report.py reads a run), and the seconds it took.
+(planning/estimate.py, as benchmarks/gpu_report.py reads a run), and the seconds it took. It is
+written after each case ("finished": false, the cases not reached "not run"), so a call cut
+short still returns what ran. A case's launches share its limit (the resume case: two).
 benchmarks/gpu.sh runs it first, on whatever GPU it gets.
 
 `--cpu` is the smoke mode of the script itself (tests/test_gpu_benchmark.py): the cases that
@@ -34,7 +36,10 @@ GPU_CONFIG = REPO / "benchmarks" / "configs" / "llama-3m.yaml"
 CPU_CONFIG = REPO / "examples" / "tiny-llama.yaml"
 SFT_CONFIG = REPO / "configs" / "sft.yaml"
 STEPS = 4
+# a case's seconds, all its launches together (the resume case: the saved run and the resumed one)
 CASE_LIMIT_S = 150
+# a launch given less would not get through its imports: the case (or the resumed run) says so
+MIN_LAUNCH_S = 20
 # the whole matrix on one H200 (benchmarks/gpu.sh leaves the rest of its 8 minutes to the MFU runs)
 BUDGET_S = 400
 # a resumed run continues the saved one: its losses against the uninterrupted run's
@@ -186,12 +191,13 @@ def train(config: Path, run_dir: Path, flags: list[str], limit: float) -> tuple[
 
 
 def run_case(case: Case, work: Path, base: Path, common: list[str], limit: float) -> dict:
-    """One case: its runs, checks and numbers."""
+    """One case: its runs, checks and numbers, in LIMIT seconds in all."""
     started = time.monotonic()
+    deadline = started + limit
     config = run_file(case, work, base)
     run_dir = work / case.name
     flags = [*common, "--max-steps", str(STEPS), *case.flags]
-    code, log = train(config, run_dir, flags, limit)
+    code, log = train(config, run_dir, flags, deadline - time.monotonic())
     (work / f"{case.name}.log").write_text(log)
     records = read_metrics(run_dir)
     trained = [r for r in records if r.get("type") == "train"]
@@ -205,7 +211,7 @@ def run_case(case: Case, work: Path, base: Path, common: list[str], limit: float
     ]
     entry: dict[str, Any] = {"what": case.what, "flags": flags}
     if code == 0 and case.name == "resume" and not problems:
-        problems += _resume(config, run_dir, work, flags, limit, entry)
+        problems += _resume(config, run_dir, work, flags, deadline, entry)
     entry["status"] = "fail" if problems else "pass"
     if problems:
         entry["why"] = "; ".join(problems)
@@ -216,11 +222,15 @@ def run_case(case: Case, work: Path, base: Path, common: list[str], limit: float
     return entry
 
 
-def _resume(config: Path, saved: Path, work: Path, flags: list[str], limit: float, entry: dict):
-    """Resume SAVED's step-2 checkpoint in a run of its own; its steps 3-4 against SAVED's."""
+def _resume(config: Path, saved: Path, work: Path, flags: list[str], deadline: float, entry: dict):
+    """Resume SAVED's step-2 checkpoint in a run of its own, cut at the case's DEADLINE; its
+    steps 3-4 against SAVED's."""
+    left = deadline - time.monotonic()
+    if left < MIN_LAUNCH_S:
+        return [f"the resumed run not started: {left:.0f} s of the case's limit left"]
     resumed = work / "resume-continued"
     code, log = train(
-        config, resumed, [*flags, "--resume", str(saved / "checkpoints" / "step-2")], limit
+        config, resumed, [*flags, "--resume", str(saved / "checkpoints" / "step-2")], left
     )
     (work / "resume-continued.log").write_text(log)
     if code != 0:
@@ -263,27 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--gpus", "1", *(["--cpu"] if args.cpu else ["--mixed-precision", "bf16"])]
     # every step logged, no evaluation or sample answers in a few steps
     common += ["--set", "train.log_every=1", "--set", "train.eval_every=null"]
-    started = time.monotonic()
-    cases: dict[str, dict[str, Any]] = {}
-    for case in CASES:
-        left = args.budget_s - (time.monotonic() - started)
-        skip = None
-        if args.cpu and not case.on_cpu and case.name not in only:
-            skip = "needs a GPU"
-        elif only and case.name not in only:
-            skip = "not asked (--only)"
-        elif missing(case):
-            skip = f"{', '.join(missing(case))} not installed"
-        elif left < 20:
-            skip = f"out of time: the matrix's {args.budget_s:g} s were spent"
-        if skip:
-            cases[case.name] = {"what": case.what, "status": "skipped", "why": skip}
-        else:
-            limit = min(args.case_limit_s, left)
-            cases[case.name] = run_case(case, args.work, base, common, limit)
-        print(f"{case.name:<26} {json.dumps(cases[case.name])}", flush=True)
-    counts = {s: sum(c["status"] == s for c in cases.values()) for s in ("pass", "fail", "skipped")}
-    result = {
+    header = {
         "what": "the GPU smoke matrix (benchmarks/gpu_smoke.py): a few steps of each engine/feature",
         "mode": "cpu" if args.cpu else "gpu",
         "device": _device(),
@@ -293,14 +283,59 @@ def main(argv: list[str] | None = None) -> int:
             "peak_memory_gib: the ranks' logged memory_gb (GPU: max_memory_allocated; CPU: peak "
             "RSS); estimated_memory_gib: the plan's estimate less CUDA context and NCCL buffers"
         ),
-        **counts,
-        "seconds": round(time.monotonic() - started, 1),
-        "cases": cases,
     }
-    (args.out / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"smoke matrix: {counts['pass']} passed, {counts['fail']} failed, "
-          f"{counts['skipped']} skipped in {result['seconds']:.0f} s")  # fmt: skip
-    return 0 if counts["fail"] == 0 else 1
+    started = time.monotonic()
+    cases: dict[str, dict[str, Any]] = {}
+    write_result(args.out, header, cases, started)
+    for case in CASES:
+        left = args.budget_s - (time.monotonic() - started)
+        skip = _skip_reason(case, args, only, left)
+        if skip:
+            cases[case.name] = {"what": case.what, "status": "skipped", "why": skip}
+        else:
+            limit = min(args.case_limit_s, left)
+            cases[case.name] = run_case(case, args.work, base, common, limit)
+        print(f"{case.name:<26} {json.dumps(cases[case.name])}", flush=True)
+        write_result(args.out, header, cases, started)
+    result = write_result(args.out, header, cases, started)
+    print(f"smoke matrix: {result['pass']} passed, {result['fail']} failed, "
+          f"{result['skipped']} skipped in {result['seconds']:.0f} s")  # fmt: skip
+    return 0 if result["fail"] == 0 else 1
+
+
+def _skip_reason(case: Case, args: argparse.Namespace, only: list[str], left: float) -> str | None:
+    if args.cpu and not case.on_cpu and case.name not in only:
+        return "needs a GPU"
+    if only and case.name not in only:
+        return "not asked (--only)"
+    if missing(case):
+        return f"{', '.join(missing(case))} not installed"
+    if left < MIN_LAUNCH_S:
+        return f"out of time: the matrix's {args.budget_s:g} s were spent"
+    return None
+
+
+def write_result(out: Path, header: dict[str, Any], cases: dict[str, Any], started: float) -> dict:
+    """OUT/gpu-smoke.json as the matrix stands: the cases run so far, the others "not run".
+    Written before the first case and after each (replacing the last), so that a call cut
+    short still returns what ran. Returns what it wrote."""
+    listed = {
+        case.name: cases.get(case.name)
+        or {"what": case.what, "status": "not run", "why": "the matrix ended before it"}
+        for case in CASES
+    }
+    counts = {s: sum(c["status"] == s for c in cases.values()) for s in ("pass", "fail", "skipped")}
+    result = {
+        **header,
+        **counts,
+        "finished": len(cases) == len(CASES),
+        "seconds": round(time.monotonic() - started, 1),
+        "cases": listed,
+    }
+    partial = out / f"{RESULT_FILE}.partial"
+    partial.write_text(json.dumps(result, indent=2) + "\n")
+    partial.replace(out / RESULT_FILE)
+    return result
 
 
 def _device() -> str:

@@ -48,18 +48,32 @@ def release(version: str) -> tuple[int, ...]:
     return tuple(numbers)
 
 
-def check_installed_versions(installed_version=metadata.version) -> None:
-    """Refuse (UserError) the first checked library that is missing or older than its floor."""
+def missed_floors(installed_version=metadata.version, only=None) -> dict[str, str | None]:
+    """The libraries of resources/requirements.txt (or of ONLY) installed below their floor:
+    name → the version found, None where it is not installed; in the file's order."""
+    missed: dict[str, str | None] = {}
     for name, floor in floors().items():
-        if name not in CHECKED:
+        if only is not None and name not in only:
             continue
         try:
             found = installed_version(name)
         except metadata.PackageNotFoundError:
-            raise UserError(name, "is not installed", f"pip install '{name}>={floor}'") from None
+            missed[name] = None
+            continue
         if release(found) < release(floor):
-            raise UserError(
-                name,
-                f"{found} is installed, dplaunch needs {floor} or newer ({CHECKED[name]})",
-                f"pip install -U '{name}>={floor}'",
-            )
+            missed[name] = found
+    return missed
+
+
+def check_installed_versions(installed_version=metadata.version) -> None:
+    """Refuse (UserError) the first checked library that is missing or older than its floor."""
+    wanted = floors()
+    for name, found in missed_floors(installed_version, only=CHECKED).items():
+        floor = wanted[name]
+        if found is None:
+            raise UserError(name, "is not installed", f"pip install '{name}>={floor}'")
+        raise UserError(
+            name,
+            f"{found} is installed, dplaunch needs {floor} or newer ({CHECKED[name]})",
+            f"pip install -U '{name}>={floor}'",
+        )
