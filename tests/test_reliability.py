@@ -505,6 +505,102 @@ def test_a_rank_frozen_under_zero2_times_out_and_the_job_is_restarted(tmp_path):
     assert run_processes(str(run_dir)) == []
 
 
+# --- one job at a time in a run directory ---------------------------------------------------------
+
+
+def write_lock(run_dir: Path, job: str, pid: int, host: str, since: float) -> Path:
+    from dplaunch.run_directory.layout import RUN_LOCK_FILE
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = run_dir / RUN_LOCK_FILE
+    lock.write_text(json.dumps({"job": job, "pid": pid, "host": host, "since": since}))
+    return lock
+
+
+def test_a_live_runs_directory_is_refused_to_another_job_and_shared_with_its_own(tmp_path):
+    """Two runs into one directory at once mixed two runs' lines in one metrics.jsonl. The lock
+    is the job's: its other nodes and its restarts come in, another job does not (in one line,
+    naming the owner), and it goes with the job, as does the directory when it made it."""
+    from dplaunch.errors import UserError
+    from dplaunch.launching.rundir import run_dir_lock
+    from dplaunch.run_directory.layout import RUN_LOCK_FILE
+
+    run_dir, notes = tmp_path / "run", []
+    with run_dir_lock(run_dir, "SLURM job 41", say=notes.append):
+        with pytest.raises(UserError) as refused:
+            with run_dir_lock(run_dir, "SLURM job 42", say=notes.append):
+                pass
+        assert refused.value.field == "output_dir"
+        assert (
+            f"{run_dir} is in use by a live run: SLURM job 41 (dplaunch pid {os.getpid()} on "
+            f"{socket.gethostname()}), since "
+        ) in refused.value.problem
+        with run_dir_lock(run_dir, "SLURM job 41", say=notes.append):  # node 1 of the same job
+            pass
+        assert (run_dir / RUN_LOCK_FILE).exists()  # still the first process's
+    assert not run_dir.exists() and notes == []
+
+
+def test_a_lock_left_by_a_run_that_is_gone_is_taken_over_with_a_note(tmp_path):
+    from dplaunch.errors import UserError
+    from dplaunch.launching.rundir import LOCK_STALE_SECONDS, run_dir_lock
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    host, now = socket.gethostname(), time.time()
+    gone = [
+        ("a pid that has ended", ended.pid, host, now - 60),
+        # a live pid that started after the lock was written: not the process that wrote it
+        ("a pid used again", os.getpid(), host, psutil.Process().create_time() - 60),
+    ]
+    for case, pid, where, since in gone:
+        run_dir, notes = tmp_path / case, []
+        lock = write_lock(run_dir, "job A", pid, where, since)
+        with run_dir_lock(run_dir, "job B", say=notes.append):
+            assert json.loads(lock.read_text())["pid"] == os.getpid(), case
+        assert len(notes) == 1 and notes[0].startswith(
+            f"dplaunch: took over {lock} from a run that is gone: job A (dplaunch pid {pid} on"
+        ), (case, notes)
+        assert not lock.exists()
+    # another host's lock: alive while its owner touches it, gone when nobody has for long
+    lock = write_lock(tmp_path / "shared", "job A", 1, "node-elsewhere", now)
+    with pytest.raises(UserError, match="in use by a live run: job A"):
+        with run_dir_lock(tmp_path / "shared", "job B", say=print):
+            pass
+    os.utime(lock, (now - LOCK_STALE_SECONDS - 60,) * 2)
+    notes = []
+    with run_dir_lock(tmp_path / "shared", "job B", say=notes.append):
+        pass
+    assert len(notes) == 1 and "node-elsewhere" in notes[0]
+    # the same job, requeued after its dplaunch died: it takes its own lock back, silently
+    lock = write_lock(tmp_path / "requeued", "SLURM job 7", ended.pid, host, now - 60)
+    notes = []
+    with run_dir_lock(tmp_path / "requeued", "SLURM job 7", say=notes.append):
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+    assert notes == []
+
+
+def test_the_lock_is_keyed_to_the_job_that_every_launcher_names_the_same_way():
+    """SLURM's nodes and requeues, a torchrun or Kubernetes job's pods, a launcher's own job id
+    (DPLAUNCH_JOB_ID, set by dplaunch's Ray and Kubernetes launchers) share the key; nodes
+    started by hand share their rendezvous; a single-node run is its dplaunch process."""
+    from dplaunch.launching.rundir import job_identity
+    from tests.helpers import plan_for
+
+    one, two = (
+        plan_for(gpus=2, render_only=True),
+        plan_for(gpus=16, render_only=True, nodes=2, master_addr="10.0.0.1", master_port=29400),
+    )
+    assert job_identity(one, {"DPLAUNCH_JOB_ID": "ray-7", "SLURM_JOB_ID": "5"}) == "job ray-7"
+    assert job_identity(two, {"SLURM_JOB_ID": "5", "TORCHELASTIC_RUN_ID": "r"}) == "SLURM job 5"
+    assert job_identity(two, {"TORCHELASTIC_RUN_ID": "r"}) == "torchrun job r"
+    # torchrun's --rdzv-id when none was given names no job
+    assert job_identity(two, {"TORCHELASTIC_RUN_ID": "none"}) == (
+        "the job of rendezvous 10.0.0.1:29400"
+    )
+    assert job_identity(one, {}) == f"dplaunch pid {os.getpid()} on {socket.gethostname()}"
+
+
 # --- no orphans, whatever dies ---------------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ time (the same hook's file-size limit).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from safetensors.torch import load_file
 
 from dplaunch.launching import restarts
 from dplaunch.launching.restarts import Failure, NodeAgreement, restart_verdict
+from dplaunch.run_directory.layout import RUN_LOCK_FILE
 from tests.helpers import (
     DDP,
     FAULT,
@@ -36,18 +38,20 @@ from tests.helpers import (
     rank_pids,
     read_metrics,
     refusal_line,
+    run_cli,
     start_train,
     train,
     wait_while_running,
 )
 
 EVERY_2 = ("--set", "train.checkpoint_every=2")
+ZERO_2 = ("--cpu", "--gpus", "2", "--zero", "2")
 KILLED = "was killed by signal 9 (SIGKILL)"
 
 
-def kill_rank_during_save(run: Path, rank: int, process, after: float = 0.0) -> None:
-    """kill -9 of ``rank`` while checkpoint step 4 is being written (the hook sleeps there)."""
-    marker = run / "checkpoints" / ".tmp-step-4" / "random_states_1.pkl"
+def kill_rank_during_save(run: Path, rank: int, process, after: float = 0.0, step: int = 4) -> None:
+    """kill -9 of ``rank`` while checkpoint STEP is being written (the hook sleeps there)."""
+    marker = run / "checkpoints" / f".tmp-step-{step}" / "random_states_1.pkl"
 
     def saving() -> bool:
         try:
@@ -55,7 +59,7 @@ def kill_rank_during_save(run: Path, rank: int, process, after: float = 0.0) -> 
         except OSError:
             return False
 
-    wait_while_running(saving, "the step-4 save", process, timeout=400)
+    wait_while_running(saving, f"the step-{step} save", process, timeout=400)
     os.kill(rank_pids(run)[rank], signal.SIGKILL)
 
 
@@ -108,28 +112,58 @@ def test_node_0_decides_for_every_node_from_the_first_failure(tmp_path):
 # --- real ranks ---------------------------------------------------------------------------------
 
 
+def records_after(run: Path, kind: str, since: int) -> list[dict]:
+    """RUN's metrics records of KIND written after its SINCE-th restart record."""
+    found, restarts_seen = [], 0
+    for record in read_metrics(run):
+        restarts_seen += record["type"] == "restart"
+        if record["type"] == kind and restarts_seen == since:
+            found.append(record)
+    return found
+
+
+def launch_trained(run: Path, restarts_done: int, step: int = 0) -> bool:
+    """The launch after RESTARTS_DONE restarts has logged a step past STEP."""
+    with contextlib.suppress(OSError, ValueError):
+        return any(r["step"] > step for r in records_after(run, "train", restarts_done))
+    return False
+
+
 @pytest.mark.multiprocess
-def test_a_killed_rank_is_restarted_from_the_newest_checkpoint_and_ends_bit_identical(
+def test_one_zero2_run_survives_kills_of_two_ranks_and_ends_with_the_straight_runs_losses(
     tmp_path,
     run_file,
 ):
+    """Faults one after another in one ZeRO-2 run, each costing a restart from the newest
+    checkpoint: kill -9 of rank 1 while checkpoint step 4 is written, then of rank 0 in a step.
+    The run ends with the straight run's per-step losses and weights, bit for bit; a second run
+    into its directory meanwhile is refused (the frozen rank's timeout and restart:
+    test_reliability)."""
     straight = tmp_path / "straight"
-    train(straight, *DDP, *EVERY_2, config=run_file)
+    train(straight, *ZERO_2, *EVERY_2, config=run_file)
     run = tmp_path / "run"
-    # max_restarts 1: kill -9 of rank 1 while step 4 is saved; the job restarts from step 2
     process = start_train(
-        run_file, run, *DDP, *EVERY_2, "--max-restarts", "1", **{FAULT: "4:sleep=4"}
+        run_file, run, *ZERO_2, *EVERY_2, "--max-restarts", "8", **{FAULT: "4:sleep=2"}
     )
     kill_rank_during_save(run, 1, process)
+    # a second run into the directory while this one lives: refused, in one line
+    second = run_cli("train", run_file, "-o", run, *ZERO_2, "--resume", "auto")
+    refusal_line(second, "output_dir", f"{run} is in use by a live run: dplaunch pid")
+    wait_while_running(lambda: restart_records(run), "restart 1", process)
+    wait_while_running(lambda: launch_trained(run, 1), "step 3 after restart 1", process)
+    os.kill(rank_pids(run)[0], signal.SIGKILL)
     code, log = finish_train(process, run, timeout=600)
     assert code == 0, log[-4000:]
-    assert "dplaunch: restart 1 of 1 (launch.max_restarts) in 2 s, from checkpoint step 2" in log
-    assert "finished after 1 automatic restart(s)" in log
-    (record,) = restart_records(run)
-    assert (record["restart"], record["checkpoint_step"]) == (1, 2)
-    assert KILLED in record["cause"] and record["time"] > 0
+    assert "dplaunch: restart 1 of 8 (launch.max_restarts) in 2 s, from checkpoint step 2" in log
+    assert "dplaunch: restart 2 of 8 (launch.max_restarts) in 4 s, from checkpoint step 2" in log
+    assert "finished after 2 automatic restart(s)" in log
+    records = restart_records(run)
+    assert [(r["restart"], r["checkpoint_step"]) for r in records] == [(1, 2), (2, 2)]
+    assert [r["cause"][:8] for r in records] == ["[rank 1]", "[rank 0]"], records
+    assert all(KILLED in r["cause"] and r["time"] > 0 for r in records), records
     summary = [r for r in read_metrics(run) if r["type"] == "summary"]
-    assert [s["restarts"] for s in summary] == [1]
+    assert [s["restarts"] for s in summary] == [2]
+    assert not (run / RUN_LOCK_FILE).exists()  # the lock went with the job
     assert losses_by_step(run) == losses_by_step(straight)
     restarted, uninterrupted = (
         load_file(str(d / "model" / "model.safetensors")) for d in (run, straight)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shlex
@@ -120,11 +121,7 @@ def run_train(
     START_OVER: with --resume auto, train from step 0 when no checkpoint of the run verifies.
     """
     from dplaunch.launching.prepare import prepare_training_run
-    from dplaunch.launching.preview import print_prepared
-    from dplaunch.launching.resume import plan_resume, resume_file_text
-    from dplaunch.launching.rundir import check_run_dir
     from dplaunch.requirements import check_installed_versions
-    from dplaunch.run_directory.files import clear_stop_record, read_stop_record
 
     if start_over and resume != "auto":
         raise UserError(
@@ -135,6 +132,31 @@ def run_train(
         )
     check_installed_versions()
     prepared = prepare_training_run(flags)
+    with _run_dir_held(prepared, dry_run=dry_run):
+        return _train_prepared(
+            flags, prepared, dry_run=dry_run, resume=resume, start_over=start_over
+        )
+
+
+def _run_dir_held(prepared: PreparedRun, *, dry_run: bool) -> contextlib.AbstractContextManager:
+    """The run directory's lock for this job while it is written (a dry run writes nothing)."""
+    from dplaunch.launching.rundir import job_identity, run_dir_lock
+
+    if dry_run:
+        return contextlib.nullcontext()
+    say = functools.partial(typer.echo, err=True)
+    return run_dir_lock(prepared.run_dir, job_identity(prepared.plan), say=say)
+
+
+def _train_prepared(
+    flags: RunFlags, prepared: PreparedRun, *, dry_run: bool, resume: str | None, start_over: bool
+) -> int:
+    """run_train from the prepared run on: resume, (print | write), start and supervise."""
+    from dplaunch.launching.preview import print_prepared
+    from dplaunch.launching.resume import plan_resume, resume_file_text
+    from dplaunch.launching.rundir import check_run_dir
+    from dplaunch.run_directory.files import clear_stop_record, read_stop_record
+
     disk_line = check_run_dir(prepared.run_dir, resuming=resume is not None)
     relaunch = _srun_relaunch(prepared)
     if relaunch is not None:  # a SLURM job outside an srun step: one launcher per node
@@ -506,18 +528,19 @@ def run_launch(
             "dplaunch launch cannot know where a script of its own resumes",
             "drop it here (it works with `dplaunch train`)",
         )
-    # a script's run directory holds only dplaunch's files: launching into it again is fine
-    disk_line = check_run_dir(prepared.run_dir, resuming=True)
-    relaunch = _srun_relaunch(prepared)
-    if relaunch is not None:
-        from dplaunch.commands.slurm import run_under_srun
+    with _run_dir_held(prepared, dry_run=dry_run):
+        # a script's run directory holds only dplaunch's files: launching into it again is fine
+        disk_line = check_run_dir(prepared.run_dir, resuming=True)
+        relaunch = _srun_relaunch(prepared)
+        if relaunch is not None:
+            from dplaunch.commands.slurm import run_under_srun
 
-        return run_under_srun(prepared, relaunch, dry_run=dry_run)
-    print_prepared(prepared, show_files=dry_run)
-    if dry_run:
-        return 0
-    typer.echo(f"run directory: {prepared.run_dir} ({disk_line})")
-    return start(prepared)
+            return run_under_srun(prepared, relaunch, dry_run=dry_run)
+        print_prepared(prepared, show_files=dry_run)
+        if dry_run:
+            return 0
+        typer.echo(f"run directory: {prepared.run_dir} ({disk_line})")
+        return start(prepared)
 
 
 def _prepare_launch(flags: RunFlags, script: list[str], framework: Framework) -> PreparedRun:

@@ -17,6 +17,9 @@ SUPERVISOR_PID_ENV = "DPLAUNCH_SUPERVISOR_PID"
 TIMEOUT_MINUTES_ENV = "DPLAUNCH_TIMEOUT_MINUTES"
 # how many automatic restarts (launch.max_restarts) came before this launch
 RESTARTS_ENV = "DPLAUNCH_RESTARTS"
+# the job a `dplaunch train` belongs to, set by a launcher that starts one dplaunch per node or
+# pod (Ray, Kubernetes): the key of the run directory's lock (launching/rundir.py job_identity)
+JOB_ID_ENV = "DPLAUNCH_JOB_ID"
 # set by `dplaunch train` for its ranks when its own output is an interactive terminal: the
 # terminal's width in columns. Unset (a file, a pipe, a SLURM log): one line per logged step.
 PROGRESS_ENV = "DPLAUNCH_PROGRESS"

@@ -6,6 +6,7 @@
       accelerate.yaml       `accelerate launch --config_file` (accelerate-nodeR.yaml on node R > 0)
       launch.sh             the exact launch command (launch-nodeR.sh on node R > 0)
       resume.json           the checkpoint the ranks continue from (written by every `dplaunch train`)
+      dplaunch.lock         the live job writing here: its key, dplaunch's pid and host (removed at its end)
       stopped.json          why rank 0 stopped before the last step (read by `dplaunch train`)
       metrics.jsonl         one record per line, rank 0 only; tensorboard/ mirrors its scalars
       errors/rank-N.txt     the traceback of a failing rank
@@ -71,6 +72,8 @@ TRAINJOB_FILE = "trainjob.yaml"
 PYTORCHJOB_FILE = "pytorchjob.yaml"
 # + the SLURM job id: the job's ranks checkpointed on the time-limit signal, so requeue it
 REQUEUE_MARK_PREFIX = ".requeue-"
+# held while a job writes the run directory: a second job is refused (launching/rundir.py)
+RUN_LOCK_FILE = "dplaunch.lock"
 # files a finished or running training run leaves; their presence means "this is a run"
 RUN_MARKERS = (METRICS_FILE, CHECKPOINTS_DIR)
 # where runs go without --output-dir: runs/NAME-YYYYmmdd-HHMMSS (relative to the working directory)
