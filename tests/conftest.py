@@ -39,6 +39,8 @@ REAL_START_FILES = frozenset(
         "test_cli.py",
         "test_estimate.py",
         "test_forecast.py",
+        # Ray's workers start the ranks themselves; a rank must be its worker's child
+        "test_ray.py",
         "test_reliability.py",
         "test_slurm_cluster.py",
         "test_tensorflow_launch.py",

@@ -35,7 +35,7 @@ from tests.helpers import (
 RAY = Path(sys.executable).with_name("ray")
 # the killed run saves every 2 steps; step 4's save waits this long between its write and its
 # commit, in every attempt: the window in which the test kills a worker
-SAVE_PAUSE_S = 4
+SAVE_PAUSE_S = 2
 
 
 def ray_node(*args: str, env: dict[str, str]) -> subprocess.Popen:
