@@ -162,4 +162,7 @@ def test_a_build_that_fails_is_one_line_naming_its_log_and_a_long_one_is_said(tm
     assert "DeepSpeed's nonexistent_op op did not build: KeyError" in refused.value.line()
     assert str(log) in refused.value.line() and log.is_file()
     assert said[0].startswith("dplaunch: building DeepSpeed's nonexistent_op op in")
+    # the measured build times (the first ZeRO run's shm op took 115 s where it said "about a
+    # minute"), and the progress lines that follow
+    assert f"{op_build.BUILD_TIME}; a line every 0.5 s until it is built)" in said[0]
     assert any(line.startswith("dplaunch: still building nonexistent_op (") for line in said)
