@@ -294,6 +294,25 @@ def test_a_stream_too_small_for_its_lanes_says_so(tokenizer, tmp_path):
         stream(tokenizer, source, packing=False).micro_batches(0)
 
 
+def test_a_bad_record_deep_in_a_stream_is_named_by_the_rank_whose_worker_read_it(
+    tokenizer, tmp_path
+):
+    # a data loader worker's error reaches the rank wrapped by torch ("Caught ValueError in
+    # DataLoader worker process 0. Original Traceback …"): the rank's line lost the record
+    source = tmp_path / "texts.jsonl"
+    lines = [json.dumps({"text": f"review {i}"}) for i in range(60)]
+    lines[36] = "{not json"
+    source.write_text("\n".join(lines) + "\n")
+    batcher = stream(tokenizer, source, packing=False, num_workers=1)
+    with pytest.raises(ValueError) as failed:
+        for step in range(8):
+            batcher.micro_batches(step)
+    assert str(failed.value).startswith(f"record 37 of {source} is not JSON: ")
+    # the worker's own traceback is kept, for the rank's error file
+    (note,) = failed.value.__notes__
+    assert "in the data loader's worker 0:" in note and "parse_raw" in note
+
+
 def test_the_cached_path_reads_globs_and_compressed_files_and_keeps_file_order(
     tokenizer, corpus, tmp_path
 ):

@@ -363,7 +363,39 @@ class LaneDataset(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         worker = 0 if info is None else info.id
         lanes = LaneWorker(self.layout, self.chunks[worker], self.encode, self.state)
-        return lanes.steps(self.first_step)
+        if info is None:
+            return lanes.steps(self.first_step)
+        return _handed_over(lanes.steps(self.first_step), worker)
+
+
+# a worker's step that holds its data error instead (WORKER_ERROR: the message, the traceback)
+WORKER_ERROR = "worker_error"
+
+
+def _handed_over(steps: Iterator[dict[str, Any]], worker: int) -> Iterator[dict[str, Any]]:
+    """A worker's steps; a record it cannot use (a ValueError: not JSON, a label that is no
+    class, a pair the template cannot render) ends them with a step that holds the error, which
+    the rank raises as its own (worker_error). torch would wrap it in "Caught ValueError in
+    DataLoader worker process 0. Original Traceback …", and the rank's one line, cut at a few
+    hundred characters, would lose the record's name."""
+    import traceback
+
+    try:
+        yield from steps
+    except ValueError as error:
+        where = f"in the data loader's worker {worker}:\n" + "".join(
+            traceback.format_exception(error)
+        )
+        yield {WORKER_ERROR: (str(error), where)}
+
+
+def worker_error(part: dict[str, Any]) -> None:
+    """Raise the data error a worker's step holds, with the worker's traceback as its note."""
+    if WORKER_ERROR in part:
+        message, where = part[WORKER_ERROR]
+        error = ValueError(message)
+        error.add_note(where)
+        raise error
 
 
 def _as_is(item: Any) -> Any:
@@ -485,6 +517,7 @@ class StreamBatcher:
         lanes: dict[str, Any] = {}
         groups: dict[str, list] = {}
         for part in parts:
+            worker_error(part)
             assert part["step"] == step, (part["step"], step)
             samples.update(part["samples"])
             lanes.update(part["state"]["lanes"])
