@@ -18,6 +18,7 @@ from dplaunch.cluster.environments import detect_job
 from dplaunch.cluster.jobs import launch_for_job
 from dplaunch.config.schema import LaunchConfig
 from dplaunch.errors import UserError
+from dplaunch.run_directory.environment import JOB_ID_ENV
 from tests.conftest import COMPARISON_FLAGS
 from tests.helpers import (
     REPO,
@@ -78,6 +79,8 @@ def test_8_gpus_on_2_nodes_is_a_trainjob_of_2_pods_of_4_that_validates(tmp_path)
     assert trainer["resourcesPerNode"] == {"limits": {"nvidia.com/gpu": 4}}
     # the Trainer's webhook refuses a TrainJob whose env sets the runtime's own variables
     assert not [env for env in trainer["env"] if env["name"].startswith("PET_")]
+    # every pod is of one job for the run directory's lock, a pod started again too
+    assert {"name": JOB_ID_ENV, "value": "trainjob/default/tiny-llama"} in trainer["env"]
     command = trainer["command"]
     assert command[:3] == ["dplaunch", "train", "/etc/dplaunch/tiny-llama.yaml"]
     assert command[-4:] == ["--output-dir", "/runs/tiny-llama", "--resume", "auto"]

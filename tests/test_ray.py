@@ -158,6 +158,12 @@ def test_a_killed_worker_is_restarted_by_ray_and_the_run_ends_as_the_straight_on
     assert saving.exists() and rank is not None, "no save of step 4 in progress"
     worker = rank.parent()  # the Ray worker (a RayTrainWorker actor) that runs rank 1
     worker.kill()
+    # meanwhile the run directory is this job's: another `dplaunch ray` into it is refused
+    second = run_cli(
+        "ray", TINY_LLAMA, "--cpu", "--gpus", "2", "--nodes", "2", *COMPARISON_FLAGS,
+        "--address", ray_cluster, "--resume", "auto", "-o", run_dir,
+    )  # fmt: skip
+    refusal_line(second, "output_dir", "in use by a live run", "dplaunch ray pid")
     output = job.communicate(timeout=600)[0]
     assert job.returncode == 0, output[-6000:]
     assert not psutil.pid_exists(rank.pid) or rank.status() == psutil.STATUS_ZOMBIE

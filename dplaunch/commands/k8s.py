@@ -20,6 +20,7 @@ import typer
 from dplaunch.commands.options import command
 from dplaunch.config.flags import RunFlags
 from dplaunch.errors import UserError
+from dplaunch.run_directory.environment import JOB_ID_ENV
 from dplaunch.run_directory.layout import PYTORCHJOB_FILE, RUN_FILE, TRAINJOB_FILE
 
 if TYPE_CHECKING:
@@ -225,8 +226,13 @@ def _pod_job(
         num_nodes=nodes,
         procs_per_node=per_node,
         cpu=cpu,
-        # dplaunch's own lines reach the pods' logs in order with the ranks' output
-        env={"PYTHONUNBUFFERED": "1"},
+        env={
+            # dplaunch's own lines reach the pods' logs in order with the ranks' output
+            "PYTHONUNBUFFERED": "1",
+            # the job every pod (and a pod started again) belongs to: they share the run
+            # directory's lock (launching/rundir.py job_identity)
+            JOB_ID_ENV: f"{options.kind}/{options.namespace}/{name}",
+        },
         run_file=run_file,
         run_file_name=Path(flags.config).name if flags.config is not None else RUN_FILE,
         pvc=options.pvc,

@@ -95,13 +95,28 @@ def run_ray(flags: RunFlags, options: RayOptions) -> int:
         _print_resume(choice, options.resume, set_aside=False)
         return 0
     typer.echo(f"run directory: {prepared.run_dir} ({disk_line})")
-    _print_resume(choice, options.resume, set_aside=True)
-    write_run_files(prepared.run_dir, prepared.files)
-    config = _worker_config(prepared, job, restarts.metrics_size(prepared.run_dir), point)
-    code = _fit(job, config)
+    with _run_dir_held(prepared):
+        _print_resume(choice, options.resume, set_aside=True)
+        write_run_files(prepared.run_dir, prepared.files)
+        config = _worker_config(prepared, job, restarts.metrics_size(prepared.run_dir), point)
+        code = _fit(job, config)
     if code == 0:
         typer.echo(result_line(prepared.run_dir))
     return code
+
+
+def _run_dir_held(prepared: PreparedRun) -> Any:
+    """The run directory's lock, held here while Ray's workers write it: the job is this
+    `dplaunch ray` (its workers and their restarts run inside it)."""
+    import functools
+    import socket
+
+    from dplaunch.launching.rundir import job_identity, run_dir_lock
+    from dplaunch.run_directory.environment import JOB_ID_ENV
+
+    driver = {JOB_ID_ENV: f"dplaunch ray pid {os.getpid()} on {socket.gethostname()}"}
+    job = job_identity(prepared.plan, driver)
+    return run_dir_lock(prepared.run_dir, job, say=functools.partial(typer.echo, err=True))
 
 
 def _prepare(flags: RunFlags, options: RayOptions) -> tuple[PreparedRun, RayJob]:
