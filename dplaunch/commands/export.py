@@ -16,6 +16,8 @@ wrote it) and writes the full weights with `save_pretrained` (safetensors), load
 
 from __future__ import annotations
 
+import contextlib
+import io
 import shutil
 import tempfile
 import time
@@ -216,9 +218,20 @@ def _quiet_export() -> None:
     transformers_logging.disable_progress_bar()
 
 
+def _full_weights(directory: Path, engine: str) -> dict:
+    """The checkpoint's whole tensors (export_weights.consolidated_state_dict). zero_to_fp32
+    print()s each step of joining a ZeRO checkpoint ("Processing zero checkpoint …",
+    "Reconstructed …"): that goes nowhere. Its problems are exceptions, and DeepSpeed's warnings
+    and logs go to stderr, left as they are."""
+    from dplaunch.train.export_weights import consolidated_state_dict
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return consolidated_state_dict(directory, engine)
+
+
 def export_checkpoint(directory: Path, config: object, engine: str, out: Path) -> None:
     """Build the run's model, load the checkpoint's full weights into it, save model + tokenizer."""
-    from dplaunch.train.export_weights import consolidated_state_dict, export_tokenizer
+    from dplaunch.train.export_weights import export_tokenizer
     from dplaunch.train.modeling import load_model
 
     tokenizer = export_tokenizer(config)
@@ -233,7 +246,7 @@ def export_checkpoint(directory: Path, config: object, engine: str, out: Path) -
 
         load_pipeline_layers(directory, model)
     else:
-        state = consolidated_state_dict(directory, engine)
+        state = _full_weights(directory, engine)
         missing, unexpected = model.load_state_dict(state, strict=False)
         # tied weights are stored once; anything else missing means a wrong checkpoint
         tied = set(getattr(model, "_tied_weights_keys", None) or [])
@@ -254,11 +267,11 @@ def export_lora_checkpoint(
 ) -> None:
     """A LoRA checkpoint's adapter, merged into the run's base built in the dtype it trained in
     under MIXED_PRECISION (the run's plan), or (ADAPTER) as a PEFT folder."""
-    from dplaunch.train.export_weights import consolidated_state_dict, export_tokenizer
+    from dplaunch.train.export_weights import export_tokenizer
     from dplaunch.train.lora_export import write_exports
 
     tokenizer = export_tokenizer(config)
-    state = consolidated_state_dict(directory, engine)
+    state = _full_weights(directory, engine)
     try:
         write_exports(
             config,
