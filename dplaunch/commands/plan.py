@@ -21,6 +21,7 @@ from dplaunch.config.flags import (
     Task,
 )
 from dplaunch.errors import UserError
+from dplaunch.planning.profiles import GPU_SHEETS
 
 if TYPE_CHECKING:
     from dplaunch.planning.candidates import Candidate
@@ -38,6 +39,7 @@ _WORKLOAD = "Workload"
 _FORECAST = "Forecast"
 # the classes of link between nodes the datasheet figures know (planning/profiles.py)
 Interconnect = Literal["infiniband", "ethernet"]
+IntraNode = Literal["nvlink", "pcie"]
 
 
 @dataclass
@@ -65,7 +67,8 @@ class PlanOptions:
         float | None,
         typer.Option(
             "--gpu-memory",
-            help="GiB of one GPU (default: launch.gpu_memory_gb, else nvidia-smi).",
+            help="GiB of one GPU (default: launch.gpu_memory_gb, else --gpu-type's datasheet, "
+            "else nvidia-smi).",
             rich_help_panel=PLAN_PANEL,
         ),
     ] = None
@@ -155,8 +158,9 @@ class PlanOptions:
         str | None,
         typer.Option(
             "--gpu-type",
-            help="The GPU to forecast for by its datasheet when no profile is known: H100, H200, "
-            "A100, L40S or V100 (default: nvidia-smi's).",
+            help="The GPU to plan for by its datasheet (its memory, and its rates when no "
+            f"profile is known): {', '.join(GPU_SHEETS)} (a size in the name, 'A100 40GB', "
+            "sets the memory), or a GPU calibrated here (default: nvidia-smi's).",
             rich_help_panel=_FORECAST,
         ),
     ] = None
@@ -165,6 +169,15 @@ class PlanOptions:
         typer.Option(
             "--interconnect",
             help="Between nodes, for the datasheet figures (default infiniband).",
+            rich_help_panel=_FORECAST,
+        ),
+    ] = None
+    intra_node: Annotated[
+        IntraNode | None,
+        typer.Option(
+            "--intra-node",
+            help="Between the GPUs of a node, for the datasheet figures (default: NVLink on SXM "
+            "boards, PCIe for PCIe and NVL cards, whose NVLink bridges join pairs).",
             rich_help_panel=_FORECAST,
         ),
     ] = None
@@ -341,6 +354,7 @@ def resolve_setting(options: PlanOptions) -> PlanSetting:
         raise UserError(
             "--model", "a run file already names the model", "give either CONFIG or --model"
         )
+    check_gpu_type(options)
     launch, max_steps = None, options.max_steps
     if options.model is not None:
         facts, label, workload = _from_model(options)
@@ -391,6 +405,10 @@ def _memory(options: PlanOptions, launch: Any, cpu: bool, per_node: int) -> tupl
         host = host_memory_gb()
         if host is not None:
             memory, source = host / per_node, f"the host's RAM / {per_node} CPU ranks"
+    if memory is None and options.gpu_type is not None:
+        from dplaunch.planning.profiles import gpu_memory_gb
+
+        memory, source = gpu_memory_gb(options.gpu_type), f"--gpu-type {options.gpu_type}"
     if memory is None:
         from dplaunch.launching.devices import smallest_gpu_memory_gb
 
@@ -419,7 +437,26 @@ def _profile(
     else:
         device = options.gpu_type or next((gpu.name for gpu in visible_gpus()), None)
     path = options.profile or (Path(launch.profile) if launch and launch.profile else None)
-    return choose_profile(device, per_node, nodes, path=path, interconnect=options.interconnect)
+    return choose_profile(
+        device,
+        per_node,
+        nodes,
+        path=path,
+        interconnect=options.interconnect,
+        intra=options.intra_node,
+    )
+
+
+def check_gpu_type(options: PlanOptions) -> None:
+    """Refuse a --gpu-type that no datasheet and no calibration here knows (it would be ignored)."""
+    from dplaunch.planning.profiles import known_device
+
+    if options.gpu_type is not None and not known_device(options.gpu_type):
+        raise UserError(
+            "--gpu-type",
+            f"{options.gpu_type!r} has no datasheet and no profile calibrated here",
+            f"one of {', '.join(GPU_SHEETS)}, or run `dplaunch calibrate` on it",
+        )
 
 
 def _short(count: int) -> str:
@@ -479,8 +516,8 @@ def forecast_lines(setting: PlanSetting) -> list[str]:
         how = (
             "run `dplaunch calibrate --cpu --gpus N` on this machine"
             if setting.target == "cpu"
-            else "run `dplaunch calibrate` on the GPUs, or give --gpu-type (H100, H200, A100, "
-            "L40S, V100)"
+            else "run `dplaunch calibrate` on the GPUs, or give --gpu-type "
+            f"({', '.join(GPU_SHEETS)})"
         )
         return [f"no forecast: no profile of these {devices} ({how}, or --profile FILE)"]
     steps = (
