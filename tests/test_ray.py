@@ -225,3 +225,18 @@ def test_what_ray_decides_or_cannot_place_is_one_line(tmp_path, args, field):
     result = run_cli("ray", TINY_LLAMA, "--gpus", "8", *args, "-o", tmp_path / "run")
     refusal_line(result, field)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_command_line_imports_neither_ray_nor_the_kubernetes_client():
+    probe = (
+        "import sys\n"
+        "from dplaunch.cli import main\n"
+        "for argv in (['--help'], ['ray', '--help'], ['k8s', '--help']):\n"
+        "    sys.argv = ['dplaunch', *argv]\n"
+        "    try:\n        main()\n    except SystemExit:\n        pass\n"
+        "print('LOADED', sorted({'ray', 'kubernetes', 'torch'} & set(sys.modules)))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=child_environment()
+    )
+    assert result.stdout.splitlines()[-1] == "LOADED []", result.stderr[-2000:]

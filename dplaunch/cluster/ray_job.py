@@ -26,7 +26,7 @@ class RayJob:
     # CPUs each worker (rank) asks Ray for
     cpus_per_worker: float
     max_failures: int
-    # ray.init's address: None starts a local cluster (or uses RAY_ADDRESS)
+    # ray.init's address; None: RAY_ADDRESS, a cluster `ray start` runs here, else a new local one
     address: str | None = None
 
     @property
@@ -68,9 +68,11 @@ class RayJob:
     def describe(self) -> list[str]:
         """The Ray objects `dplaunch ray` creates, as Python would write them (--dry-run)."""
         scaling = ", ".join(f"{key}={value!r}" for key, value in self.scaling_config().items())
-        address = repr(self.address) if self.address else "None (RAY_ADDRESS, else a local cluster)"
+        init = f"ray.init(address={self.address!r})"
+        if not self.address:  # ray.init's own rule
+            init += "  # RAY_ADDRESS, else a `ray start` cluster of this machine, else a new one"
         return [
-            f"ray.init(address={address})",
+            init,
             f"ScalingConfig({scaling})",
             f"RunConfig(name={self.name!r}, storage_path={self.storage_path!r}, "
             f"failure_config=FailureConfig(max_failures={self.max_failures}))",

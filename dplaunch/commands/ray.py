@@ -35,8 +35,9 @@ class RayOptions:
         str | None,
         typer.Option(
             "--address",
-            help="The Ray cluster (ray.init's address, e.g. ray://head:10001 or head:6379; "
-            "default RAY_ADDRESS, else a local cluster started for the run).",
+            help="The Ray cluster (ray.init's address, e.g. head:6379 or ray://head:10001; "
+            "default: RAY_ADDRESS, else a cluster `ray start` runs on this machine, else a "
+            "local one started for the run).",
             rich_help_panel=_RAY,
         ),
     ] = None

@@ -98,13 +98,14 @@ STACKS_REQUEST_FILE = "dump-stacks.request"
 NCCL_TRACE_FILE_PREFIX = "nccl-trace-rank-"
 # `dplaunch doctor`'s write test in the run directory (+ host name and pid), removed after it
 DOCTOR_PROBE_PREFIX = ".doctor-write-"
-# `dplaunch doctor` and `dplaunch calibrate`: the run directory without -o (runs/doctor,
-# runs/calibrate), the folder their ranks run in (RUN/doctor/, RUN/calibrate/) and the file
-# their ranks report to
+# `dplaunch doctor` and `dplaunch calibrate`: the folder their ranks run in (RUN/doctor/,
+# RUN/calibrate/; without -o runs/doctor, and calibrate's in the user's cache) and the file
+# their ranks report to; calibrate keeps its ranks' output in a log
 DOCTOR_DIR = "doctor"
 DOCTOR_RESULT_FILE = "all-reduce.json"
 CALIBRATE_DIR = "calibrate"
 CALIBRATE_RESULT_FILE = "measurements.json"
+CALIBRATE_LOG_FILE = "ranks.log"
 
 # inside RUN/checkpoints/
 LATEST_FILE = "latest"
