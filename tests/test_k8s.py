@@ -65,8 +65,15 @@ def launch(**values) -> LaunchConfig:
 # ---------------------------------------------------------------- what `dplaunch k8s` writes
 
 
-def test_8_gpus_on_2_nodes_is_a_trainjob_of_2_pods_of_4_that_validates(tmp_path):
-    configmap, trainjob = write_manifests(tmp_path, "--gpus", "8", "--nodes", "2", "--pvc", "rwx")
+@pytest.fixture(scope="module")
+def trainjob_of_8_gpus(tmp_path_factory) -> list[dict]:
+    """The ConfigMap and TrainJob of the tiny Llama on 8 GPUs in 2 pods."""
+    folder = tmp_path_factory.mktemp("k8s")
+    return write_manifests(folder, "--gpus", "8", "--nodes", "2", "--pvc", "rwx")
+
+
+def test_8_gpus_on_2_nodes_is_a_trainjob_of_2_pods_of_4_that_validates(trainjob_of_8_gpus):
+    configmap, trainjob = trainjob_of_8_gpus
     jsonschema.validate(trainjob, schema("trainjob.v1alpha1.json"))
     assert (trainjob["apiVersion"], trainjob["kind"]) == (
         "trainer.kubeflow.org/v1alpha1",
@@ -98,9 +105,9 @@ def test_8_gpus_on_2_nodes_is_a_trainjob_of_2_pods_of_4_that_validates(tmp_path)
     assert mounts["/etc/dplaunch"] == "run-file" and mounts["/runs"] == "runs"
 
 
-def test_the_schema_catches_a_misspelt_field_and_a_name_that_is_no_dns_label(tmp_path):
+def test_the_schema_catches_a_misspelt_field_and_a_name_that_is_no_dns_label(trainjob_of_8_gpus):
     # the check above can fail: the derived schema refuses what the API server refuses
-    _, trainjob = write_manifests(tmp_path, "--gpus", "2")
+    _, trainjob = trainjob_of_8_gpus
     misspelt = json.loads(json.dumps(trainjob))
     misspelt["spec"]["trainer"]["numProcsPerNode"] = 2
     renamed = json.loads(json.dumps(trainjob))
