@@ -313,6 +313,55 @@ def test_a_bad_record_deep_in_a_stream_is_named_by_the_rank_whose_worker_read_it
     assert "in the data loader's worker 0:" in note and "parse_raw" in note
 
 
+def test_the_bad_records_line_is_named_when_torchrun_times_a_kill_to_the_same_second(tmp_path):
+    # rank 1 reports the record; torchrun, closing the job, SIGKILLs rank 0 and gives both
+    # failures the same whole second: the kill (counted a second earlier, as a death that causes
+    # the others' connection errors) was named instead, and the record's line was lost
+    import datetime
+    import time
+
+    from dplaunch.launching.process import RankWatch
+
+    errors = tmp_path / "errors"
+    record = f"[rank 1] ValueError: record 50000 of big.jsonl is not JSON (traceback: {errors}/rank-1.txt)"
+    peer = record.replace(
+        "ValueError: record 50000 of big.jsonl is not JSON",
+        "RuntimeError: Connection reset by peer",
+    )
+
+    def last_line_after(line: str) -> str:
+        watch = RankWatch(errors)
+        assert watch.filter(line) == []  # held back for the end
+        # torchrun's report, its times whole seconds taken after the line: the same second
+        second = datetime.datetime.fromtimestamp(int(time.time())).strftime("%Y-%m-%d_%H:%M:%S")
+        report = [
+            "Traceback (most recent call last):",
+            '  File "accelerate", line 1, in <module>',
+            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+            "=" * 60,
+            "dplaunch.train FAILED",
+            "-" * 60,
+            "Failures:",
+            "[1]:",
+            f"  time      : {second}",
+            "  rank      : 1 (local_rank: 1)",
+            "  exitcode  : 1 (pid: 4243)",
+            "-" * 60,
+            "Root Cause (first observed failure):",
+            "[0]:",
+            f"  time      : {second}",
+            "  rank      : 0 (local_rank: 0)",
+            "  exitcode  : -9 (pid: 4242)",
+            "=" * 60,
+        ]
+        assert [watch.filter(each) for each in report] == [[]] * len(report)
+        return watch.report(1, tmp_path)[-1]
+
+    assert last_line_after(record) == record
+    # a rank that only lost its peer still follows the death that caused it
+    assert last_line_after(peer).startswith("[rank 0] was killed by signal 9 (SIGKILL)")
+
+
 def test_the_cached_path_reads_globs_and_compressed_files_and_keeps_file_order(
     tokenizer, corpus, tmp_path
 ):

@@ -595,9 +595,7 @@ class RankWatch:
                 return None
             line = f"[rank {root.rank}] exited with status {root.exitcode} (its output is above)"
             return root.rank, time.time(), line
-        # torchrun's times are whole seconds, taken when it noticed the death: count a death as up
-        # to a second earlier, so that it wins over the errors it caused in the other ranks
-        when, _, rank, line = min(candidates, key=lambda c: (c[0] if c[1] else c[0] - 1, c[1]))
+        when, _, rank, line = _cause(candidates)
         return rank, when, line
 
     def _error_files(self) -> list[tuple[int, Path, float]]:
@@ -610,6 +608,31 @@ class RankWatch:
                 if rank is not None and when >= self.started - 1:
                     found.append((rank, path, when))
         return found
+
+
+# a rank's error that another rank's death causes: its collective lost the peer, or waited for it
+PEER_LOST_RE = re.compile(
+    r"connection (reset|closed|refused)|broken pipe|peer|socket|gloo|nccl|timed out|timeout",
+    re.IGNORECASE,
+)
+
+
+def _cause(candidates: list[tuple[float, int, int, str]]) -> tuple[float, int, int, str]:
+    """The first of CANDIDATES (time, 1 for a rank's own error or 0 for a death by a signal, rank,
+    line). torchrun's times are whole seconds, taken when it noticed the death: a death counts as
+    up to a second earlier, so that it wins over the errors it caused in the other ranks (a lost
+    peer, a timeout). An error of a rank's own (a record that is not JSON) causes none of them:
+    within that second it is the cause, and the death a consequence (torchrun's kill of the
+    ranks left after a failure, which it may time to the same second)."""
+    first = min(candidates, key=lambda c: (c[0] if c[1] else c[0] - 1, c[1]))
+    if first[1]:
+        return first
+    own = [
+        c
+        for c in candidates
+        if c[1] and c[0] < first[0] + 1 and not PEER_LOST_RE.search(gist(c[3]))
+    ]
+    return min(own) if own else first
 
 
 def gist(line: str) -> str:
