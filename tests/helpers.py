@@ -598,6 +598,57 @@ def plan_for(gpus=None, visible=0, render_only=False, model=None, **kwargs):
     )
 
 
+def synthetic_profile(device: str = "CPU test", per_node: int = 2, **changes: Any):
+    """A hardware profile of round numbers for in-process forecasts: one dense and one attention
+    rate, every collective 200 µs + 1 GB/s, no overlap, no measured overheads (``changes``: any
+    field, e.g. dense=…, overheads=…)."""
+    import dataclasses
+
+    from dplaunch.planning.profiles import (
+        CALIBRATED,
+        OPS,
+        AttentionPoint,
+        DensePoint,
+        Link,
+        Profile,
+    )
+
+    dtypes = ("fp32", "bf16")
+    profile = Profile(
+        device=device,
+        devices_per_node=per_node,
+        nodes=1,
+        interconnect="shared memory",
+        source=CALIBRATED,
+        peak_flops=dict.fromkeys(dtypes, 1e11),
+        dense=tuple(DensePoint(dtype, 256, 256, 5e10) for dtype in dtypes),
+        attention=tuple(AttentionPoint("sdpa", dtype, 128, 2e10) for dtype in dtypes),
+        collectives={"intra": {op: Link(2e-4, 1e9) for op in OPS}},
+        overlap=0.0,
+        optimizer_s_per_param=2e-9,
+        cpu_adam_s_per_param=1e-9,
+        host_device_bytes_per_s=5e9,
+    )
+    return dataclasses.replace(profile, **changes)
+
+
+def llama_facts(hidden: int, layers: int, heads: int = 4) -> ModelFacts:
+    """The facts of a Llama of HIDDEN × LAYERS (the byte-level vocabulary, untied head)."""
+    return ModelFacts.from_config_dict(
+        {
+            "model_type": "llama",
+            "hidden_size": hidden,
+            "intermediate_size": hidden * 8 // 3 // 8 * 8,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": heads,
+            "vocab_size": 259,
+            "max_position_embeddings": 1024,
+            "tie_word_embeddings": False,
+        }
+    )
+
+
 def ranks(dp: int = 1, tp: int = 1, pp: int = 1, sp: int = 1, **layout: Any):
     """The layout of dp × tp × pp (× sp) ranks on one node, as the estimate takes it."""
     from dplaunch.planning.rules import ParallelDims

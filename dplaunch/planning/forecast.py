@@ -25,15 +25,23 @@ below with the formula in its docstring:
   its weight and gradient shards through the host link every micro-batch, torch's AdamW over
   its partition on the host;
 - **optimizer** (:func:`optimizer_seconds`): AdamW over the parameters this rank updates, on its
-  device (none when offloaded: the host steps them).
+  device (none when offloaded: the host steps them);
+- **overhead** (:class:`Overheads`, :func:`overhead_seconds`): what the engine spends besides
+  its FLOPs and collectives — every op's dispatch (a GPU's kernel launches), DeepSpeed's and
+  FSDP2's hooks around each tensor, ZeRO-1/2's gradient copies, Ulysses' permuted copies around
+  its all-to-alls, the loop's own work per step — as counts of the layout (tensors, bytes,
+  micro-batches, exchanges) × the seconds per unit `dplaunch calibrate` measured for the engine
+  family in short real steps (planning/overhead_fit.py), or DEFAULT_OVERHEADS.
 
 MFU is the model's FLOPs of the step (no recomputation) over step time × ranks × peak FLOP/s.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from dplaunch.planning.estimate import (
@@ -47,7 +55,7 @@ from dplaunch.planning.estimate import (
 from dplaunch.planning.lora import Module, adapted_modules, model_modules
 from dplaunch.planning.mesh import Mesh, fsdp_groups
 from dplaunch.planning.model_facts import ModelFacts, attention_implementation
-from dplaunch.planning.profiles import DTYPES, Profile
+from dplaunch.planning.profiles import DTYPES, GPU_SHEETS, Profile, gpu_sheet_name
 from dplaunch.planning.workload import LoraSpec, Workload
 
 if TYPE_CHECKING:
@@ -68,7 +76,42 @@ PIPELINE_META_BYTES = 256 * 4
 # 2026-12-07); `dplaunch calibrate` measures only the GPU's fused AdamW and the CPU Adam
 TORCH_ADAMW_OVER_CPU_ADAM = 6.0
 # a term of the forecast, for the end-of-run "most wrong term"
-TERMS = ("compute", "communication", "bubble", "offload", "optimizer")
+TERMS = ("compute", "communication", "bubble", "offload", "optimizer", "overhead")
+
+
+# ---------------------------------------------------------------------------------------------
+# the model's structure, once per model: the tuner forecasts hundreds of (layout, micro-batch,
+# checkpointing) combinations of one model, and each would walk its modules again
+
+
+def _facts_key(facts: ModelFacts) -> str:
+    return json.dumps(facts.raw, sort_keys=True, default=str)
+
+
+def _per_model(function):
+    """FUNCTION(facts, *args) remembered per (model config, args): its answers are read only."""
+    answers: dict[tuple, Any] = {}
+
+    @functools.wraps(function)
+    def remembered(facts: ModelFacts, *args: Any) -> Any:
+        key = (_facts_key(facts), *args)
+        if key not in answers:
+            if len(answers) > 512:
+                answers.clear()
+            answers[key] = function(facts, *args)
+        return answers[key]
+
+    return remembered
+
+
+@_per_model
+def _count(facts: ModelFacts, task: str, num_labels: int | None) -> ParameterCount:
+    return count_parameters(facts, task, num_labels)
+
+
+@_per_model
+def _modules(facts: ModelFacts, task: str, num_labels: int | None) -> tuple[Module, ...]:
+    return tuple(model_modules(facts, task, num_labels)[1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,13 +143,20 @@ def model_weights(
     task: str = "causal-lm",
     num_labels: int | None = None,
     lora: LoraSpec | None = None,
-) -> list[Weight]:
+) -> tuple[Weight, ...]:
     """Every parameter tensor of the HF model (with ``lora``: only those that train), in the
     order the model registers them: linear weights and biases from :func:`model_modules`,
     norms (what a layer holds beyond its linear layers) as vectors of the hidden size. A tied
     output head is the embedding: counted once."""
-    count = count_parameters(facts, task, num_labels)
-    _, modules = model_modules(facts, task, num_labels)
+    return _model_weights(facts, task, num_labels, lora)
+
+
+@_per_model
+def _model_weights(
+    facts: ModelFacts, task: str, num_labels: int | None, lora: LoraSpec | None
+) -> tuple[Weight, ...]:
+    count = _count(facts, task, num_labels)
+    modules = list(_modules(facts, task, num_labels))
     weights: list[Weight] = []
     trained = None
     if lora is not None:
@@ -145,9 +195,7 @@ def model_weights(
     weights += _vectors(
         "norm", count.total - count.per_layer * count.num_layers - outside, hidden, None, "head"
     )
-    if trained is not None:
-        return trained
-    return weights
+    return tuple(trained if trained is not None else weights)
 
 
 def _vectors(name: str, params: int, size: int, layer: int | None, side: str) -> list[Weight]:
@@ -185,6 +233,7 @@ _MLP_INPUTS = ("gate_proj", "up_proj", "c_fc", "intermediate.dense")
 _MLP_OUTPUTS = ("down_proj", "mlp.c_proj", "output.dense")
 
 
+@functools.lru_cache(maxsize=8192)
 def _role(path: str) -> str:
     for role, names in (
         ("attention_in", _ATTENTION_INPUTS),
@@ -231,6 +280,10 @@ class Flops:
 
     def __add__(self, other: Flops) -> Flops:
         return Flops(*(a + b for a, b in zip(self._values(), other._values(), strict=True)))
+
+    def scaled(self, factor: float) -> Flops:
+        """Every count × FACTOR (rows of a micro-batch)."""
+        return Flops(*(value * factor for value in self._values()))
 
     def _values(self) -> tuple[float, ...]:
         return (
@@ -312,9 +365,27 @@ def micro_batch_flops(
     the attention heads); sequence parallelism gives each rank s/sp of the tokens of the linear
     layers and heads/sp heads over whole sequences. ``share.stage`` = (first layer, layers) of a
     pipeline stage; the embedding's rank computes the rotary, the head's rank the head.
+
+    Every count is linear in the micro-batch: one row's FLOPs, remembered per model, scaled.
     """
-    count = count_parameters(facts, task, num_labels)
-    _, modules = model_modules(facts, task, num_labels)
+    row = _row_flops(facts, seq_len, task, num_labels, lora, activation_checkpointing, share)
+    return row.scaled(micro_batch)
+
+
+@_per_model
+def _row_flops(
+    facts: ModelFacts,
+    seq_len: int,
+    task: str,
+    num_labels: int | None,
+    lora: LoraSpec | None,
+    activation_checkpointing: bool,
+    share: RankShare,
+) -> Flops:
+    """micro_batch_flops of one row."""
+    micro_batch = 1
+    count = _count(facts, task, num_labels)
+    modules = list(_modules(facts, task, num_labels))
     adapters = _adapters(modules, lora, task)
     tp, sp = share.tp, share.sp
     tokens = micro_batch * seq_len / sp
@@ -576,7 +647,7 @@ def step_collectives(
     - the non-finite guard: one all-reduce of world + 1 floats (the pipeline's too: its engine
       judges the step inside it, after DeepSpeed stepped).
     """
-    count = count_parameters(facts, workload.task, workload.num_labels)
+    count = _count(facts, workload.task, workload.num_labels)
     mesh = Mesh(dims.dp, dims.tp, dims.pp, dims.sp)
     m = workload.accumulation_steps(dims.dp) or 1
     e = _element(workload.mixed_precision)
@@ -689,7 +760,7 @@ def _tensor_parallel_collectives(step, facts, count, dims, workload, m) -> None:
     logits (vocabulary padded to tp) and all-reduces its input gradient."""
     b, s, e = workload.micro_batch, workload.seq_len, _element(workload.mixed_precision)
     activation = b * s * count.hidden_size * e
-    _, modules = model_modules(facts, workload.task, workload.num_labels)
+    modules = _modules(facts, workload.task, workload.num_labels)
     layer_0 = [mod for mod in modules if mod.layer == 0 and mod.shape is not None]
     rows = sum(_role(mod.path) in ("attention_out", "mlp_out") for mod in layer_0)
     columns = sum(_role(mod.path) in ("attention_in", "mlp_in") for mod in layer_0)
@@ -832,6 +903,260 @@ def _fsdp_collectives(step, dims, count, every, trained, e, m, norm) -> None:
         # each tensor's norm is partial over its shards only: the replicas hold the same
         tensors = sum(len(gradients(unit)) for unit in units)
         step.add("all_reduce", 4 * tensors, sharded, "step", "FSDP2 gradient norms")
+
+
+# ---------------------------------------------------------------------------------------------
+# overhead: what an engine spends besides its FLOPs and collectives
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """The seconds one engine family spends besides FLOPs and collectives, per unit of what causes
+    them (:func:`overhead_counts` gives a layout's units). `dplaunch calibrate` measures them in
+    short real steps of each family (planning/overhead_fit.py); a profile without them takes
+    :func:`default_overheads`.
+
+    On CPU ranks every second adds to the step. On a GPU the host's work (dispatch, hooks) runs
+    ahead of the device: a forward or backward takes the longer of the two, and only what the
+    host spends beyond the device's time shows; the optimizer step's overhead adds (the loop waits
+    for the device there), and so do ZeRO-1/2's gradient copies, which are device work."""
+
+    # forward, every micro-batch: the engine's fixed work (the batch to the device, its hooks'
+    # entry), and per parameter tensor of the rank: the dispatch of the ops that use it (on a GPU
+    # their kernel launches), ZeRO-3's fetch and release of it, FSDP2's unit hooks
+    forward_s: float = 0.0
+    forward_tensor_s: float = 0.0
+    # backward, every micro-batch: fixed; per parameter tensor (its backward ops' dispatch, the
+    # gradient hooks DDP and ZeRO hang on the trained ones); per byte of trained gradient
+    # (ZeRO-1/2 copy every gradient into their reduce buckets, average it, add it to the rank's
+    # partition)
+    backward_s: float = 0.0
+    backward_tensor_s: float = 0.0
+    backward_byte_s: float = 0.0
+    # the optimizer step, once: the loop's own work (zeroing, the schedule, the guard's verdict,
+    # DeepSpeed's step bookkeeping), and per trained tensor (AdamW, clipping and zeroing walk the
+    # tensors one by one; the per-parameter rate is the optimizer term's)
+    step_s: float = 0.0
+    step_tensor_s: float = 0.0
+    # Ulysses (sp > 1), every micro-batch, forward and backward alike: per all-to-all, and per
+    # byte it exchanges (q, k, v and the attention output are permuted into contiguous copies
+    # before it and after it)
+    exchange_s: float = 0.0
+    exchange_byte_s: float = 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        """The non-zero coefficients (a profile's ``overheads`` entry)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Overheads:
+        """Inverse of to_dict; keys it does not know (a newer dplaunch's) are left out."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: float(v) for k, v in data.items() if k in names})
+
+
+# the families `dplaunch calibrate` steps, each with its own engine code (train/engines.py,
+# fsdp.py, sequence_parallel.py); "ulysses" holds only the exchange terms, added to any family
+# when sp > 1
+ENGINE_FAMILIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "ulysses")
+# a family calibrate does not step takes the nearest one measured: ZeRO-1 and ZeRO-2 run the
+# same hooks; DeepSpeed's stage 0 (AutoTP) and the pipeline hang none on the gradients
+NEAREST_FAMILY = {
+    "zero1": "zero2",
+    "zero2": "zero1",
+    "deepspeed": "ddp",
+    "pipeline": "ddp",
+}
+# Defaults, for a profile without measured overheads. CPU ranks: from the phases of the forecast
+# benchmark on a quiet 2-core AMD EPYC (2026-12-05, benchmarks/results/forecast.json, llama-13m,
+# 39 tensors, 2 micro-batches a step): ZeRO-1/2's backward 0.17 s a micro-batch over DDP's for
+# 52 MB of fp32 gradients (3.3 ns a byte), ZeRO-3 0.44 s (forward) and 0.63 s (backward) a step
+# over DDP's (about 5.6 and 8 ms a tensor and micro-batch), FSDP2 about 2 ms a tensor, sp 2's
+# forward 0.09 s over its forecast for 32 all-to-alls. GPUs: a kernel launch and its dispatch
+# (~10 µs), two ops a tensor forward and four backward; ZeRO-3's fetch and release (~150 µs a
+# tensor, its stream waits), DeepSpeed's gradient hooks (~50 µs), FSDP2's (~30 µs a tensor).
+_CPU_BASE = Overheads(
+    forward_tensor_s=1e-4, backward_tensor_s=2e-4, step_s=5e-3, step_tensor_s=5e-5
+)
+_GPU_BASE = Overheads(
+    forward_tensor_s=2e-5, backward_tensor_s=4e-5, step_s=2e-3, step_tensor_s=5e-6
+)
+_CPU_EXTRA = {
+    "zero1": Overheads(backward_byte_s=3.3e-9, step_s=5e-3),
+    "zero2": Overheads(backward_byte_s=3.3e-9, step_s=5e-3),
+    "zero3": Overheads(forward_tensor_s=5.6e-3, backward_tensor_s=8e-3, step_s=5e-3),
+    "fsdp": Overheads(forward_tensor_s=1e-3, backward_tensor_s=1e-3),
+    "ulysses": Overheads(exchange_s=2.8e-3),
+}
+_GPU_EXTRA = {
+    "zero1": Overheads(backward_tensor_s=5e-5, step_s=2e-3),
+    "zero2": Overheads(backward_tensor_s=5e-5, step_s=2e-3),
+    "zero3": Overheads(forward_tensor_s=1.5e-4, backward_tensor_s=1.5e-4, step_s=2e-3),
+    "fsdp": Overheads(forward_tensor_s=3e-5, backward_tensor_s=3e-5),
+    "ulysses": Overheads(exchange_s=5e-5),
+}
+
+
+def engine_family(dims: ParallelDims) -> str:
+    """The engine family whose overheads a layout pays: ddp, zero1, zero2, zero3, fsdp,
+    deepspeed (stage 0 with tp), pipeline."""
+    if dims.fsdp is not None:
+        return "fsdp"
+    if dims.pp > 1:
+        return "pipeline"
+    if dims.zero_stage > 0:
+        return f"zero{dims.zero_stage}"
+    return "deepspeed" if dims.tp > 1 else "ddp"
+
+
+def default_overheads(profile: Profile, family: str) -> Overheads:
+    """DEFAULTS for FAMILY on PROFILE's kind of device (see _CPU_EXTRA and _GPU_EXTRA); ZeRO-1/2's
+    gradient copies on a GPU: two passes over the bytes at 70 % of its memory bandwidth."""
+    cpu = _cpu(profile)
+    base, extra = (_CPU_BASE, _CPU_EXTRA) if cpu else (_GPU_BASE, _GPU_EXTRA)
+    family = family if family in extra or family == "ddp" else NEAREST_FAMILY.get(family, "ddp")
+    if family == "ulysses":
+        return extra["ulysses"]
+    more = extra.get(family, Overheads())
+    terms = {f.name: getattr(base, f.name) + getattr(more, f.name) for f in fields(Overheads)}
+    if not cpu and family in ("zero1", "zero2"):
+        sheet = GPU_SHEETS.get(gpu_sheet_name(profile.device) or "")
+        memory = sheet.memory_bytes_per_s if sheet else 2e12
+        terms["backward_byte_s"] = 2 / (0.7 * memory)
+    return Overheads(**terms)
+
+
+def measured_overheads(profile: Profile) -> dict[str, Overheads]:
+    """The overheads `dplaunch calibrate` measured, by family ({} for an older profile or a
+    datasheet's)."""
+    return {family: Overheads.from_dict(terms) for family, terms in profile.overheads.items()}
+
+
+def overheads_for(profile: Profile, family: str) -> tuple[Overheads, bool]:
+    """(FAMILY's overheads on PROFILE, whether measured): its own measurement, the nearest
+    family's, else the defaults."""
+    measured = measured_overheads(profile)
+    for name in (family, NEAREST_FAMILY.get(family)):
+        if name in measured:
+            return measured[name], True
+    return default_overheads(profile, family), False
+
+
+def _cpu(profile: Profile) -> bool:
+    return profile.device.upper().startswith("CPU")
+
+
+@dataclass(frozen=True)
+class OverheadCounts:
+    """What a layout's overheads are counted in, on its busiest rank, per step."""
+
+    micro_batches: int
+    # parameter tensors the rank runs (its pipeline stage's; LoRA's adapters with the base)
+    tensors: float
+    # of them, those that train
+    trained_tensors: float
+    # bytes of the rank's trained gradients (its tensor-parallel shard), one micro-batch's
+    gradient_bytes: float
+    # Ulysses, one micro-batch's forward (its backward exchanges as much): all-to-alls, bytes
+    exchanges: float = 0.0
+    exchange_bytes: float = 0.0
+
+
+def overhead_counts(facts: ModelFacts, dims: ParallelDims, workload: Workload) -> OverheadCounts:
+    """The counts of :class:`Overheads`' units for this layout and workload."""
+    task, labels = workload.task, workload.num_labels
+    count = _count(facts, task, labels)
+    every = model_weights(facts, task, labels)
+    trained = model_weights(facts, task, labels, workload.lora)
+    adapters = [w for w in trained if ".lora_" in w.name]
+    stage_layers = max(layers_per_stage(count.num_layers, dims.pp))
+
+    def on_stage(weights: Any) -> float:
+        # the busiest stage: its share of the layers and the larger of the two ends
+        inside = sum(1 for w in weights if w.layer is not None)
+        ends = [sum(1 for w in weights if w.layer is None and w.side == s) for s in SIDES]
+        return inside * stage_layers / max(count.num_layers, 1) + (
+            sum(ends) if dims.pp == 1 else max(ends)
+        )
+
+    element = _element(workload.mixed_precision)
+    gradient = sum(_tp_weight(w, count, dims.tp).numel for w in trained) * element
+    if dims.pp > 1:
+        gradient *= stage_layers / max(count.num_layers, 1)
+    exchanges = exchange_bytes = 0.0
+    if dims.sp > 1:
+        exchanges = 4.0 * count.num_layers
+        b, s = workload.micro_batch * workload.rows_per_sample, workload.seq_len
+        heads, kv_heads = count.num_heads, max(count.num_kv_heads, 1)
+        exchange_bytes = (
+            b * s / dims.sp * _head_dim(facts, count) * element * 2 * (heads + kv_heads)
+        ) * count.num_layers
+    return OverheadCounts(
+        micro_batches=workload.accumulation_steps(dims.dp) or 1,
+        tensors=on_stage(every) + on_stage(adapters),
+        trained_tensors=on_stage(trained),
+        gradient_bytes=gradient,
+        exchanges=exchanges,
+        exchange_bytes=exchange_bytes,
+    )
+
+
+SIDES = ("embedding", "layer", "head")
+
+
+@dataclass(frozen=True)
+class PhaseOverhead:
+    """A phase's overhead seconds: on the host (dispatch, hooks), and on the device."""
+
+    host: float = 0.0
+    device: float = 0.0
+
+
+# the coefficients the device pays (the others are the host's work)
+DEVICE_TERMS = ("backward_byte_s",)
+EXCHANGE_TERMS = ("exchange_s", "exchange_byte_s")
+
+
+def overhead_units(counts: OverheadCounts) -> dict[str, dict[str, float]]:
+    """Each phase's Overheads coefficient → how many of its units a step holds."""
+    m = counts.micro_batches
+    exchange = {"exchange_s": m * counts.exchanges, "exchange_byte_s": m * counts.exchange_bytes}
+    return {
+        "forward": {"forward_s": m, "forward_tensor_s": m * counts.tensors, **exchange},
+        "backward": {
+            "backward_s": m,
+            "backward_tensor_s": m * counts.tensors,
+            "backward_byte_s": m * counts.gradient_bytes,
+            **exchange,
+        },
+        "step": {"step_s": 1.0, "step_tensor_s": counts.trained_tensors},
+    }
+
+
+def overhead_seconds(
+    counts: OverheadCounts, terms: Overheads, exchange: Overheads | None = None
+) -> dict[str, PhaseOverhead]:
+    """Each phase's overhead: TERMS × COUNTS' units (EXCHANGE: Ulysses' terms, when sp > 1)."""
+    parts = {}
+    for phase, units in overhead_units(counts).items():
+        host = device = 0.0
+        for name, units_of in units.items():
+            source = exchange if name in EXCHANGE_TERMS else terms
+            seconds = (getattr(source, name) if source is not None else 0.0) * units_of
+            if name in DEVICE_TERMS:
+                device += seconds
+            else:
+                host += seconds
+        parts[phase] = PhaseOverhead(host=host, device=device)
+    return parts
+
+
+def visible_overhead(phase: str, overhead: PhaseOverhead, device_s: float, gpu: bool) -> float:
+    """The seconds a phase's OVERHEAD adds to its DEVICE_S: all of it on CPU ranks; on a GPU the
+    host's forward and backward work only where it outlasts the device's (it runs ahead)."""
+    if not gpu or phase == "step":
+        return overhead.host + overhead.device
+    return overhead.device + max(0.0, overhead.host - device_s - overhead.device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -988,7 +1313,7 @@ def most_wrong_term(
 def why_faster(faster: Forecast, slower: Forecast) -> str:
     """Why FASTER beats SLOWER, in a few words: the term that differs most ("40 % less
     all-gather traffic", "no pipeline bubble", "no CPU offload", "25 % less compute")."""
-    gaps = {term: slower.terms[term] - faster.terms[term] for term in TERMS}
+    gaps = {term: slower.terms.get(term, 0.0) - faster.terms.get(term, 0.0) for term in TERMS}
     term = max(gaps, key=lambda name: gaps[name])
     if term == "communication":
         mine, theirs = faster.traffic(), slower.traffic()
@@ -1004,7 +1329,8 @@ def why_faster(faster: Forecast, slower: Forecast) -> str:
     if term == "offload":
         return "no CPU offload" if not faster.terms["offload"] else "less CPU offload"
     share = 1 - faster.terms[term] / slower.terms[term] if slower.terms[term] else 1.0
-    return f"{share:.0%} less {'compute' if term == 'compute' else 'optimizer time'}"
+    words = {"compute": "compute", "optimizer": "optimizer time", "overhead": "engine overhead"}
+    return f"{share:.0%} less {words[term]}"
 
 
 def seconds_apart(a: float, b: float) -> tuple[str, str]:
@@ -1088,9 +1414,11 @@ def forecast_step(
     *,
     guard: bool = True,
     clip: bool = True,
+    overheads: bool = True,
 ) -> Forecast:
-    """The forecast of one optimizer step of DIMS for WORKLOAD (workload.Workload) on PROFILE."""
-    count = count_parameters(facts, workload.task, workload.num_labels)
+    """The forecast of one optimizer step of DIMS for WORKLOAD (workload.Workload) on PROFILE;
+    ``overheads`` False: the FLOPs and collectives alone (what calibrate's fit starts from)."""
+    count = _count(facts, workload.task, workload.num_labels)
     dtype = DTYPES.get(workload.mixed_precision, "fp32")
     kernel = attention_implementation(facts.model_type, workload.attn_implementation)
     m = workload.accumulation_steps(dims.dp) or 1
@@ -1126,24 +1454,27 @@ def forecast_step(
     else:
         compute, bubble = m * (forward_s + backward_s), 0.0
     offload, optimizer = _update_seconds(facts, dims, workload, profile, max(stages))
-    communication = sum(exposed.values())
+    phases = {
+        "forward": {"compute": m * forward_s, "communication": exposed["forward"]},
+        "backward": {"compute": m * backward_s, "communication": exposed["backward"]},
+        "step": {"optimizer": optimizer, "offload": offload, "communication": exposed["step"]},
+    }
+    visible = _overhead_phases(facts, dims, workload, profile, phases) if overheads else {}
+    for phase, seconds in visible.items():
+        phases[phase]["overhead"] = seconds
     terms = {
         "compute": compute,
-        "communication": communication,
+        "communication": sum(exposed.values()),
         "bubble": bubble,
         "offload": offload,
         "optimizer": optimizer,
+        "overhead": sum(visible.values()),
     }
     step = sum(terms.values())
     model_flops = sum(f.model for f in per_stage) * m * dims.dp * dims.tp * dims.sp
     if workload.reference is not None:
         reference = sum(f.dense_forward + f.attention_forward for f in per_stage)
         model_flops += reference * m * dims.dp * dims.tp * dims.sp
-    phases = {
-        "forward": {"compute": m * forward_s, "communication": exposed["forward"]},
-        "backward": {"compute": m * backward_s, "communication": exposed["backward"]},
-        "step": {"optimizer": optimizer, "offload": offload, "communication": exposed["step"]},
-    }
     return Forecast(
         step_time_s=step,
         terms=terms,
@@ -1157,12 +1488,30 @@ def forecast_step(
     )
 
 
+def _overhead_phases(
+    facts: ModelFacts,
+    dims: ParallelDims,
+    workload: Workload,
+    profile: Profile,
+    phases: dict[str, dict[str, float]],
+) -> dict[str, float]:
+    """The overhead each phase adds to its PHASES' device seconds (Overheads)."""
+    terms, _ = overheads_for(profile, engine_family(dims))
+    exchange = overheads_for(profile, "ulysses")[0] if dims.sp > 1 else None
+    parts = overhead_seconds(overhead_counts(facts, dims, workload), terms, exchange)
+    gpu = not _cpu(profile)
+    return {
+        phase: visible_overhead(phase, parts[phase], sum(phases[phase].values()), gpu)
+        for phase in phases
+    }
+
+
 def _update_seconds(
     facts: ModelFacts, dims: ParallelDims, workload: Workload, profile: Profile, stage_layers: int
 ) -> tuple[float, float]:
     """(offload, optimizer) seconds of the optimizer step of the rank with the most layers
     (STAGE_LAYERS): its partition of the trained weights, their copies to and from the host."""
-    count = count_parameters(facts, workload.task, workload.num_labels)
+    count = _count(facts, workload.task, workload.num_labels)
     trained = sum(
         _tp_weight(w, count, dims.tp).numel
         for w in model_weights(facts, workload.task, workload.num_labels, workload.lora)

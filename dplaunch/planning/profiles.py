@@ -102,6 +102,10 @@ class Profile:
     intra: str = "nvlink"
     measured_at: str = ""
     notes: tuple[str, ...] = field(default=())
+    # engine family → the seconds per unit of its overheads (planning/forecast.py Overheads),
+    # fitted to calibrate's short real steps; {}: none measured (an older profile, a
+    # datasheet's): the forecast takes its defaults and says so
+    overheads: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -615,7 +619,20 @@ def summary_lines(profile: Profile) -> list[str]:
         f"parameter; CPU Adam {profile.cpu_adam_s_per_param * 1e9:.2f} ns; host ↔ device "
         f"{profile.host_device_bytes_per_s / 1e9:.1f} GB/s"
     )
+    for family, terms in profile.overheads.items():
+        lines.append(
+            f"  {family} overheads: "
+            + ", ".join(f"{name} {_seconds(value)}" for name, value in terms.items())
+        )
     return lines + [f"  note: {note}" for note in profile.notes]
+
+
+def _seconds(value: float) -> str:
+    if value >= 1e-3:
+        return f"{value * 1e3:.3g} ms"
+    if value >= 1e-6:
+        return f"{value * 1e6:.3g} µs"
+    return f"{value * 1e9:.3g} ns"
 
 
 def _flops(rate: float) -> str:
