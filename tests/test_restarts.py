@@ -1,10 +1,11 @@
-"""Automatic restarts (launch.max_restarts): a killed rank costs a restart from the newest
-checkpoint, not the night; a failure that repeats itself, a user error, or a failure after the
-restarts are used up ends the job with the reason.
+"""Automatic restarts (launch.max_restarts): a killed or frozen rank costs a restart from the
+newest checkpoint, not the night; a failure that repeats itself, a user error, or a failure after
+the restarts are used up ends the job with the reason.
 
-Ranks are killed for real (kill -9 while a checkpoint is being written, the window the test
-checkpoint hook opens); a deterministic failure is a disk that is full at the same save every
-time (the same hook's file-size limit).
+Ranks are killed and frozen for real (kill -9 while a checkpoint is being written, the window
+the test checkpoint hook opens; SIGSTOP in a step, which the others' collective timeout ends); a
+deterministic failure is a disk that is full at the same save every time (the same hook's
+file-size limit).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from safetensors.torch import load_file
 
 from dplaunch.launching import restarts
 from dplaunch.launching.restarts import Failure, NodeAgreement, restart_verdict
-from dplaunch.run_directory.layout import RUN_LOCK_FILE
+from dplaunch.run_directory.layout import ERRORS_DIR, RUN_LOCK_FILE, rank_stacks_file
 from tests.helpers import (
     DDP,
     FAULT,
@@ -129,40 +130,76 @@ def launch_trained(run: Path, restarts_done: int, step: int = 0) -> bool:
     return False
 
 
+def rank_process(run: Path, rank: int) -> int | None:
+    """The process that runs RANK of RUN's live launch, served by the fork server or not: the one
+    holding its stacks file open (train/rank_process.arm_stack_dump). SIGSTOP must reach it
+    itself: a served rank's waiting process (rank_pids) cannot pass that signal on."""
+    held = str((run / ERRORS_DIR / rank_stacks_file(rank)).absolute())
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if any(os.readlink(fd) == held for fd in (entry / "fd").iterdir()):
+                    return int(entry.name)
+    return None
+
+
 @pytest.mark.multiprocess
-def test_one_zero2_run_survives_kills_of_two_ranks_and_ends_with_the_straight_runs_losses(
+def test_one_zero2_run_survives_a_frozen_rank_and_two_kills_and_ends_with_the_straight_runs_losses(
     tmp_path,
     run_file,
 ):
-    """Faults one after another in one ZeRO-2 run, each costing a restart from the newest
-    checkpoint: kill -9 of rank 1 while checkpoint step 4 is written, then of rank 0 in a step.
-    The run ends with the straight run's per-step losses and weights, bit for bit; a second run
-    into its directory meanwhile is refused (the frozen rank's timeout and restart:
-    test_reliability)."""
+    """Three faults one after another in one ZeRO-2 run, each costing a restart from the newest
+    checkpoint: rank 1 frozen in a step (SIGSTOP: rank 0, in DeepSpeed's data-parallel
+    reduction, times out at launch.timeout_minutes instead of DeepSpeed's 30-minute default),
+    kill -9 of rank 1 while checkpoint step 4 is written, kill -9 of rank 0 in a step. The run
+    ends with the straight run's per-step losses and weights, bit for bit; a second run into its
+    directory meanwhile is refused."""
     straight = tmp_path / "straight"
     train(straight, *ZERO_2, *EVERY_2, config=run_file)
     run = tmp_path / "run"
     process = start_train(
-        run_file, run, *ZERO_2, *EVERY_2, "--max-restarts", "8", **{FAULT: "4:sleep=2"}
-    )
-    kill_rank_during_save(run, 1, process)
+        run_file, run, *ZERO_2, *EVERY_2, "--max-restarts", "8",
+        "--set", "launch.timeout_minutes=0.1", **{FAULT: "4:sleep=2"},
+    )  # fmt: skip
+    # 1. rank 1 frozen in step 2
+    wait_while_running(lambda: launch_trained(run, 0), "step 1", process)
+    frozen = rank_process(run, 1)
+    os.kill(frozen, signal.SIGSTOP)
     # a second run into the directory while this one lives: refused, in one line
     second = run_cli("train", run_file, "-o", run, *ZERO_2, "--resume", "auto")
     refusal_line(second, "output_dir", f"{run} is in use by a live run: dplaunch pid")
-    wait_while_running(lambda: restart_records(run), "restart 1", process)
-    wait_while_running(lambda: launch_trained(run, 1), "step 3 after restart 1", process)
+    timed_out = run / ERRORS_DIR / "rank-0.txt"
+    wait_while_running(timed_out.exists, "rank 0's timeout", process, timeout=120)
+    # thawed only now, far too late: torchrun's SIGTERM is waiting for it (else it would wait
+    # 30 s more before its SIGKILL)
+    os.kill(frozen, signal.SIGCONT)
+    wait_while_running(lambda: restart_records(run), "restart 1", process, timeout=120)
+    # 2. kill -9 of rank 1 while step 4 is saved; 3. kill -9 of rank 0 in step 3 or 4
+    kill_rank_during_save(run, 1, process, after=restart_records(run)[0]["time"] - 1)
+    wait_while_running(lambda: len(restart_records(run)) == 2, "restart 2", process)
+    wait_while_running(lambda: launch_trained(run, 2), "step 3 after restart 2", process)
     os.kill(rank_pids(run)[0], signal.SIGKILL)
     code, log = finish_train(process, run, timeout=600)
     assert code == 0, log[-4000:]
-    assert "dplaunch: restart 1 of 8 (launch.max_restarts) in 2 s, from checkpoint step 2" in log
-    assert "dplaunch: restart 2 of 8 (launch.max_restarts) in 4 s, from checkpoint step 2" in log
-    assert "finished after 2 automatic restart(s)" in log
     records = restart_records(run)
-    assert [(r["restart"], r["checkpoint_step"]) for r in records] == [(1, 2), (2, 2)]
-    assert [r["cause"][:8] for r in records] == ["[rank 1]", "[rank 0]"], records
-    assert all(KILLED in r["cause"] and r["time"] > 0 for r in records), records
+    assert [(r["restart"], r["checkpoint_step"]) for r in records] == [(1, None), (2, 2), (3, 2)]
+    assert [r["cause"][:8] for r in records] == ["[rank 0]", "[rank 1]", "[rank 0]"], records
+    assert "Timed out" in records[0]["cause"] and "launch.timeout_minutes = 0.1 (6 s)" in log
+    assert all(KILLED in r["cause"] for r in records[1:]), records
+    # the frozen launch's hang dump: both ranks' stacks, and the rank the others waited for.
+    # Thawed, the frozen rank either times out itself (no rank was elsewhere) or, when rank 0
+    # has already exited, fails on the closed connection (then it is the one named); which comes
+    # first is a race inside gloo, and both reports are true
+    errors = run / ERRORS_DIR
+    assert all((errors / rank_stacks_file(rank)).stat().st_size for rank in (0, 1))
+    assert (
+        f"dplaunch: every rank timed out inside the collective; their stacks: {errors}/" in log
+        or "dplaunch: rank(s) 1 not inside the collective that timed out" in log
+    ), log[-4000:]
+    assert "dplaunch: restart 1 of 8 (launch.max_restarts) in 2 s, from step 0" in log
+    assert "finished after 3 automatic restart(s)" in log
     summary = [r for r in read_metrics(run) if r["type"] == "summary"]
-    assert [s["restarts"] for s in summary] == [2]
+    assert [s["restarts"] for s in summary] == [3]
     assert not (run / RUN_LOCK_FILE).exists()  # the lock went with the job
     assert losses_by_step(run) == losses_by_step(straight)
     restarted, uninterrupted = (
