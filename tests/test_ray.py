@@ -240,3 +240,21 @@ def test_the_command_line_imports_neither_ray_nor_the_kubernetes_client():
         [sys.executable, "-c", probe], capture_output=True, text=True, env=child_environment()
     )
     assert result.stdout.splitlines()[-1] == "LOADED []", result.stderr[-2000:]
+
+
+def test_a_zero_3_rank_gets_the_variables_accelerate_launch_gives_it(tmp_path):
+    # what `accelerate launch` set for a rank of `dplaunch launch --cpu --gpus 2 --zero 3`
+    # (measured: a probe script's environment), among them ZeRO-3's init flag from
+    # accelerate.yaml, which DeepSpeedPlugin would otherwise default to true
+    from dplaunch.launching.ray_ranks import accelerate_environment
+
+    result = run_cli("config", TINY_LLAMA, "--cpu", "--gpus", "2", "--zero", "3", "-o", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert accelerate_environment(tmp_path / "accelerate.yaml") == {
+        "ACCELERATE_CONFIG_DS_FIELDS": "deepspeed_config_file,zero3_init_flag,"
+        "deepspeed_multinode_launcher",
+        "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(tmp_path / "deepspeed.json"),
+        "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false",
+        "ACCELERATE_MIXED_PRECISION": "no",
+        "ACCELERATE_USE_DEEPSPEED": "true",
+    }
