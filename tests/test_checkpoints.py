@@ -260,6 +260,9 @@ def test_export_of_a_two_rank_zero3_checkpoint_gives_the_trained_model(tmp_path,
     result = run_dplaunch("export", run / "checkpoints" / "step-4", "--out", exported)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ZeRO-3, 2 rank(s)" in result.stdout
+    # before: zero_to_fp32's own four lines between these two ("Processing zero checkpoint …")
+    exporting, wrote = result.stdout.splitlines()
+    assert exporting.startswith("exporting ") and wrote.startswith(f"wrote {exported} (")
     # before: DeepSpeed's "Setting accelerator to CPU" warning and a shard bar
     assert not result.stderr.strip(), result.stderr
     assert_same_logits(exported, run / "model")

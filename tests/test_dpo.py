@@ -20,7 +20,6 @@ from tests.helpers import (
     files_under,
     read_metrics,
     refusal_line,
-    run_cli,
     run_dplaunch,
     train,
 )
@@ -510,18 +509,6 @@ def test_precomputed_reference_values_train_as_a_live_reference(precomputed, lay
     }
     assert "reference log-probabilities computed before training, kept in" in first
     assert "reference log-probabilities read from" in second
-
-
-def test_the_export_of_a_zero3_checkpoint_prints_its_own_two_lines_only(precomputed, tmp_path):
-    # zero_to_fp32 print()s four lines of its own while it joins the partitions ("Processing
-    # zero checkpoint …", "Parsing checkpoint created by …", "Detected …", "Reconstructed …")
-    run, _ = precomputed
-    result = run_cli("export", run, "--out", tmp_path / "model")
-    assert result.returncode == 0, result.stderr[-3000:]
-    exporting, wrote = result.stdout.splitlines()
-    assert exporting.startswith(f"exporting {run}/checkpoints/step-") and "ZeRO-3" in exporting
-    assert wrote.startswith(f"wrote {tmp_path / 'model'} (")
-    assert (tmp_path / "model" / "model.safetensors").is_file()
 
 
 @pytest.fixture(scope="module")
