@@ -63,6 +63,7 @@ def test_one_cpu_rank_calibrates_and_plans_for_two_ranks_take_the_links_it_lacks
     profile = read_profile(written)
     assert profile.source == CALIBRATED and profile.devices_per_node == 1
     assert profile.dense and profile.attention and profile.collectives == {}
+    assert "note: one rank: no collectives measured" in calibrated.stdout
 
     # a plan for 2 ranks: the cache's 1-rank profile, with the links it lacks assumed, said so
     # (before: "profile: the profile has no broadcast timing")

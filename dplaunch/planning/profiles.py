@@ -561,6 +561,11 @@ def profile_from_record(
             f"CPU Adam not measured (its DeepSpeed op is not built): {cpu_adam:g} s a parameter "
             "assumed; `dplaunch calibrate` without --quick builds it once"
         )
+    if not collectives:
+        notes.append(
+            "one rank: no collectives measured; a plan for more takes its links from the "
+            "datasheet (or its interconnect's class) and says so"
+        )
     overlap = record.get("overlap")
     if overlap is None:  # one rank: no collective to hide
         overlap = 0.0 if device.upper().startswith("CPU") else GPU_OVERLAP
