@@ -8,6 +8,7 @@ The ranks start as themselves (a Ray worker's child), not from the suite's fork 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +39,15 @@ RAY = Path(sys.executable).with_name("ray")
 SAVE_PAUSE_S = 2
 
 
+def ray_environment(**extra: str) -> dict[str, str]:
+    """The ranks' environment for Ray's processes here and dplaunch ray, without Ray's token
+    authentication: Ray 2.60 turns it on for a cluster when ~/.ray/auth_token exists (a local
+    ray.init() writes one), and the test's nodes and driver must not depend on that file."""
+    env = child_environment(RAY_AUTH_MODE="disabled", **extra)
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
 def ray_node(*args: str, env: dict[str, str]) -> subprocess.Popen:
     """`ray start --block ARGS` in a session of its own: 4 logical CPUs (above this machine's
     2 cores, so that two ranks and Ray's own actors fit), a small object store."""
@@ -55,8 +65,7 @@ def ray_cluster():
     temp_dir = tempfile.mkdtemp(prefix="dpray-")  # short: Ray's socket paths live in it
     # what the ranks inherit from the Ray workers (Ray starts them from its raylet): one thread
     # each, and the test seam that pauses step 4's save (the straight run saves nothing)
-    env = child_environment(**{CHECKPOINT_FAULT_ENV: f"4:sleep={SAVE_PAUSE_S}"})
-    env.pop("RAY_ADDRESS", None)
+    env = ray_environment(**{CHECKPOINT_FAULT_ENV: f"4:sleep={SAVE_PAUSE_S}"})
     head = ray_node(
         "--head", "--port", str(port), "--node-ip-address", "127.0.0.1",
         "--include-dashboard", "false", "--temp-dir", temp_dir, env=env,
@@ -70,6 +79,7 @@ def ray_cluster():
         yield f"127.0.0.1:{port}"
     finally:
         stop_processes(nodes)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def stop_processes(nodes: list[subprocess.Popen]) -> None:
@@ -102,7 +112,7 @@ def ray_train(address: str, run_dir: Path, *args: str) -> subprocess.Popen:
     ]  # fmt: skip
     return subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=child_environment(),
+        env=ray_environment(),
     )  # fmt: skip
 
 
