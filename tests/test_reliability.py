@@ -458,12 +458,18 @@ def test_a_rank_stuck_before_an_all_reduce_fails_the_job_at_the_collective_timeo
 # --- one job at a time in a run directory ---------------------------------------------------------
 
 
-def write_lock(run_dir: Path, job: str, pid: int, host: str, since: float) -> Path:
+def write_lock(
+    run_dir: Path, job: str, pid: int, host: str, since: float, namespace: str | None = None
+) -> Path:
+    """RUN/dplaunch.lock as the dplaunch process PID wrote it (in this pid namespace, unless
+    NAMESPACE is another)."""
     from dplaunch.run_directory.layout import RUN_LOCK_FILE
 
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = run_dir / RUN_LOCK_FILE
-    lock.write_text(json.dumps({"job": job, "pid": pid, "host": host, "since": since}))
+    namespace = os.readlink("/proc/self/ns/pid") if namespace is None else namespace
+    holder = {"job": job, "pid": pid, "host": host, "since": since, "pid_namespace": namespace}
+    lock.write_text(json.dumps(holder))
     return lock
 
 
@@ -512,16 +518,18 @@ def test_a_lock_left_by_a_run_that_is_gone_is_taken_over_with_a_note(tmp_path):
             f"dplaunch: took over {lock} from a run that is gone: job A (dplaunch pid {pid} on"
         ), (case, notes)
         assert not lock.exists()
-    # another host's lock: alive while its owner touches it, gone when nobody has for long
-    lock = write_lock(tmp_path / "shared", "job A", 1, "node-elsewhere", now)
-    with pytest.raises(UserError, match="in use by a live run: job A"):
-        with run_dir_lock(tmp_path / "shared", "job B", say=print):
+    # another host's lock, or another container's on this host (its pids are not ours): alive
+    # while its owner touches it, gone when nobody has for long
+    for name, where, namespace in (("host", "node-elsewhere", None), ("pod", host, "pid:[1]")):
+        lock = write_lock(tmp_path / name, "job A", ended.pid, where, now, namespace)
+        with pytest.raises(UserError, match="in use by a live run: job A"):
+            with run_dir_lock(tmp_path / name, "job B", say=print):
+                pass
+        os.utime(lock, (now - LOCK_STALE_SECONDS - 60,) * 2)
+        notes = []
+        with run_dir_lock(tmp_path / name, "job B", say=notes.append):
             pass
-    os.utime(lock, (now - LOCK_STALE_SECONDS - 60,) * 2)
-    notes = []
-    with run_dir_lock(tmp_path / "shared", "job B", say=notes.append):
-        pass
-    assert len(notes) == 1 and "node-elsewhere" in notes[0]
+        assert len(notes) == 1 and f"pid {ended.pid} on {where}" in notes[0], (name, notes)
     # the same job, requeued after its dplaunch died: it takes its own lock back, silently
     lock = write_lock(tmp_path / "requeued", "SLURM job 7", ended.pid, host, now - 60)
     notes = []

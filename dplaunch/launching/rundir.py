@@ -134,12 +134,15 @@ def job_identity(plan: Plan, environ: Mapping[str, str] | None = None) -> str:
 
 @dataclass(frozen=True)
 class LockHolder:
-    """What the lock file says: the job, and the dplaunch process that took the lock."""
+    """What the lock file says: the job, and the dplaunch process that took the lock (its pid
+    means something only on its host and in its pid namespace: containers may share a host
+    name)."""
 
     job: str
     pid: int
     host: str
     since: float
+    pid_namespace: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self)) + "\n"
@@ -160,7 +163,7 @@ def run_dir_lock(run_dir: Path, job: str, say: Callable[[str], None]) -> Iterato
     made = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = run_dir / RUN_LOCK_FILE
-    mine = LockHolder(job, os.getpid(), socket.gethostname(), time.time())
+    mine = LockHolder(job, os.getpid(), socket.gethostname(), time.time(), _pid_namespace())
     owner = False
     try:
         owner = _claim(lock, mine, say)
@@ -227,10 +230,18 @@ def _age_s(lock: Path) -> float:
         return 0.0
 
 
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def _alive(holder: LockHolder, lock: Path) -> bool:
-    """Whether the process that wrote the lock still runs: asked of the kernel on its own host
-    (a pid started after the lock is another process), judged by its heartbeat elsewhere."""
-    if holder.host != socket.gethostname():
+    """Whether the process that wrote the lock still runs: asked of the kernel where its pid
+    means the same (a pid started after the lock is another process), judged by its heartbeat
+    elsewhere."""
+    if (holder.host, holder.pid_namespace) != (socket.gethostname(), _pid_namespace()):
         return _age_s(lock) < LOCK_STALE_SECONDS
     import psutil  # accelerate requires it; light (no torch)
 
