@@ -716,7 +716,8 @@ def test_auto_picks_the_faster_of_the_fitting_layouts_under_each_profile(tmp_pat
             fastest.zero_stage,
             fastest.offload,
         )
-        assert "beats" in choice.note, choice.note
+        # the runner-up named, or a tie to the digits (ZeRO-1 and ZeRO-2 at one micro-batch)
+        assert "beats" in choice.note or "as fast as" in choice.note, choice.note
         picks[name] = choice.parallel
     assert picks["slow optimizer"].zero_stage > 0 and picks["slow optimizer"].offload == "none"
     assert (picks["slow network"].zero_stage, picks["slow network"].tp) == (0, 1)

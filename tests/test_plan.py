@@ -476,8 +476,10 @@ def plan_rows(tmp_path, *flags: str) -> list[dict]:
     batch = {key: train.get(key) for key in ("micro_batch_size", "global_batch_size")}
     for row in rows:
         layout = {key: row[key] for key in ("zero_stage", "offload", "tp", "pp", "sp", "fsdp")}
+        # a row the tuner chose a micro batch for: what `train` runs with it (auto sets it)
+        micro = {"micro_batch_size": row["settings"].get("micro_batch", batch["micro_batch_size"])}
         try:
-            plan = plan_for(gpus=2, cpu=True, render_only=True, **batch, **layout)
+            plan = plan_for(gpus=2, cpu=True, render_only=True, **{**batch, **micro}, **layout)
         except UserError:  # `train` refuses this layout for this batch: no forecast either
             assert row["micro_batch"] is row["step_time_s"] is None, row
             continue
@@ -494,10 +496,11 @@ def plan_rows(tmp_path, *flags: str) -> list[dict]:
 
 def test_every_row_of_the_plan_table_trains_the_runs_global_batch_a_step(tmp_path):
     # tiny-llama: global batch 8 × 64 tokens = 512 tokens a step on every layout of 2 ranks; each
-    # row takes the micro batch `train` derives for its dp (DDP: 4 a rank, tp 2: 8 on one dp rank)
+    # row takes a micro batch that splits the rank's share (DDP: 4 a rank, tp 2: 8 on one dp
+    # rank), the tuner's fastest with a profile, and accumulation follows
     rows = plan_rows(tmp_path)
     assert all(r["step_time_s"] is not None for r in rows)
-    assert {r["micro_batch"] for r in rows if r["dp"] == 2} == {4}
+    assert {r["micro_batch"] for r in rows if r["dp"] == 2} <= {1, 2, 4}
     # the same tokens a step everywhere: DDP's two ranks beat tp 2's one, and are recommended
     [best] = [r for r in rows if r["recommended"]]
     fitting = [r for r in rows if r["fits"] and r["fsdp"] is None]

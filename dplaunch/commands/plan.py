@@ -335,12 +335,21 @@ def _from_model(options: PlanOptions) -> tuple[ModelFacts, str, Workload]:
         task=options.task or "causal-lm",
         num_labels=None,
         global_batch_size=options.global_batch,
-        fixed_micro_batch=options.micro_batch or 1,
+        # without --micro-batch each layout's own from --global-batch (tuned with a profile)
+        fixed_micro_batch=options.micro_batch or (None if options.global_batch else 1),
         attn_implementation=options.attn_implementation,
         sequence_parallel=options.seq_len is not None,
         lora=LoraSpec(r=options.lora, quantize=options.quantize) if options.lora else None,
         # dpo's reference model, unless LoRA's adapters disabled give it
         reference=("adapters" if options.lora else "copy") if options.task == "dpo" else None,
+        tunable=tuple(
+            lever
+            for lever, given in (
+                ("micro_batch", options.micro_batch),
+                ("activation_checkpointing", options.activation_checkpointing),
+            )
+            if not given
+        ),
     )
     return facts, str(options.model), workload
 
@@ -477,14 +486,21 @@ def describe(setting: PlanSetting, safety_margin: float) -> list[str]:
     attention = attention_implementation(setting.facts.model_type, work.attn_implementation)
     picked = "" if work.attn_implementation else ", as transformers picks it"
     scores = "keeps" if attention == "eager" else "never builds"
+    tuned = setting.profile is not None and bool(work.tunable)
+    tuned_micro = work.fixed_micro_batch is None and tuned and "micro_batch" in work.tunable
     micro = str(work.micro_batch)
     if work.fixed_micro_batch is None:
         # each row's is the run's batch maths on its dp (candidates.layout_workload)
-        micro = f"up to {work.micro_batch}"
+        micro = "tuned" if tuned_micro else f"up to {work.micro_batch}"
     if work.rows_per_sample > 1:
         micro += f" pairs ({work.micro_batch * work.rows_per_sample} rows: chosen and rejected in one forward)"
-    if work.fixed_micro_batch is None:
+    if tuned_micro:
+        micro += " (each layout's fastest that fits of those that split global batch ÷ dp: column micro = micro batch × accumulation; set train.micro_batch_size to keep one)"
+    elif work.fixed_micro_batch is None:
         micro += " (each layout's: the largest that splits global batch ÷ dp, as train derives it; set train.micro_batch_size)"
+    checkpointing = "on" if work.activation_checkpointing else "off"
+    if tuned and "activation_checkpointing" in work.tunable:
+        checkpointing = "on or off, each layout's faster that fits (column ckpt; set model.gradient_checkpointing to keep one)"
     lora = []
     if work.lora is not None:
         adapters = count_lora(setting.facts, work.lora, work.task, work.num_labels)
@@ -494,7 +510,7 @@ def describe(setting: PlanSetting, safety_margin: float) -> list[str]:
         f"{count.total:,} parameters ({_short(count.total)}; {exact})",
         f"per GPU: micro batch {micro} × sequence {work.seq_len}{batch}, "
         f"{work.mixed_precision if work.mixed_precision != 'no' else 'fp32'}, activation "
-        f"checkpointing {'on' if work.activation_checkpointing else 'off'}, {attention} "
+        f"checkpointing {checkpointing}, {attention} "
         f"attention{picked} ({scores} the s×s attention scores)",
         f"{setting.gpus} GPUs ({setting.nodes} node(s) × {setting.gpus_per_node}), "
         f"{setting.gpu_memory_gb:g} GB each (from {setting.memory_source}); a plan fits in "

@@ -314,7 +314,8 @@ def plan_training_run(
         auto = resolve_auto_parallel(
             config, facts, machine, lambda: smallest_gpu_memory_gb(gpus), profile
         )
-        config = config.model_copy(update={"parallel": auto.parallel})
+        # the layout, and the micro batch and checkpointing it was tuned with (when left open)
+        config = auto.apply(config)
         auto_notes = (auto.note,)
     plan = make_plan(
         config.launch,

@@ -6,11 +6,16 @@ or a function that asks nvidia-smi, called only when needed).
 What the estimate assumes for the run (the same inputs `dplaunch plan CONFIG` uses):
 
 - the layout the launcher will use: total ranks and ranks per node, as ``make_plan`` decides them;
-- the micro batch of each layout: the one `train` derives for its dp (plan.batch_math:
-  ``train.micro_batch_size``, or the largest ≤ 8 that splits the global batch ÷ dp), so every
+- the micro batch of each layout: ``train.micro_batch_size``, or (unset) with a profile the
+  fastest that fits of every micro batch that splits the global batch ÷ dp, accumulation
+  following — without one the largest ≤ 8, as `train` derives it (plan.batch_math) — so every
   row trains the run's global batch a step; a layout whose dp cannot split it is not picked;
-- sequence length ``data.max_length``, ``train.mixed_precision``, activation checkpointing from
-  ``model.gradient_checkpointing``, the attention kernel from ``model.attn_implementation``
+- activation checkpointing from ``model.gradient_checkpointing``, or (not in the run file) with
+  a profile on or off, whichever is faster among the combinations that fit (candidates.LEVERS:
+  the tuner searches the layout and these levers together, with no trial run); auto then writes
+  the values it chose into the run's resolved file;
+- sequence length ``data.max_length``, ``train.mixed_precision``, the attention kernel from
+  ``model.attn_implementation``
   (unset: transformers' own pick, sdpa for the families that support it), the model's task and
   labels, and ``model.lora`` (adapters trained, the base frozen or quantized).
 
@@ -31,12 +36,13 @@ On CPU ranks there is no GPU memory to plan for: auto keeps DDP there and says s
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dplaunch.config.schema import ParallelConfig, RunConfig, TrainConfig
 from dplaunch.errors import UserError
 from dplaunch.planning.candidates import (
+    LEVERS,
     Candidate,
     Eligible,
     candidate_plans,
@@ -59,11 +65,23 @@ from dplaunch.planning.workload import LoraSpec, Workload
 
 @dataclass(frozen=True)
 class AutoChoice:
-    """The parallel section auto picked, the one line that says why, and the table it came from."""
+    """The parallel section auto picked, the one line that says why, and the table it came from;
+    ``settings``: the run-file keys of the levers it tuned with the layout (planning/candidates.py
+    LEVERS: train.micro_batch_size, model.gradient_checkpointing) → their values."""
 
     parallel: ParallelConfig
     note: str
     candidates: tuple[Candidate, ...] = ()
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def apply(self, config: RunConfig) -> RunConfig:
+        """CONFIG with the parallel section and the tuned levers auto chose."""
+        sections: dict[str, Any] = {"parallel": self.parallel}
+        for key, value in self.settings.items():
+            section, name = key.split(".")
+            current = sections.get(section, getattr(config, section))
+            sections[section] = current.model_copy(update={name: value})
+        return config.model_copy(update=sections)
 
 
 def planning_micro_batch(train: TrainConfig) -> int:
@@ -96,7 +114,20 @@ def run_workload(config: RunConfig) -> Workload:
         clip=config.train.max_grad_norm > 0,
         packed=config.model.task == "sft" and bool(config.data.packing),
         reference=reference_kind(config),
+        tunable=tunable_levers(config),
     )
+
+
+def tunable_levers(config: RunConfig) -> tuple[str, ...]:
+    """The levers the run leaves to the tuner (Workload.tunable): the micro batch when
+    train.micro_batch_size is unset, activation checkpointing when model.gradient_checkpointing
+    is not in the run file (nor set by a flag)."""
+    levers = []
+    if config.train.micro_batch_size is None:
+        levers.append("micro_batch")
+    if "gradient_checkpointing" not in config.model.model_fields_set:
+        levers.append("activation_checkpointing")
+    return tuple(levers)
 
 
 def reference_kind(config: RunConfig) -> str | None:
@@ -211,7 +242,9 @@ def resolve_auto_parallel(
     )
     source = "launch.gpu_memory_gb" if launch.gpu_memory_gb is not None else "nvidia-smi"
     note = f"parallel: auto → {chosen.why} ({memory:g} GB per GPU from {source})"
-    return AutoChoice(parallel, note, tuple(candidates))
+    keys = {lever.name: lever.key for lever in LEVERS}
+    settings = {keys[name]: value for name, value in chosen.settings.items()}
+    return AutoChoice(parallel, note, tuple(candidates), settings)
 
 
 def run_forecast(

@@ -15,6 +15,14 @@ How one plan is recommended (among those that fit; ``_rank`` is the code):
 3. then the least network traffic per step per GPU (bytes, :func:`estimate_communication`);
 4. ties → the simpler plan: no offload, lower ZeRO stage, smaller pp, smaller tp.
 
+With a hardware profile (every row then has a forecast) the recommendation is the fastest plan
+that fits instead, and each row is **tuned**: the levers the run leaves open (LEVERS: the micro
+batch, when train.micro_batch_size is unset — every divisor of the rank's share of the global
+batch, accumulation following; activation checkpointing, when model.gradient_checkpointing is
+unset) are searched together, each combination estimated (memory) and forecast (time), and the
+row shows its fastest combination that fits. A lever is a Workload field and its choices: its
+memory and time terms are the estimate's and the forecast's, which read the workload.
+
 FSDP2 rows (parallel.fsdp, tp = pp = 1) are listed beside them with the same columns: FSDP full
 holds ZeRO-3's states (its formula, sharded over every data-parallel rank), FSDP2's own
 transients (the unsharded root and two blocks, a block's fp32 reduce-scatter input) in place of
@@ -27,8 +35,10 @@ of ``parallel: auto`` does not change for runs that did not ask.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 from dplaunch.errors import UserError
 from dplaunch.planning.estimate import (
@@ -55,6 +65,66 @@ TP_DEGREES = (1, 2, 4, 8)
 # sequence-parallel degrees the table lists (where they divide the GPUs and the model's heads)
 SP_DEGREES = (2, 4, 8)
 OFFLOAD_RANK = {"none": 0, "optimizer": 1, "all": 2}
+# the largest micro batch the tuner tries (memory stops it sooner on most models)
+MAX_TUNED_MICRO_BATCH = 128
+
+
+@dataclass(frozen=True)
+class Lever:
+    """A setting the tuner chooses together with the layout: the Workload field it sets, the
+    run-file key `parallel: auto` writes, its value in the plan's words, and the values to try on
+    dp data-parallel ranks (``choices(workload, dp)``; the workload's own first)."""
+
+    name: str
+    key: str
+    words: Callable[[Any], str]
+    choices: Callable[[Workload, int], tuple[Any, ...]]
+
+
+def _micro_batches(workload: Workload, dp: int) -> tuple[int, ...]:
+    # every micro batch that splits the rank's share of the global batch (batch_math's rule)
+    per_rank = (workload.global_batch_size or workload.micro_batch * dp) // dp
+    divisors = [m for m in range(1, min(per_rank, MAX_TUNED_MICRO_BATCH) + 1) if per_rank % m == 0]
+    return (workload.micro_batch, *(m for m in divisors if m != workload.micro_batch))
+
+
+LEVERS = (
+    Lever("micro_batch", "train.micro_batch_size", lambda m: f"micro-batch {m}", _micro_batches),
+    Lever(
+        "activation_checkpointing",
+        "model.gradient_checkpointing",
+        lambda on: "activation checkpointing" if on else "no checkpointing",
+        lambda workload, _dp: (
+            workload.activation_checkpointing,
+            not workload.activation_checkpointing,
+        ),
+    ),
+)
+
+
+def open_levers(workload: Workload) -> tuple[Lever, ...]:
+    """The levers this workload leaves to the tuner: those named in ``workload.tunable``, the
+    micro batch only where a global batch is given and no micro batch is."""
+    open_ = []
+    for lever in LEVERS:
+        if lever.name not in workload.tunable:
+            continue
+        if lever.name == "micro_batch" and (
+            workload.global_batch_size is None or workload.fixed_micro_batch is not None
+        ):
+            continue
+        open_.append(lever)
+    return tuple(open_)
+
+
+@dataclass
+class Trial:
+    """One combination of the open levers' values on a layout: its memory and its forecast."""
+
+    settings: dict[str, Any]
+    total_gb: float
+    fits: bool
+    forecast: Forecast | None = None
 
 
 @dataclass
@@ -100,6 +170,11 @@ class Candidate:
     # cannot split it
     micro_batch: int | None = None
     gradient_accumulation_steps: int | None = None
+    activation_checkpointing: bool = False
+    # the open levers' values this row was estimated with (Lever.name → value), and every
+    # combination the tuner tried on this layout (empty: not tuned)
+    settings: dict[str, Any] = field(default_factory=dict)
+    trials: tuple[Trial, ...] = ()
 
     def dims(self, gpus: int, gpus_per_node: int) -> ParallelDims:
         """The layout as the rules and the forecast take it."""
@@ -146,6 +221,18 @@ class Candidate:
             if n > 1
         ]
         return self.name + (" with " + " and ".join(degrees) if degrees else "")
+
+    @property
+    def tuned_layout(self) -> str:
+        """The layout and the levers' values tuned for it: "ZeRO-2 (micro-batch 4, no
+        checkpointing)"."""
+        return self.layout + settings_words(self.settings)
+
+
+def settings_words(settings: dict[str, Any]) -> str:
+    """ " (micro-batch 4, activation checkpointing)" of tuned SETTINGS; "" when none."""
+    words = [lever.words(settings[lever.name]) for lever in LEVERS if lever.name in settings]
+    return f" ({', '.join(words)})" if words else ""
 
 
 def workload_memory(
@@ -262,46 +349,124 @@ def candidate_plans(
         raise UserError("launch.gpus_per_node", f"{gpus_per_node} GPUs per node", "use at least 1")
     if not 0 <= safety_margin < 1:
         raise UserError("safety_margin", f"{safety_margin} is not in [0, 1)")
-    count = count_parameters(facts, workload.task, workload.num_labels)
     lora = workload.lora
-    lora_count = count_lora(facts, lora, workload.task, workload.num_labels) if lora else None
-    usable = gpu_memory_gb * (1 - safety_margin)
-    candidates: list[Candidate] = []
-    sequences = workload.sequence_parallel and sequence_parallel_kernel(
-        attention_implementation(facts.model_type, workload.attn_implementation)
+    sizing = _Sizing(
+        facts,
+        count_parameters(facts, workload.task, workload.num_labels),
+        count_lora(facts, lora, workload.task, workload.num_labels) if lora else None,
+        gpu_memory_gb,
+        gpu_memory_gb * (1 - safety_margin),
     )
-    layouts = _layouts(facts, gpus, gpus_per_node, workload.task, sequences, lora is not None)
-    for tp, pp, sp in layouts:
-        if (
-            workload.seq_len % sp
-        ):  # each rank holds an equal slice (ParallelDims.check_sequence_length)
-            continue
-        for dims in _stages_and_offloads(ParallelDims(gpus, gpus_per_node, tp, pp, sp=sp)):
-            # a layout that cannot split the global batch: its memory at the planning micro batch
-            work = layout_workload(workload, dims.dp) or workload
-            memory = workload_memory(facts, dims, work, count=count, lora=lora_count)
-            traffic = estimate_communication(facts, dims, work, count=count, lora=lora_count)
-            network, offload = traffic.network_bytes, traffic.offload_bytes
-            candidates.append(_row(memory, network, offload, gpu_memory_gb, usable, dims))
-    if lora is None or lora.quantize is None:  # no QLoRA under FSDP (lora_check.check_lora)
-        candidates += _fsdp_rows(
-            facts, workload, gpus, gpus_per_node, gpu_memory_gb, usable, count, lora_count
-        )
-    for candidate in candidates:
-        work = layout_workload(workload, candidate.dp)
-        if work is None:
-            continue
-        if work.global_batch_size is not None:
-            candidate.micro_batch = work.micro_batch
-            candidate.gradient_accumulation_steps = work.accumulation_steps(candidate.dp)
-        if profile is not None:
-            dims = candidate.dims(gpus, gpus_per_node)
-            candidate.forecast = forecast_step(
-                facts, dims, work, profile, guard=work.guard, clip=work.clip
-            )
+    candidates: list[Candidate] = []
+    for dims in _table_layouts(facts, workload, gpus, gpus_per_node):
+        work = layout_workload(workload, dims.dp)
+        # a layout that cannot split the global batch: its memory at the planning micro batch
+        row = _layout_row(sizing, dims, work or workload)
+        candidates.append(row if work is None else _tuned_row(sizing, dims, work, row, profile))
     feasible = _splits_the_batch(workload, eligible.feasible)
     _recommend(candidates, _only_for_activations(candidates, feasible), eligible.fsdp)
     return candidates
+
+
+@dataclass(frozen=True)
+class _Sizing:
+    """What every row of one table is estimated with: the model, its counts, the GPU's memory."""
+
+    facts: ModelFacts
+    count: ParameterCount
+    lora: LoraCount | None
+    gpu_memory_gb: float
+    usable: float
+
+
+def _table_layouts(facts: ModelFacts, workload: Workload, gpus: int, gpus_per_node: int):
+    """Every layout of the table: DDP / ZeRO / offload with tp, pp, sp, then the FSDP2 rows."""
+    sequences = workload.sequence_parallel and sequence_parallel_kernel(
+        attention_implementation(facts.model_type, workload.attn_implementation)
+    )
+    lora = workload.lora
+    for tp, pp, sp in _layouts(facts, gpus, gpus_per_node, workload.task, sequences, bool(lora)):
+        if workload.seq_len % sp:  # each rank holds an equal slice (check_sequence_length)
+            continue
+        yield from _stages_and_offloads(ParallelDims(gpus, gpus_per_node, tp, pp, sp=sp))
+    if lora is None or lora.quantize is None:  # no QLoRA under FSDP (lora_check.check_lora)
+        yield from _fsdp_layouts(facts, workload.task, gpus, gpus_per_node)
+
+
+def _layout_row(sizing: _Sizing, dims: ParallelDims, work: Workload) -> Candidate:
+    """The row of DIMS for WORK: its memory per GPU and its traffic per step. FSDP2 rows: a LoRA
+    run's frozen shards in fp32 (_fp32_frozen_shards), HSDP's all-reduce across the nodes."""
+    facts, count, lora = sizing.facts, sizing.count, sizing.lora
+    memory = workload_memory(facts, dims, work, count=count, lora=lora)
+    traffic = estimate_communication(facts, dims, work, count=count, lora=lora)
+    network = traffic.network_bytes
+    if dims.fsdp is not None:
+        shard = dims.fsdp_shard_size
+        if lora is not None:
+            frozen = count.total - lora.trainable
+            memory = _fp32_frozen_shards(memory, frozen, shard, dims.offload, work)
+        replicas = dims.world_size // shard
+        if replicas > 1:
+            # the node's gradient shard, all-reduced across the nodes (ring: 2n(r−1)/r)
+            b = 2 if work.mixed_precision in ("bf16", "fp16") else 4
+            trained = count.total if lora is None else lora.trainable
+            network += 2 * (trained / shard) * b * (replicas - 1) / replicas
+    return _row(memory, network, traffic.offload_bytes, sizing.gpu_memory_gb, sizing.usable, dims)
+
+
+def _tuned_row(
+    sizing: _Sizing, dims: ParallelDims, work: Workload, row: Candidate, profile: Profile | None
+) -> Candidate:
+    """ROW (DIMS under WORK, the run's batch maths) with its forecast; with a profile and open
+    levers, the row of their fastest combination that fits (each tried is kept in ``trials``)."""
+    levers = open_levers(work) if profile is not None else ()
+    if profile is None or not levers:
+        forecast = _forecast(sizing.facts, dims, work, profile) if profile is not None else None
+        return _settled(row, work, {}, forecast)
+    trials: list[tuple[Trial, Candidate, Workload]] = []
+    for values in itertools.product(*(lever.choices(work, dims.dp) for lever in levers)):
+        settings = {lever.name: value for lever, value in zip(levers, values, strict=True)}
+        tried = replace(work, **settings)
+        # the first combination is the workload's own: its row is ROW
+        tried_row = _layout_row(sizing, dims, tried) if trials else row
+        # what does not fit is not forecast, but for the row's own (its table cells)
+        forecast = (
+            _forecast(sizing.facts, dims, tried, profile) if tried_row.fits or not trials else None
+        )
+        trials.append(
+            (Trial(settings, tried_row.total_gb, tried_row.fits, forecast), tried_row, tried)
+        )
+    fitting = [t for t in trials if t[0].fits]
+    trial, chosen, tried = min(fitting, key=lambda t: _trial_time(t[0])) if fitting else trials[0]
+    chosen = _settled(chosen, tried, trial.settings, trial.forecast)
+    chosen.trials = tuple(t[0] for t in trials)
+    return chosen
+
+
+def _trial_time(trial: Trial) -> tuple:
+    """A trial's forecast seconds; between equals the simpler: no recomputation, fewer and
+    larger micro-batches."""
+    seconds = trial.forecast.step_time_s if trial.forecast is not None else float("inf")
+    settings = trial.settings
+    simpler = (bool(settings.get("activation_checkpointing")), -settings.get("micro_batch", 0))
+    return (round(seconds, 9), *simpler)
+
+
+def _forecast(facts: ModelFacts, dims: ParallelDims, work: Workload, profile: Profile) -> Forecast:
+    return forecast_step(facts, dims, work, profile, guard=work.guard, clip=work.clip)
+
+
+def _settled(
+    row: Candidate, work: Workload, settings: dict[str, Any], forecast: Forecast | None
+) -> Candidate:
+    """ROW with WORK's batch maths and checkpointing, the SETTINGS tuned and its FORECAST."""
+    if work.global_batch_size is not None:
+        row.micro_batch = work.micro_batch
+        row.gradient_accumulation_steps = work.accumulation_steps(row.dp)
+    row.activation_checkpointing = work.activation_checkpointing
+    row.settings = dict(settings)
+    row.forecast = forecast
+    return row
 
 
 def _splits_the_batch(
@@ -320,43 +485,15 @@ def _splits_the_batch(
     return splits
 
 
-def _fsdp_rows(
-    facts: ModelFacts,
-    workload: Workload,
-    gpus: int,
-    gpus_per_node: int,
-    gpu_memory_gb: float,
-    usable: float,
-    count: ParameterCount,
-    lora: LoraCount | None = None,
-) -> list[Candidate]:
-    """FSDP full (and HSDP on several nodes) rows, with and without CPU offload (see the module
-    docstring for their memory and traffic); a LoRA run's (``lora``) counted as ZeRO-3's are."""
+def _fsdp_layouts(facts: ModelFacts, task: str, gpus: int, gpus_per_node: int):
+    """FSDP full (and HSDP on several nodes), with and without CPU offload (the module docstring
+    says how their memory and traffic are counted)."""
     kinds = ["full", "hybrid"] if 1 < gpus_per_node < gpus else ["full"]
-    rows = []
     for kind in kinds:
-        task = workload.task
         if not ParallelDims.if_allowed(gpus, gpus_per_node, fsdp=kind, model=facts, task=task):
             continue
         for offload in ("none", "all"):
-            dims = ParallelDims(gpus, gpus_per_node, offload=offload, fsdp=kind)
-            shard = dims.fsdp_shard_size
-            work = layout_workload(workload, dims.dp) or workload
-            memory = workload_memory(facts, dims, work, count=count, lora=lora)
-            if lora is not None:
-                frozen = count.total - lora.trainable
-                memory = _fp32_frozen_shards(memory, frozen, shard, offload, work)
-            traffic = estimate_communication(facts, dims, work, count=count, lora=lora)
-            network = traffic.network_bytes
-            replicas = gpus // shard
-            if replicas > 1:
-                # the node's gradient shard, all-reduced across the nodes (ring: 2n(r−1)/r)
-                b = 2 if workload.mixed_precision in ("bf16", "fp16") else 4
-                trained = count.total if lora is None else lora.trainable
-                network += 2 * (trained / shard) * b * (replicas - 1) / replicas
-            row = _row(memory, network, traffic.offload_bytes, gpu_memory_gb, usable, dims)
-            rows.append(row)
-    return rows
+            yield ParallelDims(gpus, gpus_per_node, offload=offload, fsdp=kind)
 
 
 def _row(
@@ -506,25 +643,44 @@ def _recommend(
     best.why = f"{fits} {reason}" if tier == 0 else fits + reason
 
 
-def _fastest(candidate: Candidate) -> tuple:
-    assert candidate.forecast is not None
-    return (round(candidate.forecast.step_time_s, 9), _rank(candidate))
+def _options(candidate: Candidate) -> list[tuple[Candidate, Trial]]:
+    """(row, trial) of every combination of a row's levers that fits and has a forecast; a row
+    not tuned is its own."""
+    trials = candidate.trials or (
+        Trial(candidate.settings, candidate.total_gb, candidate.fits, candidate.forecast),
+    )
+    return [(candidate, t) for t in trials if t.fits and t.forecast is not None]
 
 
 def _recommend_fastest(fitting: list[Candidate]) -> None:
-    """With a forecast: the fastest plan that fits; the line names the runner-up and why."""
-    best, *others = sorted(fitting, key=_fastest)
+    """With a forecast: the fastest plan that fits (its layout and its levers' values); the line
+    names the runner-up (another layout, or the same one tuned otherwise) and why."""
+    options = sorted(
+        (option for candidate in fitting for option in _options(candidate)),
+        key=lambda o: (_trial_time(o[1])[0], _rank(o[0]), *_trial_time(o[1])[1:]),
+    )
+    (best, trial), *others = options
     best.recommended = True
-    assert best.forecast is not None
-    fits = f"{best.layout} fits in {best.gpu_memory_gb:g} GB with {best.headroom:.0%} headroom"
-    if not others or others[0].forecast is None:
-        best.why = f"{fits}; the fastest forecast, {best.forecast.step_time_s:.3g} s/step"
+    assert trial.forecast is not None
+    fits = (
+        f"{best.tuned_layout} fits in {best.gpu_memory_gb:g} GB with {best.headroom:.0%} headroom"
+    )
+    if not others:
+        best.why = f"{fits}; the fastest forecast, {trial.forecast.step_time_s:.3g} s/step"
         return
-    runner = others[0]
-    mine, theirs = seconds_apart(best.forecast.step_time_s, runner.forecast.step_time_s)
+    runner_row, runner = others[0]
+    assert runner.forecast is not None
+    mine, theirs = seconds_apart(trial.forecast.step_time_s, runner.forecast.step_time_s)
+    runner_name = runner_row.layout + settings_words(runner.settings)
+    if mine == theirs:  # a tie to the digits: the simpler plan (the table's rule) wins
+        best.why = (
+            f"{fits}; the fastest forecast: {best.tuned_layout} {mine} s/step, as fast as "
+            f"{runner_name}, and the simpler plan"
+        )
+        return
     best.why = (
-        f"{fits}; the fastest forecast: {best.layout} {mine} s/step beats {runner.layout} "
-        f"{theirs} s/step: {why_faster(best.forecast, runner.forecast)}"
+        f"{fits}; the fastest forecast: {best.tuned_layout} {mine} s/step beats {runner_name} "
+        f"{theirs} s/step: {why_faster(trial.forecast, runner.forecast)}"
     )
 
 
@@ -548,6 +704,9 @@ ROW_KEYS = (
     "dp",
     "micro_batch",
     "gradient_accumulation_steps",
+    "activation_checkpointing",
+    # the levers' values the tuner chose for this row ({}: none tuned)
+    "settings",
     "params_per_gpu",
     "weights_gb",
     "gradients_gb",
@@ -614,6 +773,13 @@ def _forecast_cells(
     return cells
 
 
+def _lever_cells(candidate: Candidate) -> str:
+    micro = "-"
+    if candidate.micro_batch is not None:
+        micro = f"{candidate.micro_batch}×{candidate.gradient_accumulation_steps}"
+    return f"{micro:>9}{'on' if candidate.activation_checkpointing else 'off':>5}"
+
+
 def _number(value: float | None) -> str:
     if value is None:
         return "-"
@@ -638,6 +804,8 @@ def format_table(
         f"{'cpu':>8}{'comm/step':>11}{'fits':>6}"
     )
     if forecasts:
+        # the micro batch (× accumulation) and checkpointing each row was tuned to
+        header += f"{'micro':>9}{'ckpt':>5}"
         header += f"{'s/step':>9}{'tokens/s':>11}{'MFU':>6}{'hours':>8}{'GPU-h':>9}"
         header += f"{'cost':>10}" if price_per_gpu_hour is not None else ""
     lines = [header, "  " + "-" * (len(header) - 2)]
@@ -650,7 +818,7 @@ def format_table(
             f"{mark} {_table_name(c):<{width}}{c.tp:>3}{c.pp:>4}{c.dp:>5}{c.model_states_gb:>9.{d}f}"
             f"{c.activations_gb:>8.{d}f}{c.other_gb:>8.{d}f}{c.total_gb:>8.{d}f}{c.cpu_gb:>8.{d}f}"
             f"{c.comm_gb_per_step:>11.{d}f}{'yes' if c.fits else 'no':>6}"
-            + (_forecast_cells(c, steps, price_per_gpu_hour) if forecasts else "")
+            + (_lever_cells(c) + _forecast_cells(c, steps, price_per_gpu_hour) if forecasts else "")
         )
     if candidates:
         lines.append(

@@ -83,6 +83,9 @@ class Workload:
     # adapters disabled); None: no reference forward (another task, a reference-free loss, or
     # train.precompute_ref's values)
     reference: str | None = None
+    # the levers the run leaves to the tuner (planning/candidates.py LEVERS, by Workload field:
+    # "micro_batch", "activation_checkpointing"), those it did not set; () = its own settings
+    tunable: tuple[str, ...] = ()
 
     @property
     def rows_per_sample(self) -> int:
