@@ -18,6 +18,7 @@ from dplaunch.planning.profiles import CALIBRATED, read_profile
 from dplaunch.train import calibrate_ranks
 from dplaunch.train.calibrate_ranks import (
     GPU_DENSE,
+    SHARES,
     Clock,
     attention_plan,
     device_limits,
@@ -128,20 +129,22 @@ def test_calibrate_out_a_folder_is_refused_before_anything_is_measured(tmp_path)
 def test_the_clock_keeps_to_the_budget_and_measures_each_series_first_point():
     now = [0.0]
     clock = Clock(10.0, point_s=0.4, now=lambda: now[0])
-    clock.start("collectives", 6)  # 0.3 of the 10 s: until 3 s
-    assert clock.target(None, essential=True) == 0.4
+    clock.start("collectives", 6)  # its share of the 10 s (0.2: until 2 s), 6 points
+    end = 10.0 * SHARES["collectives"] / sum(SHARES.values())
+    assert clock.section_end == pytest.approx(end)
+    assert clock.target(None, essential=True) == pytest.approx(min(0.4, end / 6))
     # a point whose warm-up and first run (2 × 1 s foreseen) do not fit in what is left
-    now[0] = 1.5
+    now[0] = end - 1.5
     assert clock.target(1.0, essential=False) == 0.0
     assert clock.target(0.5, essential=False) > 0
     # the section's time is spent: only a series' first point still runs (once)
-    now[0] = 3.5
+    now[0] = end + 0.5
     assert clock.target(None, essential=False) == 0.0
     assert 0 < clock.target(None, essential=True) < 1e-6
-    # dense's share (0.3 of the 0.7 of shares left) of the 6.5 s left: what a section leaves
-    # passes to the next
+    # dense's share of the shares left, of the seconds left: what a section leaves passes on
     clock.start("dense", 10)
-    assert clock.section_end == pytest.approx(3.5 + 6.5 * 0.3 / 0.7)
+    left = sum(SHARES.values()) - SHARES["collectives"]
+    assert clock.section_end == pytest.approx(now[0] + (10.0 - now[0]) * SHARES["dense"] / left)
 
 
 def fake_gpu(monkeypatch, capability, free_gib):

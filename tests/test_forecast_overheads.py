@@ -22,15 +22,19 @@ from dplaunch.planning.rules import ParallelDims
 from dplaunch.planning.workload import Workload
 from tests.helpers import llama_facts, synthetic_profile
 
-# what a made-up machine's engines spend, family by family (seconds per unit)
+# what a made-up machine's engines spend, family by family (seconds per unit): every family's
+# forward and backward are DDP's dispatch and what its own engine adds
 KNOWN = {
     "ddp": Overheads(forward_tensor_s=1e-4, backward_tensor_s=2e-4, step_s=5e-3, step_tensor_s=5e-5),
     "zero2": Overheads(
-        forward_s=1e-3, backward_tensor_s=3e-4, backward_byte_s=3e-9, step_s=8e-3,
-        step_tensor_s=1e-4,
+        forward_s=1e-3, forward_tensor_s=1e-4, backward_tensor_s=3e-4, backward_byte_s=3e-9,
+        step_s=8e-3, step_tensor_s=1e-4,
     ),
     "zero3": Overheads(forward_tensor_s=5e-3, backward_tensor_s=8e-3, step_s=5e-3),
-    "fsdp": Overheads(forward_tensor_s=1e-3, backward_tensor_s=1e-3, step_s=3e-3),
+    "fsdp": Overheads(
+        forward_tensor_s=1e-3, forward_byte_s=2e-9, backward_tensor_s=1e-3, backward_byte_s=1e-9,
+        step_s=3e-3,
+    ),
     "ulysses": Overheads(exchange_s=2e-3, exchange_byte_s=1e-9),
 }  # fmt: skip
 LAYOUTS = {
@@ -87,6 +91,20 @@ def test_the_fit_recovers_each_familys_overheads_from_synthetic_timings():
     assert again.overheads == fitted.overheads
     assert overheads_for(again, "zero2") == (fit.overheads["zero2"], True)
     assert "engine overheads fitted to calibrate's steps: ddp (6 steps" in again.notes[-1]
+
+
+def test_a_rate_error_both_families_share_stays_ddps_and_ddp_copies_nothing():
+    # the model at calibrate's shapes runs 20 % slower than the dense rate says: a cost per FLOP
+    # (∝ bytes at a fixed token count) that every family pays alike
+    profile = synthetic_profile()
+    slower = dataclasses.replace(
+        profile, dense=tuple(dataclasses.replace(p, flops_per_s=p.flops_per_s / 1.2) for p in profile.dense)
+    )  # fmt: skip
+    truth = dataclasses.replace(slower, overheads={f: KNOWN[f].to_dict() for f in ("ddp", "zero2")})
+    fit = fit_overheads(timed_steps(truth, ("ddp", "zero2")), profile)
+    # no per-byte copy invented for DDP, nor for ZeRO-2 beyond its own
+    assert fit.overheads["ddp"].forward_byte_s == fit.overheads["ddp"].backward_byte_s == 0.0
+    assert fit.overheads["zero2"].backward_byte_s == pytest.approx(3e-9, rel=0.05)
 
 
 def test_the_fit_keeps_every_term_non_negative_in_noise():

@@ -4,7 +4,9 @@ Placed as `dplaunch train` places its ranks (--gpus, --nodes, a SLURM allocation
 node, as `dplaunch doctor`), the ranks (dplaunch/train/calibrate_ranks.py) time every collective
 at a few sizes inside a node and across nodes, a transformer block's matrix products and
 attention at a few shapes and dtypes, how much communication hides behind computation, the
-optimizer step, DeepSpeed's CPU Adam and host ↔ device copies. They keep to a time budget
+optimizer step, DeepSpeed's CPU Adam and host ↔ device copies, and run a few real steps of each
+engine family (DDP, ZeRO-1/2/3, FSDP2, Ulysses) on small models, whose time beyond the FLOPs and
+collectives becomes the forecast's overhead terms (planning/overhead_fit.py). They keep to a time budget
 (BUDGET_S, --quick QUICK_BUDGET_S, --budget), counted once they have started: DeepSpeed's CPU Adam
 op is built before (once per Python environment and CPU type; --quick times it only when it is
 built already). Node 0 turns what they measured into a profile (planning/profiles.py) keyed by
@@ -103,7 +105,7 @@ class CalibrateOptions:
 
 @command(config_option=True)
 def calibrate_command(flags: RunFlags, options: CalibrateOptions) -> int:
-    """Measure this hardware's compute, collective and copy rates (at most 2 minutes of measuring after a one-time op build; --quick 30 s): the profile `dplaunch plan` forecasts step times with."""
+    """Measure this hardware's compute, collective and copy rates and its engines' overheads (short real steps of DDP, ZeRO-1/2/3, FSDP2, Ulysses) — at most 2 minutes of measuring after a one-time op build; --quick 30 s: the profile `dplaunch plan` forecasts step times with."""
     return run_calibrate(flags, options)
 
 
@@ -266,6 +268,10 @@ def _write_profile(
         measured_at,
         intra=interconnect_seen(1, gpus),
     )
+    from dplaunch.planning.overhead_fit import fitted_profile
+
+    # the engines' own time besides FLOPs and collectives, fitted to their timed steps
+    profile = fitted_profile(profile, record.get("engine_steps"))
     path = options.out or profile_dir() / profile_file_name(profile.key)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(profile_text(profile))

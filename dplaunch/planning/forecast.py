@@ -922,10 +922,12 @@ class Overheads:
     for the device there), and so do ZeRO-1/2's gradient copies, which are device work."""
 
     # forward, every micro-batch: the engine's fixed work (the batch to the device, its hooks'
-    # entry), and per parameter tensor of the rank: the dispatch of the ops that use it (on a GPU
-    # their kernel launches), ZeRO-3's fetch and release of it, FSDP2's unit hooks
+    # entry), per parameter tensor of the rank (the dispatch of the ops that use it, on a GPU
+    # their kernel launches; ZeRO-3's fetch and release of it, FSDP2's unit hooks), and per byte
+    # of the weights it runs (ZeRO-3 and FSDP2 copy every gathered weight in and out)
     forward_s: float = 0.0
     forward_tensor_s: float = 0.0
+    forward_byte_s: float = 0.0
     # backward, every micro-batch: fixed; per parameter tensor (its backward ops' dispatch, the
     # gradient hooks DDP and ZeRO hang on the trained ones); per byte of trained gradient
     # (ZeRO-1/2 copy every gradient into their reduce buckets, average it, add it to the rank's
@@ -1010,8 +1012,9 @@ def engine_family(dims: ParallelDims) -> str:
 
 
 def default_overheads(profile: Profile, family: str) -> Overheads:
-    """DEFAULTS for FAMILY on PROFILE's kind of device (see _CPU_EXTRA and _GPU_EXTRA); ZeRO-1/2's
-    gradient copies on a GPU: two passes over the bytes at 70 % of its memory bandwidth."""
+    """DEFAULTS for FAMILY on PROFILE's kind of device (see _CPU_EXTRA and _GPU_EXTRA); on a GPU
+    the copies of ZeRO's and FSDP2's buckets (gradients; ZeRO-3's and FSDP2's gathered weights
+    too): two passes over the bytes at 70 % of its memory bandwidth."""
     cpu = _cpu(profile)
     base, extra = (_CPU_BASE, _CPU_EXTRA) if cpu else (_GPU_BASE, _GPU_EXTRA)
     family = family if family in extra or family == "ddp" else NEAREST_FAMILY.get(family, "ddp")
@@ -1019,10 +1022,12 @@ def default_overheads(profile: Profile, family: str) -> Overheads:
         return extra["ulysses"]
     more = extra.get(family, Overheads())
     terms = {f.name: getattr(base, f.name) + getattr(more, f.name) for f in fields(Overheads)}
-    if not cpu and family in ("zero1", "zero2"):
+    if not cpu and family in ("zero1", "zero2", "zero3", "fsdp"):
         sheet = GPU_SHEETS.get(gpu_sheet_name(profile.device) or "")
-        memory = sheet.memory_bytes_per_s if sheet else 2e12
-        terms["backward_byte_s"] = 2 / (0.7 * memory)
+        copy = 2 / (0.7 * (sheet.memory_bytes_per_s if sheet else 2e12))
+        terms["backward_byte_s"] = copy  # gradients into the reduce buckets
+        if family in ("zero3", "fsdp"):
+            terms["forward_byte_s"] = copy  # gathered weights out of the all-gather's buffer
     return Overheads(**terms)
 
 
@@ -1057,6 +1062,8 @@ class OverheadCounts:
     trained_tensors: float
     # bytes of the rank's trained gradients (its tensor-parallel shard), one micro-batch's
     gradient_bytes: float
+    # bytes of the weights the rank runs (its stage, its tensor-parallel shard), once
+    weight_bytes: float = 0.0
     # Ulysses, one micro-batch's forward (its backward exchanges as much): all-to-alls, bytes
     exchanges: float = 0.0
     exchange_bytes: float = 0.0
@@ -1081,8 +1088,10 @@ def overhead_counts(facts: ModelFacts, dims: ParallelDims, workload: Workload) -
 
     element = _element(workload.mixed_precision)
     gradient = sum(_tp_weight(w, count, dims.tp).numel for w in trained) * element
+    weight = sum(_tp_weight(w, count, dims.tp).numel for w in (*every, *adapters)) * element
     if dims.pp > 1:
         gradient *= stage_layers / max(count.num_layers, 1)
+        weight *= stage_layers / max(count.num_layers, 1)
     exchanges = exchange_bytes = 0.0
     if dims.sp > 1:
         exchanges = 4.0 * count.num_layers
@@ -1096,6 +1105,7 @@ def overhead_counts(facts: ModelFacts, dims: ParallelDims, workload: Workload) -
         tensors=on_stage(every) + on_stage(adapters),
         trained_tensors=on_stage(trained),
         gradient_bytes=gradient,
+        weight_bytes=weight,
         exchanges=exchanges,
         exchange_bytes=exchange_bytes,
     )
@@ -1112,8 +1122,8 @@ class PhaseOverhead:
     device: float = 0.0
 
 
-# the coefficients the device pays (the others are the host's work)
-DEVICE_TERMS = ("backward_byte_s",)
+# the coefficients the device pays (the others are the host's work): copies
+DEVICE_TERMS = ("forward_byte_s", "backward_byte_s")
 EXCHANGE_TERMS = ("exchange_s", "exchange_byte_s")
 
 
@@ -1122,7 +1132,12 @@ def overhead_units(counts: OverheadCounts) -> dict[str, dict[str, float]]:
     m = counts.micro_batches
     exchange = {"exchange_s": m * counts.exchanges, "exchange_byte_s": m * counts.exchange_bytes}
     return {
-        "forward": {"forward_s": m, "forward_tensor_s": m * counts.tensors, **exchange},
+        "forward": {
+            "forward_s": m,
+            "forward_tensor_s": m * counts.tensors,
+            "forward_byte_s": m * counts.weight_bytes,
+            **exchange,
+        },
         "backward": {
             "backward_s": m,
             "backward_tensor_s": m * counts.tensors,

@@ -25,10 +25,13 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from dplaunch.planning.forecast import (
+    DEVICE_TERMS,
     EXCHANGE_TERMS,
     Overheads,
+    _facts_key,
     default_overheads,
     engine_family,
     forecast_step,
@@ -70,10 +73,9 @@ class Equation:
     seconds: float
 
 
-def equations(step: TimedStep, profile: Profile) -> list[Equation]:
-    """STEP's phases as equations: what is left of each measured phase once the forecast
-    without overheads is taken off (on a GPU the forward's and backward's whole time: the host's,
-    see the module docstring); joined phases summed into one."""
+def unexplained(step: TimedStep, profile: Profile) -> dict[str, float]:
+    """Each measured phase of STEP less what the forecast without overheads gives it (on a GPU
+    the forward's and backward's whole time: the host's, see the module docstring)."""
     bare = forecast_step(
         step.facts,
         step.dims,
@@ -84,12 +86,24 @@ def equations(step: TimedStep, profile: Profile) -> list[Equation]:
         overheads=False,
     )
     gpu = not profile.device.upper().startswith("CPU")
-    counts = overhead_units(overhead_counts(step.facts, step.dims, step.workload))
     left: dict[str, float] = {}
     for phase in PHASES:
         explained = sum(bare.phases.get(phase, {}).values())
         host_bound = gpu and phase != "step"
         left[phase] = step.phases_s.get(phase, 0.0) - (0.0 if host_bound else explained)
+    return left
+
+
+def equations(
+    step: TimedStep, profile: Profile, paired: dict[str, float] | None = None
+) -> list[Equation]:
+    """STEP's phases as equations (joined phases summed into one): the seconds :func:`unexplained`
+    leaves; with PAIRED (DDP's at the same shape and micro-batches), less DDP's forward and
+    backward, so that only what this engine adds to them remains."""
+    left = unexplained(step, profile)
+    for phase in ("forward", "backward"):
+        left[phase] -= (paired or {}).get(phase, 0.0)
+    counts = overhead_units(overhead_counts(step.facts, step.dims, step.workload))
     groups = [tuple(step.joined)] if step.joined else []
     groups += [(phase,) for phase in PHASES if phase not in step.joined]
     result = []
@@ -100,6 +114,13 @@ def equations(step: TimedStep, profile: Profile) -> list[Equation]:
                 joined_counts[name] = joined_counts.get(name, 0.0) + count
         result.append(Equation(joined_counts, sum(left[phase] for phase in group)))
     return result
+
+
+def _shape_key(step: TimedStep) -> tuple:
+    """What pairs a step with DDP's: the model, the micro-batch and how many a rank runs."""
+    work = step.workload
+    per_rank = work.global_batch_size // max(work.micro_batch * step.dims.dp, 1)
+    return (_facts_key(step.facts), work.micro_batch, work.seq_len, per_rank)
 
 
 @dataclass(frozen=True)
@@ -121,32 +142,62 @@ class OverheadFit:
         return replace(profile, overheads=table, notes=(*profile.notes, note))
 
 
+# What each family may add to DDP's forward and backward (every op's dispatch, which all engines
+# pay), by what its engine does: ZeRO-1/2 copy gradients into their buckets; ZeRO-3 and FSDP2
+# also fetch, copy in and release every weight; DDP copies nothing (its gradients are views of
+# its buckets), so it has no per-byte term — one fitted there would be a rate's error at
+# calibrate's shapes, not a cost. Each family's step is its own (DeepSpeed steps otherwise).
+BASE_TERMS = ("forward_s", "forward_tensor_s", "backward_s", "backward_tensor_s")
+STEP_TERMS = ("step_s", "step_tensor_s")
+EXTRA_TERMS = {
+    "ddp": (*BASE_TERMS, *STEP_TERMS),
+    "zero1": ("forward_s", "backward_s", "backward_tensor_s", "backward_byte_s", *STEP_TERMS),
+    "zero2": ("forward_s", "backward_s", "backward_tensor_s", "backward_byte_s", *STEP_TERMS),
+    "zero3": (*BASE_TERMS, "forward_byte_s", "backward_byte_s", *STEP_TERMS),
+    "fsdp": (*BASE_TERMS, "forward_byte_s", "backward_byte_s", *STEP_TERMS),
+    "ulysses": EXCHANGE_TERMS,
+}
+
+
 def fit_overheads(steps: list[TimedStep], profile: Profile) -> OverheadFit:
-    """The non-negative Overheads of each family that best explain its STEPS on PROFILE
-    (least squares over every measured phase). Ulysses' exchange terms are fitted last, on what
-    the fitted DDP terms leave of its steps. On a GPU the per-byte copy is the device's (its
-    default: forecast.default_overheads), not fitted."""
+    """The non-negative Overheads of each family that best explain its STEPS on PROFILE (least
+    squares over every measured phase). DDP first; every other family's forward and backward are
+    DDP's and what its engine adds (EXTRA_TERMS), fitted on its phases less DDP's at the same
+    shape and micro-batches (what both pay alike — a rate's error at calibrate's shapes — is
+    not the engine's); its step is its own. Ulysses' exchange terms are what sp adds to DDP's
+    steps. On a GPU the per-byte copies are the device's (their defaults:
+    forecast.default_overheads), not fitted."""
     gpu = not profile.device.upper().startswith("CPU")
     by_family: dict[str, list[TimedStep]] = {}
     for step in steps:
         by_family.setdefault(step.family, []).append(step)
+    ddp_left = {_shape_key(s): unexplained(s, profile) for s in by_family.get("ddp", [])}
     fitted: dict[str, Overheads] = {}
     residual: dict[str, float] = {}
-    for family in sorted(by_family, key=lambda name: name == "ulysses"):
-        rows = [eq for step in by_family[family] for eq in equations(step, profile)]
-        fixed: dict[str, float] = {}
+    for family in sorted(by_family, key=lambda name: (name != "ddp", name == "ulysses")):
+        ddp = fitted.get("ddp") or default_overheads(profile, "ddp")
+        rows, base = [], {}
+        for step in by_family[family]:
+            paired = ddp_left.get(_shape_key(step)) if family != "ddp" else None
+            if family != "ddp" and paired is None:  # no DDP step to pair with: DDP's terms
+                base = {name: getattr(ddp, name) for name in BASE_TERMS}
+            rows += equations(step, profile, paired)
         if family == "ulysses":
-            # the DDP terms (measured, else defaults) are not the exchange's to explain
-            base = fitted.get("ddp") or default_overheads(profile, "ddp")
-            fixed = {f.name: getattr(base, f.name) for f in fields(Overheads)}
-            fixed = {name: value for name, value in fixed.items() if name not in EXCHANGE_TERMS}
-        else:
-            fixed = dict.fromkeys(EXCHANGE_TERMS, 0.0)
-        if gpu:
-            fixed["backward_byte_s"] = default_overheads(profile, family).backward_byte_s
-        values, rms = solve(rows, fixed)
+            rows = [row for row in rows if any(row.counts.get(n) for n in EXCHANGE_TERMS)]
+        free = set(EXTRA_TERMS.get(family, EXTRA_TERMS["zero3"]))
+        fixed = {}
+        if gpu:  # copies are the device's: in a host-bound step they do not show
+            defaults = default_overheads(profile, family)
+            fixed = {name: getattr(defaults, name) for name in DEVICE_TERMS}
+            free -= set(DEVICE_TERMS)
+        values, rms = solve(rows, free, base, fixed)
         if family == "ulysses":  # its own terms only: the rest is DDP's
             values = {name: values[name] for name in EXCHANGE_TERMS}
+        elif family != "ddp" and not base:  # paired: the extras on top of DDP's
+            values = {
+                name: value + (getattr(ddp, name) if name in BASE_TERMS else 0.0)
+                for name, value in values.items()
+            }
         fitted[family] = Overheads(**values)
         residual[family] = rms
     return OverheadFit(
@@ -154,22 +205,71 @@ def fit_overheads(steps: list[TimedStep], profile: Profile) -> OverheadFit:
     )
 
 
-def solve(rows: list[Equation], fixed: dict[str, float]) -> tuple[dict[str, float], float]:
-    """The coefficients ≥ 0 minimising Σ (Σ coefficient × count − seconds)² over ROWS, those of
-    FIXED held at their value; (every coefficient, the root-mean-square residual)."""
+def timed_steps(record: dict[str, Any]) -> list[TimedStep]:
+    """The steps of calibrate's record (train/calibrate_engines.py's ``engine_steps``)."""
+    steps = []
+    for step in record.get("steps", []):
+        dims = ParallelDims(
+            step["world_size"],
+            step["gpus_per_node"],
+            zero_stage=step["zero_stage"],
+            fsdp=step["fsdp"],
+            sp=step["sp"],
+        )
+        workload = Workload(
+            micro_batch=step["micro_batch"],
+            seq_len=step["seq_len"],
+            mixed_precision=step["mixed_precision"],
+            global_batch_size=step["global_batch_size"],
+            guard=step["on_nonfinite"] != "off",
+            clip=step["max_grad_norm"] > 0,
+        )
+        facts = ModelFacts.from_config_dict(step["model_config"])
+        steps.append(TimedStep(facts, dims, workload, step["phases_s"], tuple(step["joined"])))
+    return steps
+
+
+def fitted_profile(profile: Profile, record: dict[str, Any] | None) -> Profile:
+    """PROFILE with the overheads fitted to calibrate's engine steps (RECORD: the ranks'
+    ``engine_steps``); what was left out or failed is noted; without steps PROFILE as it is,
+    noted (the forecast then takes the defaults)."""
+    steps = timed_steps(record or {})
+    notes = [
+        f"engine steps not run: {', '.join(record[key])} ({why})"
+        for key, why in (("left_out", "over the budget"), ("failed", "failed here"))
+        if record and record.get(key)
+    ]
+    if not steps:
+        notes.append("engine overheads not measured: the forecast takes its defaults")
+        return replace(profile, notes=(*profile.notes, *notes))
+    fitted = fit_overheads(steps, profile).to_profile(profile)
+    return replace(fitted, notes=(*fitted.notes, *notes))
+
+
+def solve(
+    rows: list[Equation],
+    free: set[str],
+    base: dict[str, float] | None = None,
+    fixed: dict[str, float] | None = None,
+) -> tuple[dict[str, float], float]:
+    """The coefficients minimising Σ (Σ coefficient × count − seconds)² over ROWS: each of FREE
+    is BASE's value plus an extra ≥ 0, FIXED's held at their value, the others BASE's (or 0);
+    (every coefficient, the root-mean-square residual)."""
+    base, fixed = base or {}, fixed or {}
     names = [f.name for f in fields(Overheads)]
-    free = [
+    known = {name: fixed.get(name, base.get(name, 0.0)) for name in names}
+    extra = [
         name
         for name in names
-        if name not in fixed and any(row.counts.get(name, 0.0) for row in rows)
+        if name in free and name not in fixed and any(row.counts.get(name, 0.0) for row in rows)
     ]
     targets = [
-        row.seconds - sum(value * row.counts.get(name, 0.0) for name, value in fixed.items())
+        row.seconds - sum(value * row.counts.get(name, 0.0) for name, value in known.items())
         for row in rows
     ]
-    matrix = [[row.counts.get(name, 0.0) for name in free] for row in rows]
-    coefficients = non_negative_least_squares(matrix, targets)
-    values = dict.fromkeys(names, 0.0) | fixed | dict(zip(free, coefficients, strict=True))
+    matrix = [[row.counts.get(name, 0.0) for name in extra] for row in rows]
+    added = non_negative_least_squares(matrix, targets)
+    values = known | {name: known[name] + x for name, x in zip(extra, added, strict=True)}
     errors = [
         sum(values[name] * row.counts.get(name, 0.0) for name in names) - row.seconds
         for row in rows
@@ -232,6 +332,8 @@ __all__ = [
     "TimedStep",
     "equations",
     "fit_overheads",
+    "fitted_profile",
+    "timed_steps",
     "non_negative_least_squares",
     "solve",
 ]

@@ -17,7 +17,10 @@ profile (planning/profiles.py):
   and the GPU runs it) at a few sequence lengths: FLOP/s = 12 · b · heads · s² · head_dim / seconds;
 - overlap: a matrix product loop beside an asynchronous all-reduce, against each alone;
 - the optimizer (AdamW with gradient clipping), DeepSpeed's CPU Adam when its op is built,
-  and host ↔ device copies.
+  and host ↔ device copies;
+- engine steps: a few real optimizer steps of each engine family on small models of its own
+  (train/calibrate_engines.py), which planning/overhead_fit.py turns into the forecast's
+  overhead terms.
 
 The measuring keeps to BUDGET_S seconds, counted from the moment the process group is up, on a
 loaded machine too: the sections share it (SHARES, what one leaves passes to the next), each
@@ -45,6 +48,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dplaunch.train.calibrate_engines import engine_steps, preload_engines
+
 # (dtype, hidden, tokens) of the dense block; (kernel, seq_len) of attention; collective sizes
 CPU_DENSE = [("fp32", h, t) for h in (128, 256, 512, 1024) for t in (256, 1024)] + [
     ("bf16", h, 1024) for h in (256, 1024)
@@ -66,13 +71,15 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broa
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # the budget's share of each section, in the order they are measured
 SHARES = {
-    "collectives": 0.3,
-    "dense": 0.3,
-    "attention": 0.2,
-    "overlap": 0.06,
-    "optimizer": 0.06,
-    "cpu_adam": 0.04,
-    "host_device": 0.04,
+    "collectives": 0.2,
+    "dense": 0.2,
+    "attention": 0.13,
+    "overlap": 0.04,
+    "optimizer": 0.04,
+    "cpu_adam": 0.03,
+    "host_device": 0.03,
+    # short real steps of each engine family (train/calibrate_engines.py): the overheads
+    "engines": 0.33,
 }
 # a point repeats for at most this many seconds (and MAX_REPEATS times), after a warm-up run
 SECONDS_PER_POINT = 0.4
@@ -729,6 +736,7 @@ def measure_all(ranks: Ranks, cpu_adam: bool) -> dict[str, Any]:
         "optimizer_s_per_param": optimizer,
         "cpu_adam_s_per_param": cpu_adam_rate(ranks) if cpu_adam else None,
         "host_device_bytes_per_s": host_device_rate(ranks),
+        "engine_steps": engine_steps(ranks, ranks.quick),
         "skipped": ranks.skipped(),
     }
 
@@ -741,6 +749,7 @@ def main(out: Path, backend: str, timeout_s: float, budget_s: float, quick: bool
 
     if cpu_adam:
         import deepspeed.ops.adam  # noqa: F401
+    preload_engines()  # the engines' libraries, as a training rank has them before it steps
     ranks = Ranks(backend, timeout_s, quick, budget_s)
     torch.manual_seed(ranks.rank)
     record = {"backend": backend, **measure_all(ranks, cpu_adam)}
