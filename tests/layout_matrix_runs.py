@@ -89,15 +89,18 @@ SOURCE, STOP, EXPORT = "source", "stop", "export"
 @dataclass(frozen=True)
 class Tree:
     """A straight run under ROOT's layout and the resumes it feeds (source → targets); LORA: the
-    tiny Llama's LoRA adapters train (the tree's test ids start with `lora-`)."""
+    tiny Llama's LoRA adapters train (the tree's test ids start with `lora-`), with LORA_KEYS
+    beside LORA's (a VARIANT such as DoRA: its ids start with `VARIANT-`)."""
 
     root: str
     targets: dict[str, tuple[str, ...]]
     lora: bool = False
+    lora_keys: tuple[tuple[str, Any], ...] = ()
+    variant: str = ""
 
     @property
     def prefix(self) -> str:
-        return "lora-" if self.lora else ""
+        return f"{self.variant}-" if self.variant else "lora-" if self.lora else ""
 
 
 @dataclass(frozen=True)
@@ -212,7 +215,8 @@ def run_matrix(root: Path, trees: tuple[Tree, ...], title: str) -> Matrix:
     for tree in trees:
         config = TINY_LLAMA
         if tree.lora:  # the tiny Llama with LoRA adapters on every linear layer
-            config = write_config(root / "tiny-llama-lora.yaml", model={"lora": LORA})
+            lora = {**LORA, **dict(tree.lora_keys)}
+            config = write_config(root / f"tiny-llama-{tree.prefix}.yaml", model={"lora": lora})
         straight = root / f"{tree.prefix}straight-{tree.root}"
         keep = ("--set", "train.checkpoint_every=1", "--set", f"train.keep_last={STEPS}")
         seconds[f"{tree.prefix}straight {tree.root}"], error = launch(

@@ -84,10 +84,28 @@ class LoraConfig(Section):
         None,
         description="QLoRA: hold the frozen base weights in 4-bit (nf4, bf16 compute) or 8-bit through bitsandbytes (the `[qlora]` extra).",
     )
+    use_dora: bool = Field(
+        False,
+        description="DoRA: each adapted weight split into a magnitude (trained) and a direction the adapter updates (peft's use_dora); more compute a step.",
+    )
+    use_rslora: bool = Field(
+        False,
+        description="rsLoRA: scale the update by alpha / √r instead of alpha / r (peft's use_rslora), which keeps high ranks learning.",
+    )
+    init: Literal["default", "gaussian", "pissa", "olora"] = Field(
+        "default",
+        description="The adapters' initialisation (peft's init_lora_weights): `default` (A Kaiming-uniform, B zero), `gaussian`, or `pissa`/`olora`, which start from the weight's principal singular vectors (PiSSA) or its QR factors (OLoRA) and take them out of the base; their adapter export is converted to a plain LoRA of rank 2r on the original base (peft's conversion).",
+    )
     export: Literal["merged", "adapter-only"] = Field(
         "merged",
         description="What the end of training writes: `merged` the PEFT folder (`RUN/adapter`) and the model merged with it (`RUN/model`), for which rank 0 builds the whole base again in host RAM, in the dtype it trained in (`bf16`/`fp16` under mixed precision; QLoRA: the checkpoint's own dtype); `adapter-only` the PEFT folder alone, without building a pretrained base (PeftModel.from_pretrained on the base loads it; `merge_and_unload()` merges it later).",
     )
+
+    @property
+    def moves_base(self) -> bool:
+        """Whether the adapters' start is taken out of the base weights (PiSSA, OLoRA): training
+        runs on a residual base, which the exports build again."""
+        return self.init in ("pissa", "olora")
 
 
 class ModelConfig(Section):

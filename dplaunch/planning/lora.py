@@ -304,7 +304,7 @@ def count_lora(
 
     def adapter(module: Module) -> int:
         n_in, n_out = module.shape or (0, 0)
-        return spec.r * (n_in + n_out)
+        return spec.r * (n_in + n_out) + (n_out if spec.dora else 0)
 
     def quantized_bytes(module: Module) -> float:
         n_in, n_out = module.shape or (0, 0)

@@ -83,6 +83,7 @@ def check_lora(
             f"use an r well below {facts.hidden_size} (8 to 64 is usual)",
         )
     _check_names(model, facts)
+    check_lora_variant(model, dims)
     if lora.quantize is not None:
         if model.config is not None:
             raise UserError(
@@ -130,4 +131,54 @@ def _check_names(model: ModelConfig, facts: ModelFacts) -> None:
             "model.lora.modules_to_save",
             f"{', '.join(unknown)} names no module of a {facts.model_type} model",
             f"choose among {', '.join((head, *embeddings, 'norm' if 'norm' in others else 'ln_f'))}",
+        )
+
+
+def check_lora_variant(model: ModelConfig, dims: ParallelDims) -> None:
+    """DoRA where peft builds it on the layout DIMS (every LoRA layout, QLoRA's ZeRO-3 aside),
+    and model.lora.init pissa/olora where the run's exports and reference can follow the base it
+    rewrites: training runs on the residual W − B₀A₀, which the export builds again from the
+    unquantized base, and whose adapter peft converts to a plain LoRA of the original base
+    (LoraModel.subtract_mutated_init: only lora_A/lora_B). rsLoRA trains wherever LoRA does."""
+    lora = model.lora
+    assert lora is not None
+    if lora.use_dora and lora.quantize is not None and dims.zero_stage == 3:
+        raise UserError(
+            "model.lora.use_dora",
+            f"DoRA with QLoRA ({lora.quantize}) under ZeRO-3: peft gathers each layer's weight "
+            "to take its norm, and DeepSpeed cannot gather bitsandbytes' quantized parameters "
+            "(peft 0.21: 'Params4bit' object has no attribute 'ds_status')",
+            "use DDP or ZeRO-1/2 for QDoRA (--zero 2), or drop model.lora.quantize",
+        )
+    if not lora.moves_base:
+        return
+    init = f"model.lora.init {lora.init}"
+    if model.task == "dpo":
+        raise UserError(
+            "model.lora.init",
+            f"{lora.init} takes the adapters' start out of the base, and dpo's reference is "
+            "the policy with its adapters disabled: the residual base, not the model trained from",
+            "use model.lora.init default or gaussian with dpo",
+        )
+    if lora.quantize is not None:
+        raise UserError(
+            "model.lora.init",
+            f"{lora.init} rewrites the base weights, which QLoRA quantized as they loaded: the "
+            "export (built from the unquantized base) would not hold the residual trained on",
+            "drop model.lora.quantize, or use model.lora.init default",
+        )
+    if lora.use_dora:
+        raise UserError(
+            "model.lora.use_dora",
+            f"with {init}: peft converts a PiSSA/OLoRA adapter into a plain LoRA (lora_A, "
+            "lora_B), which has no DoRA magnitude",
+            "drop one of model.lora.use_dora and model.lora.init",
+        )
+    if lora.modules_to_save or model.task == "sequence-classification":
+        saved = "the classification head" if not lora.modules_to_save else "modules_to_save"
+        raise UserError(
+            "model.lora.init",
+            f"{lora.init}: peft's conversion of the adapter keeps only lora_A and lora_B, so "
+            f"{saved} (trained in full) would be lost from RUN/adapter",
+            "use model.lora.init default or gaussian",
         )

@@ -24,6 +24,8 @@ class LoraSpec:
     export: str = "merged"
     # a model.config base (random init) is built in fp32, adapter-only too: it exists nowhere else
     random_base: bool = False
+    # model.lora.use_dora: a trained magnitude per output feature of each adapted layer besides
+    dora: bool = False
 
     @classmethod
     def from_config(cls, lora: Any, *, random_base: bool = False) -> LoraSpec | None:
@@ -39,6 +41,7 @@ class LoraSpec:
             quantize=lora.quantize,
             export=lora.export,
             random_base=random_base,
+            dora=lora.use_dora,
         )
 
     @property

@@ -38,6 +38,10 @@ def peft_config(lora: LoraConfig, task: str) -> Any:
         target_modules=lora.target_modules,
         modules_to_save=lora.modules_to_save,
         task_type="SEQ_CLS" if task == "sequence-classification" else "CAUSAL_LM",
+        use_dora=lora.use_dora,
+        use_rslora=lora.use_rslora,
+        # peft's True: A Kaiming-uniform, B zero
+        init_lora_weights=True if lora.init == "default" else lora.init,
     )
 
 

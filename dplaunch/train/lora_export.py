@@ -12,6 +12,7 @@ partitions (the empty-adapter bug, peft#453).
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ def write_exports(
     dtype = base_dtype(config, mixed_precision)
     assert config.lora is not None
     unadapted = config.model_copy(update={"lora": None})
-    if model_dir is None and config.config is None:
+    if model_dir is None and config.config is None and not config.lora.moves_base:
         # adapter-only on a pretrained base: the base's modules on meta, only the adapters real
         model = _with_state(
             add_adapters(pretrained_skeleton(unadapted, label_names), config, seed), state
@@ -81,24 +82,40 @@ def write_exports(
         base.save_pretrained(str(base_dir), safe_serialization=True)
         tokenizer.save_pretrained(str(base_dir))
         base_name = str(base_dir.resolve())
-    model = _with_state(add_adapters(base, config, seed), state)
-    if adapter_dir is not None:
-        _save_adapter(model, tokenizer, adapter_dir, base_name)  # type: ignore[arg-type]
+    adapted = add_adapters(base, config, seed)  # PiSSA/OLoRA: the base is the residual now
+    with tempfile.TemporaryDirectory(prefix="dplaunch-initial-adapter-") as scratch:
+        initial = None
+        if config.lora.moves_base and adapter_dir is not None:
+            # the adapters' start, which peft's conversion takes out of the trained ones
+            initial = Path(scratch) / "initial"
+            adapted.save_pretrained(str(initial), safe_serialization=True)
+        model = _with_state(adapted, state)
+        if adapter_dir is not None:
+            _save_adapter(model, tokenizer, adapter_dir, base_name, initial)  # type: ignore[arg-type]
     if model_dir is not None:
         merged = model.merge_and_unload()
         merged.save_pretrained(str(model_dir), safe_serialization=True)
         tokenizer.save_pretrained(str(model_dir))
 
 
-def _save_adapter(model: Any, tokenizer: Any, adapter_dir: Path, base_name: str) -> None:
+def _save_adapter(
+    model: Any, tokenizer: Any, adapter_dir: Path, base_name: str, initial: Path | None = None
+) -> None:
+    """The PEFT folder of MODEL on BASE_NAME; with INITIAL (the start of PiSSA/OLoRA adapters)
+    converted by peft into a plain LoRA of rank 2r that adapts the original base."""
     model.peft_config["default"].base_model_name_or_path = base_name
-    model.save_pretrained(str(adapter_dir), safe_serialization=True)
+    converting = {"path_initial_model_for_weight_conversion": str(initial)} if initial else {}
+    model.save_pretrained(str(adapter_dir), safe_serialization=True, **converting)
     tokenizer.save_pretrained(str(adapter_dir))
 
 
-def export_run(engine: Any, config: Any, tokenizer: Any, run_dir: Path) -> None:
-    """End of a LoRA run: RUN/adapter/ and (model.lora.export merged) RUN/model/, written by
-    rank 0 from the gathered trained values; every rank calls it."""
+def export_run(
+    engine: Any, config: Any, tokenizer: Any, run_dir: Path, names: tuple[str, str] | None = None
+) -> None:
+    """End of a LoRA run: RUN/adapter/ and (model.lora.export merged) RUN/model/ (NAMES: other
+    folders, adapter's then model's), written by rank 0 from the gathered trained values; every
+    rank calls it."""
+    adapter, model = names or (ADAPTER_DIR, EXPORT_DIR)
     state = engine.trained_state()
     if state is not None:
         merged = config.model.lora.export == "merged"
@@ -107,7 +124,7 @@ def export_run(engine: Any, config: Any, tokenizer: Any, run_dir: Path) -> None:
             config.train.mixed_precision,
             tokenizer,
             state,
-            run_dir / ADAPTER_DIR,
-            run_dir / EXPORT_DIR if merged else None,
+            run_dir / adapter,
+            run_dir / model if merged else None,
         )
     engine.accelerator.wait_for_everyone()
