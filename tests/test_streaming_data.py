@@ -27,7 +27,7 @@ from dplaunch.config.schema import DataConfig
 from dplaunch.data import streams
 from dplaunch.data.streams import Shard, parse_raw, read_raw
 from dplaunch.train.data import Batcher, Sharding, attach_chat_template, tokenize
-from dplaunch.train.streaming import StreamBatcher
+from dplaunch.train.streaming import StreamBatcher, stream_lanes
 from dplaunch.train.tokenizer import byte_level_tokenizer
 from tests.helpers import REPO, SFT_CONFIG, cache_hub_dataset, write_config
 
@@ -61,11 +61,10 @@ def stream(tokenizer, dataset, dp_rank=0, dp=1, *, task="causal-lm", batch=8, mi
     data = DataConfig(**{"dataset": str(dataset), "streaming": True, "max_length": 64, **keys})
     sharding = Sharding(dp_rank, dp, micro, batch // dp // micro)
     return StreamBatcher(
+        stream_lanes(data, task, tokenizer, batch, 7),
         data,
-        task,
         tokenizer,
         sharding,
-        seed=7,
         total_over_ranks=lambda tokens: tokens,
         writes_position=True,
         resume_from=None if resume is None else (resume, start),

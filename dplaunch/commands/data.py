@@ -69,7 +69,6 @@ def run_data(
 ) -> int:
     """Build the run's training data as the ranks do; print its statistics and examples."""
     from dplaunch.config.load import load_run_config
-    from dplaunch.data.checks import check_data
     from dplaunch.planning.model_facts import check_tokenizer
 
     config = load_run_config(
@@ -83,6 +82,29 @@ def run_data(
             "use dplaunch data with a causal-lm or sft run",
         )
     check_tokenizer(config.model)
+    if config.data.mixture is not None:  # each source's report, and what each trains
+        from dplaunch.commands.data_mixture import mixture_data
+
+        return mixture_data(
+            config,
+            lambda sourced: _report(sourced, show, start, blocks, as_json),
+            as_json,
+            _Printer(boundaries),
+        )
+    report = _report(config, show, start, blocks, as_json)
+    if as_json:
+        typer.echo(json.dumps(report.as_json(), indent=1, ensure_ascii=False))
+    else:
+        report.print(_Printer(boundaries))
+    return 0
+
+
+def _report(config: Any, show: int, start: int, blocks: int, as_json: bool) -> Any:
+    """The report of CONFIG's training data (one dataset): checked as `dplaunch train` checks it,
+    read and tokenised as the ranks do."""
+    from dplaunch.data.checks import check_data
+
+    task = config.model.task
     data_task = task
     if task == "sft":
         from dplaunch.data.sft_checks import sft_data_task
@@ -103,11 +125,7 @@ def run_data(
             f"(0–{max(report.count - 1, 0):,})",
             f"use a --start below {report.count:,}",
         )
-    if as_json:
-        typer.echo(json.dumps(report.as_json(), indent=1, ensure_ascii=False))
-    else:
-        report.print(_Printer(boundaries))
-    return 0
+    return report
 
 
 def _training_data(config: Any, task: str, as_json: bool) -> tuple[Any, Any]:

@@ -16,8 +16,6 @@ wrote it) and writes the full weights with `save_pretrained` (safetensors), load
 
 from __future__ import annotations
 
-import contextlib
-import io
 import shutil
 import tempfile
 import time
@@ -218,48 +216,11 @@ def _quiet_export() -> None:
     transformers_logging.disable_progress_bar()
 
 
-def _full_weights(directory: Path, engine: str) -> dict:
-    """The checkpoint's whole tensors (export_weights.consolidated_state_dict). zero_to_fp32
-    print()s each step of joining a ZeRO checkpoint ("Processing zero checkpoint …",
-    "Reconstructed …"): that goes nowhere. Its problems are exceptions, and DeepSpeed's warnings
-    and logs go to stderr, left as they are."""
-    from dplaunch.train.export_weights import consolidated_state_dict
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        return consolidated_state_dict(directory, engine)
-
-
 def export_checkpoint(directory: Path, config: object, engine: str, out: Path) -> None:
     """Build the run's model, load the checkpoint's full weights into it, save model + tokenizer."""
-    from dplaunch.train.export_weights import export_tokenizer
-    from dplaunch.train.modeling import load_model
+    from dplaunch.train.export_weights import export_tokenizer, write_checkpoint_model
 
-    tokenizer = export_tokenizer(config)
-    model = load_model(
-        config.model,  # type: ignore[attr-defined]
-        tokenizer,
-        config.train.seed,  # type: ignore[attr-defined]
-        config.data.label_names,  # type: ignore[attr-defined]
-    )
-    if engine == "pipeline":
-        from dplaunch.train.export_weights import load_pipeline_layers
-
-        load_pipeline_layers(directory, model)
-    else:
-        state = _full_weights(directory, engine)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        # tied weights are stored once; anything else missing means a wrong checkpoint
-        tied = set(getattr(model, "_tied_weights_keys", None) or [])
-        missing = [name for name in missing if name not in tied]
-        if missing or unexpected:
-            raise UserError(
-                "CHECKPOINT",
-                f"{directory} does not fit the model of its {RUN_FILE} "
-                f"(missing {missing[:3]}, unexpected {unexpected[:3]})",
-                "export a checkpoint written by dplaunch for this run file",
-            )
-    model.save_pretrained(str(out), safe_serialization=True)
-    tokenizer.save_pretrained(str(out))
+    write_checkpoint_model(directory, config, engine, out, export_tokenizer(config))
 
 
 def export_lora_checkpoint(
@@ -267,11 +228,11 @@ def export_lora_checkpoint(
 ) -> None:
     """A LoRA checkpoint's adapter, merged into the run's base built in the dtype it trained in
     under MIXED_PRECISION (the run's plan), or (ADAPTER) as a PEFT folder."""
-    from dplaunch.train.export_weights import export_tokenizer
+    from dplaunch.train.export_weights import consolidated_state_dict, export_tokenizer
     from dplaunch.train.lora_export import write_exports
 
     tokenizer = export_tokenizer(config)
-    state = _full_weights(directory, engine)
+    state = consolidated_state_dict(directory, engine)
     try:
         write_exports(
             config,

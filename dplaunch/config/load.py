@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from dplaunch.config.schema import FieldProblem, RunConfig, ScriptRunConfig
+from dplaunch.config.schema import DATASET_FIX, FieldProblem, RunConfig, ScriptRunConfig
 from dplaunch.errors import UserError
 
 DEFAULT_CONFIG_NAME = "default.yaml"
@@ -21,8 +21,7 @@ DEFAULT_CONFIG_NAME = "default.yaml"
 _HF_CONFIG_KEYS = ("model_type", "architectures")
 # fixes for keys whose generic "fix the value" says too little
 _FIXES = {
-    "data.dataset": "give a hub dataset id or local file(s) (.json/.jsonl/.csv/.txt/.parquet/.arrow, "
-    "a glob, .gz compressed or not), a list of them, or a folder written by save_to_disk",
+    "data.dataset": DATASET_FIX,
     "data.eval_dataset": "give local file(s) (.json/.jsonl/.csv/.txt/.parquet/.arrow), or a list of them",
     "model.num_labels": "give the number of classes, 2 or more (regression is not supported)",
 }
@@ -264,11 +263,18 @@ def _resolve_relative_paths(config: RunConfig, base_dir: Path | None) -> None:
         candidate = base_dir / value
         return str(candidate) if _exists(candidate) else value
 
+    def resolve_source(source: Any) -> None:  # data.dataset, or a mixture's or eval set's source
+        if isinstance(source.dataset, list):
+            source.dataset = [resolve(item) for item in source.dataset]
+        elif source.dataset is not None:
+            source.dataset = resolve(source.dataset)
+        template = source.chat_template
+        if template and "{{" not in template and "{%" not in template:
+            source.chat_template = resolve(template)
+
     data = config.data
-    if isinstance(data.dataset, list):
-        data.dataset = [resolve(item) for item in data.dataset]
-    else:
-        data.dataset = resolve(data.dataset)
+    for source in [data, *(data.mixture or []), *(data.eval_datasets or {}).values()]:
+        resolve_source(source)
     if data.eval_dataset is not None:
         data.eval_dataset = (
             [resolve(item) for item in data.eval_dataset]
@@ -279,10 +285,8 @@ def _resolve_relative_paths(config: RunConfig, base_dir: Path | None) -> None:
         config.model.name_or_path = resolve(config.model.name_or_path)
     if config.model.tokenizer:
         config.model.tokenizer = resolve(config.model.tokenizer)
-    # a chat template given as a file (its text has {{ or {%), and the sample prompts' file
-    template = data.chat_template
-    if template and "{{" not in template and "{%" not in template:
-        data.chat_template = resolve(template)
+    # a chat template given as a file (its text has {{ or {%: resolve_source), and the sample
+    # prompts' file
     if config.train.sample_prompts:
         config.train.sample_prompts = resolve(config.train.sample_prompts)
 

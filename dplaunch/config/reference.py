@@ -87,12 +87,29 @@ def flag_names() -> dict[str, str]:
 
 
 def optional_section(annotation: Any) -> type[BaseModel] | None:
-    """The sub-section a key holds when it is unset or a mapping of its own (model.lora)."""
+    """The sub-section a key holds when it is unset or a mapping of its own (model.lora), or a
+    list or mapping of them (data.mixture, data.eval_datasets)."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
-        if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel):
-            return args[0]
+        if len(args) == 1:
+            return _section_of(args[0])
     return None
+
+
+def _section_of(annotation: Any) -> type[BaseModel] | None:
+    if typing.get_origin(annotation) in (list, dict):
+        annotation = typing.get_args(annotation)[-1]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def _item_key(key: str, annotation: Any) -> str:
+    """How the reference names a sub-section's keys: `data.mixture[].weight` for a list's items,
+    `data.eval_datasets.NAME.dataset` for a mapping's."""
+    args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    origin = typing.get_origin(args[0]) if args else None
+    return f"{key}[]" if origin is list else f"{key}.NAME" if origin is dict else key
 
 
 def _rows(
@@ -107,10 +124,12 @@ def _rows(
         flag = f"`{flags[key]}`" if key in flags else ""
         description = (field.description or "").replace("|", "\\|")
         sub = optional_section(field.annotation)
-        kind = "mapping" if sub else f"{type_text(field.annotation)}{bounds_text(field)}"
+        kind = f"{type_text(field.annotation)}{bounds_text(field)}"
+        if sub is not None:  # its keys are rows of their own
+            kind = kind.replace(sub.__name__, "mapping")
         rows.append(f"| `{key}` | {kind} | {default_text(field)} | {flag} | {description} |")
         if sub is not None:
-            rows += _rows(key, sub, flags, header=False)
+            rows += _rows(_item_key(key, field.annotation), sub, flags, header=False)
     return rows
 
 
@@ -125,7 +144,7 @@ def missing_descriptions(model: type[BaseModel] = RunConfig, prefix: str = "") -
         if not field.description:
             missing.append(key)
         if (sub := optional_section(field.annotation)) is not None:
-            missing += missing_descriptions(sub, f"{key}.")
+            missing += missing_descriptions(sub, f"{_item_key(key, field.annotation)}.")
     return missing
 
 

@@ -5,6 +5,7 @@ Unknown keys are errors everywhere (``extra="forbid"``): a typo must never be si
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -17,7 +18,14 @@ from dplaunch.config.flags import (
     Offload,
     Task,
 )
-from dplaunch.run_directory.layout import METRICS_FILE, TENSORBOARD_DIR
+from dplaunch.run_directory.layout import (
+    ADAPTER_DIR,
+    ADAPTER_LAST_DIR,
+    EXPORT_DIR,
+    EXPORT_LAST_DIR,
+    METRICS_FILE,
+    TENSORBOARD_DIR,
+)
 
 # tasks that train a causal LM (sft: on formatted examples, the loss on their answers; dpo: on
 # preference pairs, the loss on their two responses)
@@ -35,6 +43,27 @@ LOSS_KEYS: dict[str, tuple[str, ...]] = {
     "simpo": ("label_smoothing", "simpo_gamma"),
 }
 SftFormat = Literal["conversational", "prompt-completion", "text"]
+
+
+def evaluation_metrics(task: str) -> tuple[str, ...]:
+    """What an evaluation of TASK logs after its set's prefix (`eval_`, `eval_<name>_`), the loss
+    first: the loop names its records so, train.early_stopping is checked against it."""
+    if task == "sequence-classification":
+        return ("loss", "accuracy")
+    if task == "dpo":
+        return ("loss", "rewards/accuracies")
+    return ("loss", "perplexity", "token_accuracy")
+
+
+def evaluation_prefixes(data: Any) -> list[str]:
+    """The prefix of each evaluation set's metrics: `eval` for one set, `eval_<name>` for each of
+    data.eval_datasets; [] without evaluation."""
+    if data.eval_datasets:
+        return [f"eval_{name}" for name in data.eval_datasets]
+    held = (data.eval_split, data.eval_dataset, data.eval_fraction)
+    return ["eval"] if any(item is not None for item in held) else []
+
+
 Scheduler = Literal[
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"
 ]
@@ -160,9 +189,59 @@ class ModelConfig(Section):
         return self
 
 
-class DataConfig(Section):
+# what data.dataset takes, for its refusals (config/load.py's too)
+DATASET_FIX = (
+    "give a hub dataset id or local file(s) (.json/.jsonl/.csv/.txt/.parquet/.arrow, a glob, .gz "
+    "compressed or not), a list of them, or a folder written by save_to_disk"
+)
+# the keys a source of data.mixture or data.eval_datasets may set for itself (unset: data's)
+SOURCE_KEYS = ("dataset_config", "split", "format", "text_column", "label_column", "chat_template")
+# a name of data.eval_datasets: its metrics are logged as eval_<name>_loss, … (HF Trainer's names)
+EVAL_NAME = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
+
+
+class DataSource(Section):
     dataset: str | list[str] = Field(
-        description="Hub id, local file(s) (`.json/.jsonl/.csv/.txt/.parquet`, a list for several), or a folder written by `save_to_disk` (a `Dataset`, or a `DatasetDict` whose split `data.split` picks)."
+        description="Hub id, local file(s) or a `save_to_disk` folder, as `data.dataset` takes them."
+    )
+    dataset_config: str | None = Field(
+        None, description="Its hub configuration (subset); unset: `data.dataset_config`."
+    )
+    split: str | None = Field(None, description="Its split; unset: `data.split`.")
+    format: SftFormat | None = Field(
+        None, description="sft: its examples' format; unset: `data.format` (or from its columns)."
+    )
+    text_column: str | None = Field(None, description="Its text column; unset: `data.text_column`.")
+    label_column: str | None = Field(
+        None, description="Its label column (sequence classification); unset: `data.label_column`."
+    )
+    chat_template: str | None = Field(
+        None,
+        description="sft and dpo: its chat template (text or file); unset: `data.chat_template`. The exported tokenizer keeps `data.chat_template`.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _path_alone(cls, value: Any) -> Any:
+        # `name: data/eval.jsonl` (or a list of files) for a source that sets nothing else
+        return {"dataset": value} if isinstance(value, str | list) else value
+
+
+class MixtureSource(DataSource):
+    weight: float = Field(
+        gt=0,
+        description="Its share of the trained samples: weight ÷ the weights' sum (rows of the global batch; a block when packed).",
+    )
+
+
+class DataConfig(Section):
+    dataset: str | list[str] | None = Field(
+        None,
+        description="Hub id, local file(s) (`.json/.jsonl/.csv/.txt/.parquet`, a list for several), or a folder written by `save_to_disk` (a `Dataset`, or a `DatasetDict` whose split `data.split` picks). Set this or `data.mixture`.",
+    )
+    mixture: list[MixtureSource] | None = Field(
+        None,
+        description="Several datasets mixed by weight instead of `data.dataset`: a list of sources, each `{dataset, weight}` and its own keys. Row j of step t comes from a seeded weighted interleave (see Training › Mixtures); a source that runs out repeats (its epochs counted on their own).",
     )
     dataset_config: str | None = Field(
         None,
@@ -177,7 +256,14 @@ class DataConfig(Section):
         None, description="Evaluation on separate local file(s), or a saved `Dataset` folder."
     )
     eval_fraction: float | None = Field(
-        None, gt=0, lt=1, description="Evaluation on this fraction of the training split, held out."
+        None,
+        gt=0,
+        lt=1,
+        description="Evaluation on this fraction of the training split, held out (of each source's, with `data.mixture`).",
+    )
+    eval_datasets: dict[str, DataSource] | None = Field(
+        None,
+        description="Several evaluation sets by name, each a source as in `data.mixture` (without weight), or its path alone: logged as `eval_<name>_loss` and the task's other metrics (HF Trainer's names).",
     )
     text_column: str = Field("text", description="Column holding the text.")
     text_pair_column: str | None = Field(
@@ -268,12 +354,61 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _eval_choice(self) -> DataConfig:
-        chosen = [self.eval_split, self.eval_dataset, self.eval_fraction]
+        chosen = [self.eval_split, self.eval_dataset, self.eval_fraction, self.eval_datasets]
         if sum(item is not None for item in chosen) > 1:
             raise ValueError(
-                "set only one of data.eval_split, data.eval_dataset and data.eval_fraction"
+                "set only one of data.eval_split, data.eval_dataset, data.eval_fraction and "
+                "data.eval_datasets"
             )
         return self
+
+    @model_validator(mode="after")
+    def _one_training_source(self) -> DataConfig:
+        check_sources(self)
+        return self
+
+
+def check_sources(data: DataConfig) -> None:
+    """data.dataset or data.mixture (one of them), and the evaluation keys a mixture takes; raise
+    FieldProblem (keys relative to the data section)."""
+    if data.dataset is None and data.mixture is None:
+        written = "dataset" in data.model_fields_set  # `dataset:` with no value
+        raise FieldProblem(
+            "dataset",
+            "is empty" if written else "is unset, and so is data.mixture: nothing to train on",
+            f"{DATASET_FIX}; or data.mixture (several datasets by weight)",
+        )
+    if data.dataset is not None and data.mixture is not None:
+        raise FieldProblem(
+            "mixture",
+            "is set beside data.dataset: a run trains on one of them",
+            "keep data.dataset for one dataset, or move it into data.mixture with a weight",
+        )
+    if data.mixture is not None:
+        if not data.mixture:
+            raise FieldProblem("mixture", "is an empty list", "list {dataset, weight} sources")
+        if data.eval_split is not None:
+            raise FieldProblem(
+                "eval_split",
+                "names a split of data.dataset, and a mixture has several datasets",
+                "use data.eval_fraction (each source's share held out), data.eval_dataset or "
+                "data.eval_datasets",
+            )
+        if data.count_stream:
+            raise FieldProblem(
+                "count_stream",
+                "counts one stream's records, and a mixture's length is its steps",
+                "set train.max_steps, and remove data.count_stream",
+            )
+    for name in data.eval_datasets or {}:
+        if not re.match(EVAL_NAME, name):
+            raise FieldProblem(
+                f"eval_datasets.{name}",
+                "is not a name its metrics can carry (eval_<name>_loss)",
+                "use letters, digits, _ and - (e.g. chat, reviews_2)",
+            )
+    if data.eval_datasets == {}:
+        raise FieldProblem("eval_datasets", "is empty", "name one set or more, or remove it")
 
 
 class PreferenceConfig(Section):
@@ -300,6 +435,32 @@ class PreferenceConfig(Section):
     def needs_reference(self) -> bool:
         """Whether the loss compares the policy with a reference model."""
         return self.loss in REFERENCE_LOSSES
+
+
+class EarlyStoppingConfig(Section):
+    metric: str = Field(
+        "eval_loss",
+        description="The logged evaluation metric watched: `eval_loss`, `eval_<name>_loss` with `data.eval_datasets`, or another the task logs (`eval_accuracy`, `eval_token_accuracy`, …).",
+    )
+    patience: int = Field(
+        3, ge=1, description="Evaluations in a row without improvement that stop the run."
+    )
+    min_delta: float = Field(
+        0.0,
+        ge=0,
+        description="An improvement is a change beyond the best so far by more than this.",
+    )
+    mode: Literal["min", "max"] | None = Field(
+        None,
+        description="`min` (lower is better) or `max`; unset: `min` for a loss or perplexity, `max` for the others (HF Trainer's rule).",
+    )
+
+    @property
+    def lower_is_better(self) -> bool:
+        """Whether a lower value of the metric is an improvement."""
+        if self.mode is not None:
+            return self.mode == "min"
+        return "loss" in self.metric or "perplexity" in self.metric
 
 
 class TrainConfig(Section):
@@ -355,6 +516,20 @@ class TrainConfig(Section):
         2,
         ge=1,
         description="Complete checkpoints kept on disk; older ones are deleted only after a newer one is complete.",
+    )
+    early_stopping: EarlyStoppingConfig | None = Field(
+        None,
+        description="Stop when an evaluation metric has not improved for `patience` evaluations in a row (the evaluation at step 0 is not counted); needs `train.eval_every` and an evaluation set.",
+    )
+    keep_best: bool = Field(
+        False,
+        description="Save a checkpoint at every evaluation, keep the best one (by `train.early_stopping.metric`; without it `eval_loss`, or the first of `data.eval_datasets`' losses) beside the `keep_last` newest, and export it as "
+        f"RUN/{EXPORT_DIR} (RUN/{ADAPTER_DIR} under LoRA).",
+    )
+    export_last: bool = Field(
+        False,
+        description=f"With `train.keep_best`: also export the last step, as RUN/{EXPORT_LAST_DIR} "
+        f"(RUN/{ADAPTER_LAST_DIR} under LoRA).",
     )
     stop_after_steps: int | None = Field(
         None,
@@ -594,6 +769,37 @@ class RunConfig(Section):
             )
         if task == "dpo":
             self._check_preference()
+        return self
+
+    @model_validator(mode="after")
+    def _best_and_early_stopping(self) -> RunConfig:
+        train, prefixes = self.train, evaluation_prefixes(self.data)
+        if train.export_last and not train.keep_best:
+            raise FieldProblem(
+                "train.export_last",
+                f"exports the last step beside the best, but without train.keep_best RUN/"
+                f"{EXPORT_DIR} is the last step already",
+                "set train.keep_best: true, or remove train.export_last",
+            )
+        key = "train.early_stopping" if train.early_stopping is not None else "train.keep_best"
+        if train.early_stopping is None and not train.keep_best:
+            return self
+        if not prefixes or train.eval_every is None:
+            raise FieldProblem(
+                key,
+                "compares evaluations, and this run "
+                + ("has no evaluation set" if not prefixes else "evaluates at the end only"),
+                "set train.eval_every and an evaluation set (data.eval_fraction, "
+                "data.eval_dataset, data.eval_split or data.eval_datasets)",
+            )
+        if train.early_stopping is not None:
+            logged = [f"{p}_{m}" for p in prefixes for m in evaluation_metrics(self.model.task)]
+            if train.early_stopping.metric not in logged:
+                raise FieldProblem(
+                    "train.early_stopping.metric",
+                    f"{train.early_stopping.metric!r} is not logged by this run's evaluations",
+                    f"use one of {', '.join(logged)}",
+                )
         return self
 
     @model_validator(mode="after")

@@ -264,12 +264,20 @@ def check_training_run(
         notes.append(length_note)
     check_sequence_length_splits(config.parallel.sp, config.data.max_length)
     check_tokenizer(config.model)
+    check_trackers_installed(config.train.report_to)
+    if config.data.mixture is not None or config.data.eval_datasets is not None:
+        # each source checked as a dataset of its own (data/mixture_checks.py)
+        from dplaunch.data.mixture_checks import check_evaluation_sets, check_mixture
+
+        check_evaluation_sets(config, notes)
+    if config.data.mixture is not None:
+        check_mixture(config, notes)
+        return CheckedRun(config, facts, tuple(notes))
     data_task = config.model.task
     if data_task == "sft":
         from dplaunch.data.sft_checks import sft_data_task
 
         data_task = sft_data_task(config)
-    check_trackers_installed(config.train.report_to)
     dataset_classes = check_data(
         config.data,
         data_task,

@@ -15,6 +15,8 @@
       model/                the trained model a finished run exports (save_pretrained); merged under LoRA
       adapter/              a LoRA run's adapter, a PEFT folder (PeftModel.from_pretrained(base, adapter/))
         base/               its untrained base when that is randomly initialised (model.config)
+      model-last/           with train.keep_best and train.export_last: the last step (model/ is
+      adapter-last/         the best evaluation's checkpoint); adapter-last/ under LoRA
       job.sbatch, logs/     the SLURM job's script and logs (`dplaunch slurm`)
       trainjob.yaml         the Kubernetes job's manifests (`dplaunch k8s`; pytorchjob.yaml)
       .requeue-JOBID        a job's ranks checkpointed to be requeued (in logs/ from job.sbatch)
@@ -63,6 +65,9 @@ ADAPTER_DIR = "adapter"
 # RUN/adapter/base: the untrained base of a LoRA run on a model.config (random init), which
 # exists nowhere else; the adapter's base_model_name_or_path names it
 BASE_MODEL_DIR = "base"
+# train.export_last beside train.keep_best: the last step's export (EXPORT_DIR is the best's)
+EXPORT_LAST_DIR = "model-last"
+ADAPTER_LAST_DIR = "adapter-last"
 # `dplaunch slurm`: RUN/job.sbatch and the job's RUN/logs/
 SBATCH_SCRIPT = "job.sbatch"
 LOGS_DIR = "logs"

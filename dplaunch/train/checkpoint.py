@@ -63,6 +63,10 @@ class SaveHooks:
     # each rank writes where its data stands (a stream's lanes); None: the position is the step
     # (the cached path's order is a function of it)
     data_position: Callable[[Path], None] | None = None
+    # more of checkpoint.json (train.early_stopping's record), and a checkpoint rotation keeps
+    # beside the keep_last newest (train.keep_best's best one)
+    meta: Callable[[], dict[str, Any]] | None = None
+    kept: Callable[[], Path | None] | None = None
 
 
 class Checkpointer:
@@ -82,6 +86,7 @@ class Checkpointer:
     ):
         self.write_model_files = hooks.model_files
         self.save_data_position = hooks.data_position
+        self.hooks = hooks
         self.run_dir = run_dir
         self.directory = run_dir / CHECKPOINTS_DIR
         self.engine = engine
@@ -198,6 +203,7 @@ class Checkpointer:
             "steps_per_epoch": steps_per_epoch,
             "reason": reason,
             **self.meta,
+            **(self.hooks.meta() if self.hooks.meta is not None else {}),
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "save_seconds": round(time.perf_counter() - started, 3),
             "size_bytes": sum(record["bytes"] for record in files.values()),
@@ -224,8 +230,9 @@ class Checkpointer:
         # checkpoints of later steps were left behind by a resume from an earlier one: another
         # line of training, neither counted nor deleted here
         complete = [info for info in complete_checkpoints(self.directory) if info.step <= step]
+        best = self.hooks.kept() if self.hooks.kept is not None else None
         for info in complete[: max(0, len(complete) - self.keep_last)]:
-            if info.path != keep:
+            if info.path != keep and (best is None or info.path.resolve() != best.resolve()):
                 shutil.rmtree(info.path, ignore_errors=True)
 
     def load(self, resume: dict[str, Any]) -> int:

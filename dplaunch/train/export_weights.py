@@ -3,11 +3,13 @@ or (tensor parallel) loaded into the ranks of the export job, whose engine joins
 
 from __future__ import annotations
 
+import contextlib
+import io
 from pathlib import Path
 from typing import Any
 
 from dplaunch.errors import UserError
-from dplaunch.run_directory.layout import DEEPSPEED_TAG, PIPELINE_TAG
+from dplaunch.run_directory.layout import DEEPSPEED_TAG, PIPELINE_TAG, RUN_FILE
 from dplaunch.train.checkpoint import CheckpointError
 
 # the engine name of a checkpoint `dplaunch convert` wrote (checkpoint.json's "format")
@@ -51,8 +53,45 @@ def consolidated_state_dict(directory: Path, engine: str) -> dict[str, Any]:
         return {name.removeprefix("module."): tensor for name, tensor in state.items()}
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    # zero_to_fp32: every rank's partition of the fp32 master weights, joined (ZeRO-3 included)
-    return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=DEEPSPEED_TAG)
+    # zero_to_fp32: every rank's partition of the fp32 master weights, joined (ZeRO-3 included).
+    # It print()s each step of the joining ("Processing zero checkpoint …", "Reconstructed …"):
+    # that goes nowhere. Its problems are exceptions, and DeepSpeed's warnings and logs go to
+    # stderr, left as they are.
+    with contextlib.redirect_stdout(io.StringIO()):
+        return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=DEEPSPEED_TAG)
+
+
+def write_checkpoint_model(
+    directory: Path, config: Any, engine: str, out: Path, tokenizer: Any
+) -> None:
+    """Build the run's model, load the full weights of the checkpoint in DIRECTORY (written by
+    ENGINE) into it, and save it with TOKENIZER to OUT (`dplaunch export`; the ranks' export of
+    train.keep_best's checkpoint)."""
+    from dplaunch.train.modeling import load_model
+
+    model = load_model(
+        config.model,
+        tokenizer,
+        config.train.seed,
+        config.data.label_names,
+    )
+    if engine == "pipeline":
+        load_pipeline_layers(directory, model)
+    else:
+        state = consolidated_state_dict(directory, engine)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        # tied weights are stored once; anything else missing means a wrong checkpoint
+        tied = set(getattr(model, "_tied_weights_keys", None) or [])
+        missing = [name for name in missing if name not in tied]
+        if missing or unexpected:
+            raise UserError(
+                "CHECKPOINT",
+                f"{directory} does not fit the model of its {RUN_FILE} "
+                f"(missing {missing[:3]}, unexpected {unexpected[:3]})",
+                "export a checkpoint written by dplaunch for this run file",
+            )
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
 
 
 def tensor_parallel_weight_files(directory: Path, tp: int) -> list[Path]:

@@ -19,17 +19,25 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dplaunch.config.schema import RunConfig
+from dplaunch.config.schema import RunConfig, evaluation_metrics
 from dplaunch.planning.forecast import compare_with_forecast, mfu
 from dplaunch.planning.plan import Plan
 from dplaunch.run_directory.environment import restarts_so_far
 from dplaunch.run_directory.files import (
+    read_checkpoint_meta,
     read_deepspeed_file,
     read_plan_file,
     read_resume,
     read_run_file,
 )
-from dplaunch.run_directory.layout import ADAPTER_DIR, DEEPSPEED_FILE, EXPORT_DIR
+from dplaunch.run_directory.layout import (
+    ADAPTER_DIR,
+    ADAPTER_LAST_DIR,
+    DEEPSPEED_FILE,
+    EXPORT_DIR,
+    EXPORT_LAST_DIR,
+    step_dir,
+)
 from dplaunch.stop_signals import EXIT_CHECKPOINTED, StopSignals
 from dplaunch.train.checkpoint import Checkpointer, SaveHooks
 from dplaunch.train.checkpoint_faults import hold_start_up
@@ -41,12 +49,12 @@ from dplaunch.train.data import (
     Sharding,
     attach_chat_template,
     batch_tokens,
-    for_evaluation,
     load_splits,
     sft_renderer,
     tokenize,
     tokenized_cache_file,
 )
+from dplaunch.train.early_stopping import BestTracker, export_best
 from dplaunch.train.engines import AccelerateEngine, StepEngine, build_optimizer
 from dplaunch.train.metrics import (
     MetricsWriter,
@@ -56,6 +64,7 @@ from dplaunch.train.metrics import (
     memory_now_gb,
     progress_width,
 )
+from dplaunch.train.mixture import RunData, load_run_data, training_batcher
 from dplaunch.train.modeling import load_model, load_tokenizer
 from dplaunch.train.nonfinite import EXIT_NONFINITE, NonFiniteGuard
 from dplaunch.train.nonfinite_faults import nonfinite_fault_from_environment
@@ -183,7 +192,8 @@ class RankRun:
     say: Callable[[str], None]
     engine: StepEngine
     batcher: Batcher | StreamBatcher
-    eval_batcher: Batcher | None
+    # each evaluation set by its metrics' prefix (eval, eval_<name>); empty: no evaluation
+    eval_batchers: dict[str, Batcher]
     total_steps: int
     metrics: MetricsWriter
     checkpointer: Checkpointer
@@ -199,6 +209,8 @@ class RankRun:
     sampler: Any = None
     # model.task dpo: the preference objective, whose metrics join each log line
     objective: Any = None
+    # train.early_stopping / train.keep_best: the best evaluation so far (None: neither)
+    best: BestTracker | None = None
 
 
 def train(run_dir: Path) -> int:
@@ -209,14 +221,14 @@ def train(run_dir: Path) -> int:
     signals.install()
     run, start_step = start_run(run_dir, signals)
     resume_collector()  # paused by the rank's entry point while it imported and built
-    if run.config.train.eval_every and run.eval_batcher is not None and not run.resumed:
+    if run.config.train.eval_every and run.eval_batchers and not run.resumed:
         _evaluate(run, 0)
     # from here a stop signal checkpoints at the next step boundary
     run.signals.started()
     step, stop_reason = _run_steps(run, start_step)
     if stop_reason is not None:
         return _stop_early(run, step, stop_reason)
-    _export(run)
+    _export(run, step)
     run.metrics.close()
     run.accelerator.end_training()
     return 0
@@ -232,13 +244,13 @@ def start_run(run_dir: Path, signals: StopSignals) -> tuple[RankRun, int]:
     hold_start_up()  # TEST ONLY: nothing in a real run
     tokenizer = load_tokenizer(config.model)
     attach_chat_template(tokenizer, config.data, config.model.task)
-    train_set, eval_set = _load_data(accelerator, tokenizer, config, say)
-    batcher, eval_batcher, total_steps = _batchers(
-        train_set, eval_set, tokenizer, config, plan, place
-    )
+    run_data = _load_data(accelerator, tokenizer, config, say)
+    train_set = run_data.train
+    batcher, eval_batchers, total_steps = _batchers(run_data, tokenizer, config, plan, place)
     if train_set is None:  # data.streaming: the workers start reading now, beside the model
         batcher = _stream_batcher(accelerator, tokenizer, config, plan, place, resume)
-    model, parameters = _build_model(config, plan, tokenizer, say, (batcher, eval_batcher))
+    batchers = (batcher, *eval_batchers.values())
+    model, parameters = _build_model(config, plan, tokenizer, say, batchers)
     guard = _nonfinite_guard(config, plan, accelerator, model)
     long_sequences = prepare_long_sequences(model, plan, config, place.rank, tokenizer.pad_token_id)
     engine = build_engine(
@@ -248,8 +260,9 @@ def start_run(run_dir: Path, signals: StopSignals) -> tuple[RankRun, int]:
     for line in engine.layout_lines():
         say(f"[dplaunch] {line}")
     objective, reference = start_preference(
-        config, plan, accelerator, engine, run_dir, tokenizer, (batcher, eval_batcher), say
+        config, plan, accelerator, engine, run_dir, tokenizer, batchers, say
     )
+    best = BestTracker.of(config)
     checkpointer = Checkpointer(
         run_dir,
         engine,
@@ -258,27 +271,16 @@ def start_run(run_dir: Path, signals: StopSignals) -> tuple[RankRun, int]:
         keep_last=config.train.keep_last,
         meta={**plan.header(), "engine": plan.engine, "total_steps": total_steps},
         say=say,
-        hooks=SaveHooks(_model_files_writer(model, tokenizer), batcher.save_position),
+        hooks=SaveHooks(
+            _model_files_writer(model, tokenizer),
+            batcher.save_position,
+            meta=best.meta if best is not None else None,
+            kept=best.kept if best is not None else None,
+        ),
     )
     start_step = _resume(checkpointer, resume, batcher, say)
-    metrics = _open_metrics(run_dir, config, place)
-    metrics.write(
-        "header",
-        **plan.header(),
-        total_steps=total_steps,
-        train_samples=len(train_set) if train_set is not None else None,
-        eval_samples=len(eval_set) if eval_set is not None else 0,
-        steps_per_epoch=batcher.steps_per_epoch,
-        parameters=parameters,
-        task=config.model.task,
-        resumed_from_step=start_step if resume is not None else None,
-        # the model and engine built, no step taken: what each step's peak adds activations to
-        memory_at_start_gb=memory_now_gb(accelerator.device),
-        # the engine built: every process group this rank is in, and the timeout each holds
-        process_group_timeouts_s=group_timeouts_s(),
-        **({"reference": reference} if reference is not None else {}),
-    )
-    _say_start(say, plan, batcher, train_set, total_steps, parameters)
+    if best is not None and resume is not None:  # the record goes on where the checkpoint was
+        best.restore(read_checkpoint_meta(Path(resume["checkpoint"])))
     run = RankRun(
         config=config,
         plan=plan,
@@ -287,9 +289,9 @@ def start_run(run_dir: Path, signals: StopSignals) -> tuple[RankRun, int]:
         say=say,
         engine=engine,
         batcher=batcher,
-        eval_batcher=eval_batcher,
+        eval_batchers=eval_batchers,
         total_steps=total_steps,
-        metrics=metrics,
+        metrics=_open_metrics(run_dir, config, place),
         checkpointer=checkpointer,
         control=control,
         signals=signals,
@@ -299,8 +301,34 @@ def start_run(run_dir: Path, signals: StopSignals) -> tuple[RankRun, int]:
         resumed=resume is not None,
         sampler=_prompt_sampler(config, tokenizer),
         objective=objective,
+        best=best,
     )
+    _write_header(run, run_data, parameters, start_step, reference)
+    _say_start(say, plan, batcher, train_set, total_steps, parameters)
     return run, start_step
+
+
+def _write_header(
+    run: RankRun, run_data: RunData, parameters: int, start_step: int, reference: Any
+) -> None:
+    """metrics.jsonl's header: the plan, the data, the model and what this launch starts from."""
+    plan, train_set = run.plan, run_data.train
+    run.metrics.write(
+        "header",
+        **plan.header(),
+        total_steps=run.total_steps,
+        train_samples=len(train_set) if train_set is not None else None,
+        eval_samples=sum(len(part) for part in run_data.evaluation.values()),
+        steps_per_epoch=run.batcher.steps_per_epoch,
+        parameters=parameters,
+        task=run.config.model.task,
+        resumed_from_step=start_step if run.resumed else None,
+        # the model and engine built, no step taken: what each step's peak adds activations to
+        memory_at_start_gb=memory_now_gb(run.accelerator.device),
+        # the engine built: every process group this rank is in, and the timeout each holds
+        process_group_timeouts_s=group_timeouts_s(),
+        **({"reference": reference} if reference is not None else {}),
+    )
 
 
 def _nonfinite_guard(config: RunConfig, plan: Plan, accelerator: Any, model: Any) -> NonFiniteGuard:
@@ -319,7 +347,7 @@ def _build_model(
     plan: Plan,
     tokenizer: Any,
     say: Callable[[str], None],
-    batchers: tuple[Any, Batcher | None],
+    batchers: tuple[Any, ...],
 ) -> tuple[Any, int]:
     """The model (before any engine shards it) and its parameter count; the batchers learn
     whether it runs flash-attention."""
@@ -400,14 +428,38 @@ def _prompt_sampler(config: RunConfig, tokenizer: Any) -> Any:
     return PromptSampler(config.train.sample_prompts, tokenizer, renderer)
 
 
-def _export(run: RankRun) -> None:
-    """The trained model as one HF model (a LoRA run: its adapter and the merged model)."""
-    export_dir = run.run_dir / EXPORT_DIR
+def _export(run: RankRun, step: int) -> None:
+    """The model as one HF model (a LoRA run: its adapter and the merged model): the trained
+    one, or with train.keep_best the best evaluation's checkpoint (train.export_last: the
+    trained one too, in model-last)."""
+    best, train = run.best, run.config.train
+    kept = best.kept() if best is not None and train.keep_best else None
+    if kept is None or best is None or best.best_step == step:
+        _export_trained(run, EXPORT_DIR, ADAPTER_DIR)
+        if train.export_last:  # the last step is the best
+            _export_trained(run, EXPORT_LAST_DIR, ADAPTER_LAST_DIR)
+        return
+    if train.export_last:
+        _export_trained(run, EXPORT_LAST_DIR, ADAPTER_LAST_DIR)
+    export_best(run, kept, run.run_dir / EXPORT_DIR, run.run_dir / ADAPTER_DIR)
+    run.say(
+        f"[dplaunch] exported the best checkpoint {kept} ({best.metric} {best.best:.4f} at step "
+        f"{best.best_step}) to {run.run_dir / EXPORT_DIR}"
+        + (f" and {run.run_dir / ADAPTER_DIR}" if run.config.model.lora is not None else "")
+    )
+
+
+def _export_trained(run: RankRun, model_name: str, adapter_name: str) -> None:
+    """The trained weights as RUN/MODEL_NAME (a LoRA run: RUN/ADAPTER_NAME and the merged
+    model)."""
+    export_dir = run.run_dir / model_name
     if run.config.model.lora is not None:
         from dplaunch.train.lora_export import export_run
 
-        export_run(run.engine, run.config, run.tokenizer, run.run_dir)
-        adapter = run.run_dir / ADAPTER_DIR
+        export_run(
+            run.engine, run.config, run.tokenizer, run.run_dir, names=(adapter_name, model_name)
+        )
+        adapter = run.run_dir / adapter_name
         if run.config.model.lora.export == "adapter-only":
             run.say(
                 f"[dplaunch] exported the adapter to {adapter} (model.lora.export adapter-only)"
@@ -419,27 +471,21 @@ def _export(run: RankRun) -> None:
         run.say(f"[dplaunch] exported the trained model to {export_dir}")
 
 
-def _load_data(
-    accelerator: Any, tokenizer: Any, config: RunConfig, say: Any
-) -> tuple[Any, Any | None]:
-    """The tokenised training set and evaluation set (None when the run has none)."""
-    # rank 0 first: loading may download and writes the datasets cache, which the others then read
-    with accelerator.main_process_first():
-        train_raw, eval_raw = load_splits(config.data, config.train.seed)
-    # data.streaming: the training set is read while training (_stream_batcher)
-    train_set = (
-        _tokenized(accelerator, train_raw, tokenizer, config, "training", say)
-        if train_raw is not None
-        else None
-    )
-    # sft evaluation sets are never packed (data.for_evaluation)
-    eval_config = config.model_copy(update={"data": for_evaluation(config.data, config.model.task)})
-    eval_set = (
-        _tokenized(accelerator, eval_raw, tokenizer, eval_config, "evaluation", say)
-        if eval_raw is not None
-        else None
-    )
-    return train_set, eval_set
+def _load_data(accelerator: Any, tokenizer: Any, config: RunConfig, say: Any) -> RunData:
+    """The tokenised training set (None: data.streaming reads it while training, in
+    _stream_batcher) and evaluation sets (sft's never packed: data.for_evaluation), a mixture's
+    and data.eval_datasets' source by source (train/mixture.py)."""
+
+    def load(data: Any) -> tuple[Any, Any]:
+        # rank 0 first: loading may download and writes the datasets cache, which the others read
+        with accelerator.main_process_first():
+            return load_splits(data, config.train.seed)
+
+    def tokenized(dataset: Any, data: Any, what: str) -> Any:
+        sourced = config.model_copy(update={"data": data})
+        return _tokenized(accelerator, dataset, tokenizer, sourced, what, say)
+
+    return load_run_data(config.data, config.model.task, load, tokenized)
 
 
 def _sharding(plan: Plan, place: RankPlace) -> Sharding:
@@ -452,25 +498,20 @@ def _sharding(plan: Plan, place: RankPlace) -> Sharding:
 
 
 def _batchers(
-    train_set: Any | None,
-    eval_set: Any | None,
-    tokenizer: Any,
-    config: RunConfig,
-    plan: Plan,
-    place: RankPlace,
-) -> tuple[Batcher | None, Batcher | None, int]:
-    """This rank's training and evaluation batchers, and the run's number of steps (a stream's
-    training batcher is made by _stream_batcher: None here)."""
+    run_data: RunData, tokenizer: Any, config: RunConfig, plan: Plan, place: RankPlace
+) -> tuple[Batcher | None, dict[str, Batcher], int]:
+    """This rank's training batcher and evaluation batchers (by their metrics' prefix), and the
+    run's number of steps (a stream's training batcher is made by _stream_batcher: None here)."""
     sharding = _sharding(plan, place)
-    batcher = None
+    batcher, train_set = None, run_data.train
     if train_set is not None:
-        batcher = Batcher(
-            train_set,
+        batcher = training_batcher(
+            run_data,
+            config.data,
             sharding,
             pad_id=tokenizer.pad_token_id,
             task=config.model.task,
             seed=config.train.seed,
-            shuffle=config.data.shuffle,
         )
         if batcher.steps_per_epoch == 0:
             raise ValueError(
@@ -480,18 +521,18 @@ def _batchers(
     total_steps = config.train.max_steps or math.ceil(
         (config.train.epochs or 1) * batcher.steps_per_epoch
     )
-    eval_batcher = (
-        Batcher(
+    eval_batchers = {
+        prefix: Batcher(
             eval_set,
             sharding,
             pad_id=tokenizer.pad_token_id,
             task=config.model.task,
             seed=config.train.seed,
         )
-        if eval_set is not None and len(eval_set) > 0
-        else None
-    )
-    return batcher, eval_batcher, total_steps
+        for prefix, eval_set in run_data.evaluation.items()
+        if len(eval_set) > 0
+    }
+    return batcher, eval_batchers, total_steps
 
 
 def _stream_batcher(
@@ -503,24 +544,26 @@ def _stream_batcher(
     resume: dict[str, Any] | None,
 ) -> StreamBatcher:
     """data.streaming: this rank's lanes of the stream, from the resumed checkpoint's position."""
-    from dplaunch.train.streaming import StreamBatcher
+    from dplaunch.train.streaming import StreamBatcher, stream_lanes
 
     def total_over_ranks(tokens: int) -> int:
         # one rank of each data-parallel group counts (its tp/pp/sp peers hold the same rows)
         mine = torch.tensor([tokens if place.counts_tokens else 0], device=accelerator.device)
         return int(accelerator.reduce(mine, reduction="sum").item())
 
-    batcher = StreamBatcher(
+    # each source of a mixture a stream, dealt by weight
+    lanes = stream_lanes(
+        config.data, config.model.task, tokenizer, plan.global_batch_size, config.train.seed
+    )
+    return StreamBatcher(
+        lanes,
         config.data,
-        config.model.task,
         tokenizer,
         _sharding(plan, place),
-        seed=config.train.seed,
         total_over_ranks=total_over_ranks,
         writes_position=place.counts_tokens,
         resume_from=None if resume is None else (Path(resume["checkpoint"]), int(resume["step"])),
     )
-    return batcher
 
 
 def _resume(
@@ -718,7 +761,11 @@ def _run_steps(run: RankRun, start_step: int) -> tuple[int, str | None]:
         stop_after=train.stop_after_steps if (train.stop_after_steps or 0) > start_step else None,
         spy=spy_from_environment(run.place.rank),
     )
+    # train.early_stopping stops a run short of total_steps (at once: a resume of one it stopped)
+    reached = start_step if run.best is not None and run.best.stopping else run.total_steps
     for step in _scheduled_steps(run, start_step):
+        if reached == start_step:
+            break
         stop_reason = _stop_requested(run, progress, step)
         if stop_reason is not None:
             return step, stop_reason
@@ -727,9 +774,11 @@ def _run_steps(run: RankRun, start_step: int) -> tuple[int, str | None]:
             run.guard.stop_reason = stopping
             return step + 1, stopping
         _log_step(run, progress, step + 1, step_lr)
-        _evaluate_and_save(run, progress, step + 1)
-    _finish_steps(run, progress)
-    return run.total_steps, None
+        if _evaluate_and_save(run, progress, step + 1):
+            reached = step + 1
+            break
+    _finish_steps(run, progress, reached)
+    return reached, None
 
 
 def _scheduled_steps(run: RankRun, start_step: int) -> Iterator[int]:
@@ -820,27 +869,36 @@ def _log_step(run: RankRun, progress: _Progress, step: int, step_lr: float) -> N
     progress.last_log, progress.paused = now, 0.0
 
 
-def _evaluate_and_save(run: RankRun, progress: _Progress, step: int) -> None:
-    """Every train.eval_every steps an evaluation, every train.checkpoint_every a checkpoint."""
+def _evaluate_and_save(run: RankRun, progress: _Progress, step: int) -> bool:
+    """Every train.eval_every steps an evaluation, every train.checkpoint_every a checkpoint
+    (train.keep_best: one at every evaluation); whether train.early_stopping stops the run."""
     train = run.config.train
-    if run.eval_batcher is not None and train.eval_every and step % train.eval_every == 0:
+    evaluated = bool(run.eval_batchers and train.eval_every and step % train.eval_every == 0)
+    if evaluated:
         began = time.perf_counter()
         _evaluate(run, step)
         progress.last_eval_step = step
         progress.paused += time.perf_counter() - began
-    if train.checkpoint_every and step % train.checkpoint_every == 0:
+    periodic = bool(train.checkpoint_every and step % train.checkpoint_every == 0)
+    if periodic or (evaluated and train.keep_best):
         began = time.perf_counter()
         steps_per_epoch = run.batcher.steps_per_epoch
-        run.checkpointer.save(step, steps_per_epoch, f"every {train.checkpoint_every} steps")
+        reason = f"every {train.checkpoint_every} steps" if periodic else "train.keep_best"
+        run.checkpointer.save(step, steps_per_epoch, reason)
         progress.paused += time.perf_counter() - began
+    if evaluated and run.best is not None and run.best.stopping:
+        run.say(f"[dplaunch] {run.best.stop_line()}")
+        return True
+    return False
 
 
-def _finish_steps(run: RankRun, progress: _Progress) -> None:
-    """After the last step: an evaluation unless one was just made, and the summary record
-    (with the measured step beside the forecast)."""
-    step = run.total_steps
-    if run.eval_batcher is not None and progress.last_eval_step != step:
+def _finish_steps(run: RankRun, progress: _Progress, step: int) -> None:
+    """After the last step (STEP): an evaluation unless one was just made (train.keep_best: and
+    its checkpoint), and the summary record (with the measured step beside the forecast)."""
+    if run.eval_batchers and progress.last_eval_step != step:
         _evaluate(run, step)
+        if run.config.train.keep_best:
+            run.checkpointer.save(step, run.batcher.steps_per_epoch, "train.keep_best")
     # restarts: how many automatic restarts (launch.max_restarts) this run needed to get here
     skipped = run.guard.skipped_total
     run.metrics.write(
@@ -849,8 +907,18 @@ def _finish_steps(run: RankRun, progress: _Progress) -> None:
         wall_s=round(time.time() - run.metrics.start, 3),
         restarts=restarts_so_far(),
         **({"skipped_steps": skipped} if skipped else {}),
+        **(_best_fields(run.best) if run.best is not None else {}),
         **_against_forecast(run, progress.times),
     )
+
+
+def _best_fields(best: BestTracker) -> dict[str, Any]:
+    """The summary's fields of train.early_stopping / train.keep_best."""
+    fields: dict[str, Any] = {"best_metric": best.metric, "best": best.best}
+    fields["best_step"] = best.best_step
+    if best.stopping:
+        fields["early_stopped_at"] = best.stopped_at
+    return fields
 
 
 def _against_forecast(run: RankRun, times: StepTimes) -> dict[str, Any]:
@@ -874,11 +942,31 @@ def _against_forecast(run: RankRun, times: StepTimes) -> dict[str, Any]:
 
 
 def _evaluate(run: RankRun, step: int) -> None:
-    """Loss (and accuracy) on the whole evaluation set, summed over the data-parallel shards."""
-    engine, batcher, accelerator, place = run.engine, run.eval_batcher, run.accelerator, run.place
-    plan, metrics, say = run.plan, run.metrics, run.say
+    """The task's metrics on each evaluation set (eval_loss, …; eval_<name>_loss, … for
+    data.eval_datasets), summed over the data-parallel shards; train.early_stopping and
+    train.keep_best's record takes them."""
+    record: dict[str, Any] = {"step": step}
+    for prefix, batcher in run.eval_batchers.items():
+        record.update(_eval_metrics(batcher.task, _eval_totals(run, batcher), prefix))
+    run.metrics.write("eval", **record)
+    run.say(
+        "eval  "
+        + "  ".join(
+            f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()
+        )
+    )
+    if run.best is not None:  # train.keep_best saves this step's checkpoint next
+        saved = run.checkpointer.directory / step_dir(step) if run.config.train.keep_best else None
+        run.best.observe(step, record, saved)
+    if run.sampler is not None:
+        _log_samples(run, step)
+
+
+def _eval_totals(run: RankRun, batcher: Batcher) -> torch.Tensor:
+    """(loss sum, rows or tokens, correct) of one evaluation set over every rank."""
+    engine, accelerator, place = run.engine, run.accelerator, run.place
     sums = torch.zeros(3, device=accelerator.device)
-    for batch, real in batcher.eval_micro_batches(batcher.eval_rows(plan.micro_batch_size)):
+    for batch, real in batcher.eval_micro_batches(batcher.eval_rows(run.plan.micro_batch_size)):
         losses, counts, correct = engine.eval_batch(batch)
         # padded rows (weight 0) keep every rank's forward count equal without counting twice
         weight = torch.zeros_like(losses)
@@ -889,25 +977,21 @@ def _evaluate(run: RankRun, step: int) -> None:
     # TP/PP copies of a shard count once; so do SP copies, unless each evaluated its own slice
     if not place.counts_eval(sliced=engine.evaluates_slices):
         sums.zero_()
-    totals = accelerator.reduce(sums, reduction="sum")
-    eval_loss = float(totals[0] / totals[1])
-    record: dict[str, Any] = {"step": step, "eval_loss": eval_loss}
-    if batcher.task == "sequence-classification":
-        record["eval_accuracy"] = float(totals[2] / totals[1])
-    elif batcher.task == "dpo":
-        record["eval_rewards/accuracies"] = float(totals[2] / totals[1])
-    else:
-        record["eval_perplexity"] = math.exp(min(eval_loss, 50.0))
-        record["eval_token_accuracy"] = float(totals[2] / totals[1])
-    metrics.write("eval", **record)
-    say(
-        "eval  "
-        + "  ".join(
-            f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()
-        )
-    )
-    if run.sampler is not None:
-        _log_samples(run, step)
+    return accelerator.reduce(sums, reduction="sum")
+
+
+def _eval_metrics(task: str, totals: torch.Tensor, prefix: str) -> dict[str, float]:
+    """The task's evaluation metrics (config.schema.evaluation_metrics names them), PREFIX_NAME:
+    the mean loss, and the share correct (classes, preferred responses, next tokens)."""
+    loss, share = float(totals[0] / totals[1]), float(totals[2] / totals[1])
+    values = {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 50.0)),
+        "accuracy": share,
+        "token_accuracy": share,
+        "rewards/accuracies": share,
+    }
+    return {f"{prefix}_{name}": values[name] for name in evaluation_metrics(task)}
 
 
 def _log_samples(run: RankRun, step: int) -> None:

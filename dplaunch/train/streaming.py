@@ -265,7 +265,7 @@ class LaneWorker:
             if (pass_, number) > lane.threshold:
                 lane.raw.append(((pass_, number), raw, shard, where))
 
-    def _puller(self, lane: Lane) -> Callable[[], tuple[tuple[int, int], dict | None]]:
+    def puller(self, lane: Lane) -> Callable[[], tuple[tuple[int, int], dict | None]]:
         group = lane.index // self.layout.lanes_per_group
 
         def pull() -> tuple[tuple[int, int], dict | None]:
@@ -300,7 +300,7 @@ class LaneWorker:
 
     def steps(self, first_step: int) -> Iterator[dict[str, Any]]:
         """Each step's samples of these lanes, with the state after it."""
-        pullers = [self._puller(lane) for lane in self.lanes]
+        pullers = [self.puller(lane) for lane in self.lanes]
         step = first_step
         while True:
             samples = {
@@ -344,25 +344,73 @@ def record_encoder(
     return encode_records
 
 
+class StreamLanes:
+    """One stream's lanes: its layout, its records' encoding, and the state of their position
+    (train/mixture_stream.py's MixedLanes is a mixture's, with the same methods)."""
+
+    def __init__(self, data: DataConfig, task: str, tokenizer: Any, lanes: int, seed: int):
+        self.task = task
+        shards = stream_shards(data)
+        columns = [] if data.format else first_columns(shards)
+        self.layout = StreamLayout.of(data, task, lanes, seed, shards, columns)
+        self.encode = record_encoder(tokenizer, data, task, columns)
+
+    def worker(self, lanes: list[int], state: dict[str, Any]) -> LaneWorker:
+        """What a data loader worker reads for LANES, from STATE."""
+        return LaneWorker(self.layout, lanes, self.encode, state)
+
+    def merged(self, positions: list[dict]) -> dict[str, Any]:
+        """The state in a checkpoint's position files (merged_position)."""
+        return merged_position(positions, self.layout.lanes)
+
+    def joined(self, states: list[dict[str, Any]]) -> dict[str, Any]:
+        """The state of several workers' lanes as one: each lane's, each group's earliest."""
+        lanes: dict[str, Any] = {}
+        groups: dict[str, list] = {}
+        for state in states:
+            lanes.update(state["lanes"])
+            for group, start in state["groups"].items():
+                known = groups.get(group)
+                if known is None or Position.from_list(start) < Position.from_list(known):
+                    groups[group] = start
+        return {"lanes": lanes, "groups": groups}
+
+    def at_start(self, state: dict[str, Any], lanes: list[int]) -> dict[str, Any]:
+        """LANES' position before any step of this launch (STATE: the resumed one)."""
+        own = state.get("lanes", {})
+        return {
+            "lanes": {
+                str(lane): own.get(str(lane), Lane(lane, self.layout, None).state())
+                for lane in lanes
+            },
+            "groups": state.get("groups", {}),
+        }
+
+
+def stream_lanes(data: DataConfig, task: str, tokenizer: Any, lanes: int, seed: int) -> StreamLanes:
+    """The lanes of DATA's stream, or of its mixture's streams dealt by weight
+    (train/mixture_stream.py)."""
+    if data.mixture is None:
+        return StreamLanes(data, task, tokenizer, lanes, seed)
+    from dplaunch.train.mixture_stream import MixedLanes
+
+    return MixedLanes(data, task, tokenizer, lanes, seed)
+
+
 class LaneDataset(torch.utils.data.IterableDataset):
     """The data loader's dataset: worker w makes the steps of the lanes in CHUNKS[w]."""
 
     def __init__(
-        self,
-        layout: StreamLayout,
-        chunks: list[list[int]],
-        encode: Callable,
-        state: dict[str, Any],
-        first_step: int,
+        self, source: StreamLanes, chunks: list[list[int]], state: dict[str, Any], first_step: int
     ):
         super().__init__()
-        self.layout, self.chunks, self.encode = layout, chunks, encode
+        self.source, self.chunks = source, chunks
         self.state, self.first_step = state, first_step
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = torch.utils.data.get_worker_info()
         worker = 0 if info is None else info.id
-        lanes = LaneWorker(self.layout, self.chunks[worker], self.encode, self.state)
+        lanes = self.source.worker(self.chunks[worker], self.state)
         if info is None:
             return lanes.steps(self.first_step)
         return _handed_over(lanes.steps(self.first_step), worker)
@@ -440,26 +488,25 @@ class StreamBatcher:
 
     def __init__(
         self,
+        lanes: StreamLanes,
         data: DataConfig,
-        task: str,
         tokenizer: Any,
         sharding: Sharding,
         *,
-        seed: int,
         total_over_ranks: Callable[[int], int],
         writes_position: bool,
         resume_from: tuple[Path, int] | None = None,
     ):
-        """``resume_from``: the checkpoint whose stream positions this launch starts from, and
-        its step (None: the stream's start)."""
+        """``lanes``: what the lanes read (:func:`stream_lanes`); ``resume_from``: the checkpoint
+        whose stream positions this launch starts from, and its step (None: the stream's
+        start)."""
         self.sharding = sharding
         self.pad_id = tokenizer.pad_token_id
         self.total_over_ranks = total_over_ranks
         self.writes_position = writes_position
-        shards = stream_shards(data)
-        columns = [] if data.format else first_columns(shards)
-        self.layout = StreamLayout.of(data, task, sharding.global_batch_size, seed, shards, columns)
-        self.task = task
+        self.source = lanes
+        self.layout = self.source.layout
+        self.task = lanes.task
         self.own_labels = self.layout.task == "sft"
         self.flatten_packed = False
         # the stream's length is unknown: the run's length is train.max_steps
@@ -471,7 +518,7 @@ class StreamBatcher:
         start_step = 0
         if resume_from is not None:
             checkpoint, start_step = resume_from
-            state = merged_position(read_data_positions(checkpoint), self.layout.lanes)
+            state = self.source.merged(read_data_positions(checkpoint))
             if state["step"] != start_step:
                 raise ValueError(
                     f"{checkpoint} holds the stream position of step {state['step']}, not {start_step}"
@@ -481,8 +528,7 @@ class StreamBatcher:
         self.chunks = [
             self.lanes[per_rank * w // count : per_rank * (w + 1) // count] for w in range(count)
         ]
-        encode = record_encoder(tokenizer, data, task, columns)
-        dataset = LaneDataset(self.layout, self.chunks, encode, state, start_step)
+        dataset = LaneDataset(self.source, self.chunks, state, start_step)
         if workers:
             # forked workers must not share the tokenizer's thread pool
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -496,16 +542,7 @@ class StreamBatcher:
         self._steps = iter(loader)  # the workers start now, while the model is built
         self._next_step = start_step
         # what a checkpoint before the first step of this launch saves
-        self._position = {
-            "step": start_step,
-            "lanes": {
-                str(lane): state.get("lanes", {}).get(
-                    str(lane), Lane(lane, self.layout, None).state()
-                )
-                for lane in self.lanes
-            },
-            "groups": state.get("groups", {}),
-        }
+        self._position = {"step": start_step, **self.source.at_start(state, self.lanes)}
         self._pass = 0
 
     def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
@@ -514,17 +551,10 @@ class StreamBatcher:
             raise ValueError(f"a stream gives step {self._next_step} next, not step {step}")
         parts = [next(self._steps) for _ in self.chunks]
         samples: dict[int, dict] = {}
-        lanes: dict[str, Any] = {}
-        groups: dict[str, list] = {}
         for part in parts:
             worker_error(part)
             assert part["step"] == step, (part["step"], step)
             samples.update(part["samples"])
-            lanes.update(part["state"]["lanes"])
-            for group, start in part["state"]["groups"].items():
-                known = groups.get(group)
-                if known is None or Position.from_list(start) < Position.from_list(known):
-                    groups[group] = start
         rows = [samples[lane] for lane in self.lanes]
         self._pass = min(row.pop("pass") for row in rows)
         micro = self.sharding.micro_batch_size
@@ -536,7 +566,7 @@ class StreamBatcher:
             ]
             set_loss_scales(batches, tokens, self.total_over_ranks(sum(tokens)), self.sharding)
         self._next_step = step + 1
-        self._position = {"step": step + 1, "lanes": lanes, "groups": groups}
+        self._position = {"step": step + 1, **self.source.joined([p["state"] for p in parts])}
         return batches
 
     def _collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
