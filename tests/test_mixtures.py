@@ -116,16 +116,25 @@ def _shouted_share(steps: list[list[tuple[int, ...]]]) -> float:
     return sum(Z in row for row in rows) / len(rows)
 
 
-@pytest.mark.parametrize("streamed", [False, True], ids=["cached", "streamed"])
+@pytest.mark.parametrize(
+    "streamed, packed",
+    [(False, False), (True, False), (False, True), (True, True)],
+    ids=["cached", "streamed", "cached-packed", "streamed-packed"],
+)
 def test_a_mixture_trains_each_source_at_its_weight_on_1_or_2_ranks_and_after_a_resume(
-    tmp_path, streamed
+    tmp_path, streamed, packed
 ):
-    config = run_config(_run_file(tmp_path), *(["data.streaming=true"] if streamed else []))
+    # packed: a row is a block of one source's texts (never two sources' in one block)
+    keys = [*(["data.streaming=true"] if streamed else []), f"data.packing={str(packed).lower()}"]
+    config = run_config(_run_file(tmp_path), *keys)
     make = _stream_batcher if streamed else _cached_batcher
     one = _rows([make(config)], range(STEPS))
     # 1,040 samples: the small source (40 texts) trains 20 %, repeated over 5 of its epochs
     assert sum(len(step) for step in one) == STEPS * GLOBAL_BATCH
     assert abs(_shouted_share(one) - 0.2) <= 0.02
+    if packed:  # a block holds Z's throughout or none: one source's texts
+        blocks = [row for step in one for row in step]
+        assert all(Z in row[:8] and Z in row[-8:] for row in blocks if Z in row)
     assert all(0 < sum(Z in row for row in step) < GLOBAL_BATCH for step in one[:20])
     # 2 data-parallel ranks train the same rows, each its contiguous half of every step
     two = _rows([make(config, 0, 2), make(config, 1, 2)], range(STEPS))
