@@ -668,7 +668,10 @@ def test_plan_on_a_known_gpu_forecasts_every_row_from_its_datasheet(tmp_path):
     rows = json.loads(run_dplaunch("plan", *flags, *forecast, "--json").stdout)
     for row in rows:
         assert row["profile"].endswith("(datasheet, not calibrated)")
-        assert row["hours"] == pytest.approx(row["step_time_s"] * 1000 / 3600, rel=1e-2)
+        # the job's hours: its 1,000 steps, start-up and the export (planning/job_time.py)
+        assert row["job_s"]["steps_s"] == pytest.approx(row["step_time_s"] * 1000, rel=1e-2)
+        assert row["hours"] == pytest.approx(row["job_s"]["total_s"] / 3600, rel=1e-2)
+        assert row["job_s"]["total_s"] > row["job_s"]["steps_s"] + row["job_s"]["start_up_s"]
         assert row["gpu_hours"] == pytest.approx(row["hours"] * 16, rel=1e-2)
         assert row["cost"] == pytest.approx(row["gpu_hours"] * 2.5, rel=1e-2)
         assert 0 < row["mfu"] < 1 and row["tokens_per_s"] > 0

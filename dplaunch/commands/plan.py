@@ -26,6 +26,7 @@ from dplaunch.planning.profiles import GPU_SHEETS
 if TYPE_CHECKING:
     from dplaunch.planning.candidates import Candidate
     from dplaunch.planning.estimate import MemoryEstimate
+    from dplaunch.planning.job_time import JobSetting
     from dplaunch.planning.model_facts import ModelFacts
     from dplaunch.planning.profiles import Profile
     from dplaunch.planning.workload import Workload
@@ -233,6 +234,8 @@ class PlanSetting:
     max_steps: int | None = None
     # "cpu": CPU ranks (--cpu, launch.cpu)
     target: str = "gpu"
+    # what the hours count besides the steps (None: train.max_steps unknown)
+    job: JobSetting | None = None
 
 
 def _from_run_file(options: PlanOptions) -> tuple[ModelFacts, str, Workload, Any]:
@@ -364,7 +367,7 @@ def resolve_setting(options: PlanOptions) -> PlanSetting:
             "--model", "a run file already names the model", "give either CONFIG or --model"
         )
     check_gpu_type(options)
-    launch, max_steps = None, options.max_steps
+    launch, max_steps, config = None, options.max_steps, None
     if options.model is not None:
         facts, label, workload = _from_model(options)
     else:
@@ -400,7 +403,25 @@ def resolve_setting(options: PlanOptions) -> PlanSetting:
         profile=_profile(options, launch, cpu, per_node, nodes),
         max_steps=max_steps,
         target="cpu" if cpu else "gpu",
+        job=_job_setting(config, max_steps, facts, workload, nodes),
     )
+
+
+def _job_setting(
+    config: Any, max_steps: int | None, facts: ModelFacts, workload: Workload, nodes: int
+) -> JobSetting | None:
+    """The run's job besides its steps (a run file's evaluations and checkpoints; --model: the
+    steps alone); None without train.max_steps."""
+    from dplaunch.planning.job_time import JobSetting, RunSchedule, run_schedule
+
+    if max_steps is None:
+        return None
+    if config is None:
+        schedule = RunSchedule(max_steps, evaluations=0, eval_samples=0, saves=0, nodes=nodes)
+    else:
+        schedule = run_schedule(config, nodes)
+        assert schedule is not None
+    return JobSetting.of(schedule, facts, workload)
 
 
 def _memory(options: PlanOptions, launch: Any, cpu: bool, per_node: int) -> tuple[float, str]:
@@ -536,14 +557,15 @@ def forecast_lines(setting: PlanSetting) -> list[str]:
             f"({', '.join(GPU_SHEETS)})"
         )
         return [f"no forecast: no profile of these {devices} ({how}, or --profile FILE)"]
-    steps = (
-        f"{setting.max_steps:,} steps (train.max_steps)"
+    job = (
+        f"the job: {setting.max_steps:,} steps (train.max_steps), start-up, evaluations and "
+        "checkpoints (docs: Planning › The job's hours)"
         if setting.max_steps
         else "train.max_steps (unset: give --max-steps)"
     )
     return [
         f"forecast on {profile.label}: s/step = one optimizer step, tokens/s, MFU = the model's "
-        f"FLOPs / (step × GPUs × peak), hours and GPU-hours to {steps}",
+        f"FLOPs / (step × GPUs × peak), hours and GPU-hours of {job}",
         *(f"  profile note: {note}" for note in profile.notes),
     ]
 
@@ -581,13 +603,13 @@ def run_plan(options: PlanOptions) -> int:
     price = options.price_per_gpu_hour
     resume_line = _resume_line(options.resume, candidates, setting) if options.resume else None
     if options.as_json:
-        rows = to_json_rows(candidates, setting.max_steps, price)
+        rows = to_json_rows(candidates, setting.job, price)
         typer.echo(json.dumps(rows, indent=2))
         return 0
     for line in describe(setting, options.safety_margin):
         typer.echo(line)
     typer.echo("")
-    typer.echo(format_table(candidates, setting.max_steps, price))
+    typer.echo(format_table(candidates, setting.job, price))
     shown = next((c for c in candidates if c.recommended), None) or next(
         (c for c in candidates if c.why), None
     )

@@ -73,9 +73,23 @@ class SlurmOptions:
         ),
     ] = None
     time: Annotated[
-        str,
-        typer.Option("--time", help="Time limit, HH:MM:SS or D-HH:MM:SS.", rich_help_panel=_JOB),
-    ] = "01:00:00"
+        str | None,
+        typer.Option(
+            "--time",
+            help="Time limit, HH:MM:SS or D-HH:MM:SS (default: the job's forecast × 1.2 and the "
+            "signal's lead, where launch.profile or --gpu-type gives one; else 01:00:00).",
+            rich_help_panel=_JOB,
+        ),
+    ] = None
+    gpu_type: Annotated[
+        str | None,
+        typer.Option(
+            "--gpu-type",
+            help="The job's GPUs (a datasheet: H100, A100, …), whose forecast sets --time "
+            "(this login node has none to calibrate); launch.profile: a calibrated profile.",
+            rich_help_panel=_JOB,
+        ),
+    ] = None
     # None: SIGNAL_SECONDS
     signal_seconds: Annotated[
         int | None,
@@ -185,6 +199,8 @@ def run_slurm(flags: RunFlags, options: SlurmOptions) -> int:
     )
     # the same validation `dplaunch train` does, for the job's layout rather than this machine's
     prepared = prepare_training_run(plan_flags, render_only=True, use_allocation=False)
+    limit = job_time_limit(prepared, options, shape, signal_seconds)
+    options = dataclasses.replace(options, time=limit.time)
     spec, script, run_dir = _job_script(
         plan_flags, options, config, shape, prepared, signal_seconds
     )
@@ -197,6 +213,7 @@ def run_slurm(flags: RunFlags, options: SlurmOptions) -> int:
         check_output_dir(Path(spec.log_dir), "output_dir")
     say = _say(to_stderr=options.out == "-")
     _say_job(say, prepared, shape, options, config)
+    say(limit.line)
     _make_log_dir(say, spec.log_dir)
     if path is None:
         sys.stdout.write(script)
@@ -209,6 +226,77 @@ def run_slurm(flags: RunFlags, options: SlurmOptions) -> int:
         return 0
     say(f"submitted batch job {_submit(path)}")
     return 0
+
+
+# the time limit without a forecast (and before dplaunch forecast one)
+DEFAULT_TIME = "01:00:00"
+
+
+@dataclass(frozen=True)
+class TimeLimit:
+    """The job's time limit and the line that says where it comes from."""
+
+    time: str
+    line: str
+
+
+def job_time_limit(
+    prepared: PreparedRun, options: SlurmOptions, shape: JobShape, signal_seconds: int
+) -> TimeLimit:
+    """--time, else the forecast of the job (planning/job_time.py) with its margin, else
+    DEFAULT_TIME; the line says which, and warns when --time holds fewer steps than the run."""
+    from dplaunch.planning.job_time import MARGIN, steps_that_fit, time_limit
+    from dplaunch.rendering.sbatch import slurm_time, time_limit_seconds
+
+    job, why = _forecast_job(prepared, options, shape)
+    if options.time is not None:
+        given = time_limit_seconds(options.time)  # checked by _signal_seconds
+        if job is None or given is None or given >= job.total_s + signal_seconds:
+            return TimeLimit(options.time, f"time limit {options.time} (--time)")
+        fit = steps_that_fit(job, given, signal_seconds)
+        return TimeLimit(
+            options.time,
+            f"note: --time {options.time} holds about {fit:,} of the run's {job.steps:,} steps "
+            f"(forecast: {slurm_time(job.total_s)} for {job.words()}): at the time-limit signal "
+            "the job checkpoints and requeues itself to go on",
+        )
+    if job is None:
+        return TimeLimit(DEFAULT_TIME, f"time limit {DEFAULT_TIME} (the default: {why})")
+    seconds = time_limit(job, signal_seconds)
+    return TimeLimit(
+        slurm_time(seconds),
+        f"time limit {slurm_time(seconds)}: the forecast {slurm_time(job.total_s)} "
+        f"({job.words()}) × {1 + MARGIN:g} and the signal's {signal_seconds} s, rounded up to "
+        "a minute (--time to set it)",
+    )
+
+
+def _forecast_job(
+    prepared: PreparedRun, options: SlurmOptions, shape: JobShape
+) -> tuple[Any, str]:
+    """(the job's JobTime on its GPUs' profile, None without one; why there is none)."""
+    from dplaunch.launching.prepare import model_facts
+    from dplaunch.planning.auto import layout_forecast, plan_workload
+    from dplaunch.planning.job_time import JobSetting, run_schedule
+    from dplaunch.planning.profiles import choose_profile
+
+    config, plan = prepared.config, prepared.plan
+    launch = config.launch
+    if options.gpu_type is None and not launch.profile:
+        return None, "give --gpu-type (the job's GPUs) or launch.profile for a forecast"
+    schedule = run_schedule(config, shape.nodes)
+    if schedule is None:
+        return None, "train.max_steps is unset: the job's steps are counted by its ranks"
+    path = Path(launch.profile) if launch.profile else None
+    profile = choose_profile(
+        options.gpu_type, shape.per_node, shape.nodes, path=path, field_name="--gpu-type"
+    )
+    if profile is None:
+        return None, f"no datasheet or profile of {options.gpu_type}"
+    facts = model_facts(config.model)
+    workload = plan_workload(config, plan)
+    forecast = layout_forecast(config, facts, plan, profile)
+    return JobSetting.of(schedule, facts, workload).time(forecast), ""
 
 
 def _check_submit(options: SlurmOptions) -> None:
@@ -367,6 +455,8 @@ def _signal_seconds(options: SlurmOptions) -> int:
             f"{seconds} is not in 1..{MAX_SIGNAL_SECONDS}",
             "give the seconds before the time limit at which the ranks checkpoint, e.g. 300",
         )
+    if options.time is None:  # the forecast's limit leaves the signal its lead (job_time_limit)
+        return seconds
     try:
         limit = time_limit_seconds(options.time)
     except ValueError:

@@ -7,6 +7,9 @@ group of files (dplaunch/data/streams.py) gives each of its m lanes floor(record
 and a step takes one sample of every lane, so a pass is min over groups of that many steps when
 each record is one sample. Packed samples are counted from the tokens of the first records of
 each file (the launch tokenizer, no torch): an estimate, which the plan's note says.
+
+The same count gives the size of a run's evaluation sets (evaluation_samples), which the job's
+time counts (planning/job_time.py).
 """
 
 from __future__ import annotations
@@ -115,3 +118,52 @@ def _samples_per_record(config: Any, task: str, shards: list[Shard]) -> float:
     encoded = pipeline.tokens([pipeline.example(record) for record in records])
     blocks = pack_lengths([len(ids) for ids in encoded.input_ids], data.max_length)
     return len(blocks) / len(records)
+
+
+def evaluation_samples(config: Any) -> int | None:
+    """The samples one evaluation of CONFIG's run goes through (each of data.eval_datasets'
+    together), counted as count_stream counts a stream: the records of local files, a causal-lm
+    set's packed blocks estimated from its first records' tokens (sft's evaluation sets are
+    never packed). 0 without evaluation; None when a set cannot be counted before launch (a hub
+    split, a hub dataset)."""
+    from dplaunch.data.mixture import evaluation_data, source_data
+
+    data = config.data
+    sets: list[tuple[Any, float]] = []  # (the data section a set is read with, its share)
+    if data.eval_split is not None:
+        return None
+    if data.eval_dataset is not None:
+        sets.append((data.model_copy(update={"dataset": data.eval_dataset}), 1.0))
+    if data.eval_fraction is not None:
+        sources = [source_data(data, s) for s in data.mixture] if data.mixture else [data]
+        sets += [(source, data.eval_fraction) for source in sources]
+    sets += [(evaluation_data(data, source), 1.0) for source in (data.eval_datasets or {}).values()]
+    total = 0.0
+    for source, share in sets:
+        counted = _records_and_blocks(config.model_copy(update={"data": source}))
+        if counted is None:
+            return None
+        total += counted * share
+    return round(total)
+
+
+def _records_and_blocks(config: Any) -> float | None:
+    """The samples of CONFIG's one dataset read whole: its records, or its packed blocks."""
+    from dplaunch.data.streams import stream_shards
+
+    try:
+        shards = stream_shards(config.data)
+        if any(shard.kind == "hub" for shard in shards):
+            return None
+        records = sum(count_records(shard) for shard in shards)
+        task = config.model.task
+        packed = task == "causal-lm" and config.data.packing is not False
+        if task == "sft":
+            from dplaunch.data.sft_checks import sft_data_task
+
+            packed = sft_data_task(config) == "causal-lm"
+        if packed and records:
+            return records * _samples_per_record(config, "causal-lm", shards)
+    except (UserError, OSError):
+        return None
+    return float(records)

@@ -49,7 +49,7 @@ from dplaunch.planning.candidates import (
     recommendation_line,
     workload_memory,
 )
-from dplaunch.planning.forecast import forecast_step
+from dplaunch.planning.forecast import Forecast, forecast_step
 from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.planning.plan import (
     DEFAULT_MAX_MICRO_BATCH,
@@ -247,20 +247,29 @@ def resolve_auto_parallel(
     return AutoChoice(parallel, note, tuple(candidates), settings)
 
 
+def plan_workload(config: RunConfig, plan: Plan) -> Workload:
+    """The workload of the run file under PLAN (its micro batch and global batch)."""
+    return replace(
+        run_workload(config),
+        micro_batch=plan.micro_batch_size,
+        global_batch_size=plan.global_batch_size,
+    )
+
+
+def layout_forecast(config: RunConfig, facts: ModelFacts, plan: Plan, profile: Profile) -> Forecast:
+    """The forecast of the run's own layout on PROFILE."""
+    workload = plan_workload(config, plan)
+    return forecast_step(
+        facts, plan.dims, workload, profile, guard=workload.guard, clip=workload.clip
+    )
+
+
 def run_forecast(
     config: RunConfig, facts: ModelFacts, plan: Plan, profile: Profile
 ) -> dict[str, Any]:
     """The forecast of the run's own layout, as plan.json's ``forecast`` holds it (hours and
     GPU-hours to train.max_steps when it is set; the ranks know the steps of an epoch)."""
-    workload = replace(
-        run_workload(config),
-        micro_batch=plan.micro_batch_size,
-        global_batch_size=plan.global_batch_size,
-    )
-    forecast = forecast_step(
-        facts, plan.dims, workload, profile, guard=workload.guard, clip=workload.clip
-    )
-    return forecast.to_dict(steps=config.train.max_steps)
+    return layout_forecast(config, facts, plan, profile).to_dict(steps=config.train.max_steps)
 
 
 # the workload and its estimate live with the plan table; `dplaunch plan` and the benchmark take them from here
@@ -269,6 +278,8 @@ __all__ = [
     "Workload",
     "plan_candidates",
     "resolve_auto_parallel",
+    "layout_forecast",
+    "plan_workload",
     "run_forecast",
     "run_workload",
     "workload_memory",

@@ -50,6 +50,7 @@ from dplaunch.planning.estimate import (
     estimate_memory,
 )
 from dplaunch.planning.forecast import Forecast, forecast_step, seconds_apart, why_faster
+from dplaunch.planning.job_time import JobSetting
 from dplaunch.planning.lora import LoraCount, count_lora
 from dplaunch.planning.model_facts import ModelFacts, attention_implementation
 from dplaunch.planning.plan import batch_math
@@ -731,17 +732,20 @@ FORECAST_KEYS = ("step_time_s", "tokens_per_s", "mfu", "hours", "gpu_hours", "pr
 
 
 def to_json_rows(
-    candidates: list[Candidate], steps: int | None = None, price_per_gpu_hour: float | None = None
+    candidates: list[Candidate],
+    job: JobSetting | None = None,
+    price_per_gpu_hour: float | None = None,
 ) -> list[dict]:
     """Plain dicts (floats rounded to 0.001 GiB) for ``--json`` output; the forecast's keys
-    (FORECAST_KEYS: hours and GPU-hours to ``steps``, the cost at ``price_per_gpu_hour``)."""
+    (FORECAST_KEYS: hours and GPU-hours of the ``job``, the cost at ``price_per_gpu_hour``)."""
     rows = []
     for candidate in candidates:
         values = {key: getattr(candidate, key) for key in ROW_KEYS}
         flat = {k: round(v, 3) if isinstance(v, float) else v for k, v in values.items()}
         forecast = candidate.forecast
         if forecast is not None:
-            flat.update(forecast.to_dict(steps, price_per_gpu_hour))
+            time = job.time(forecast) if job is not None else None
+            flat.update(forecast.to_dict(None, price_per_gpu_hour, job=time))
         else:
             flat.update(dict.fromkeys(FORECAST_KEYS))
         if candidate.memory is not None:
@@ -755,14 +759,15 @@ def to_json_rows(
 
 
 def _forecast_cells(
-    candidate: Candidate, steps: int | None, price_per_gpu_hour: float | None
+    candidate: Candidate, job: JobSetting | None, price_per_gpu_hour: float | None
 ) -> str:
     forecast = candidate.forecast
     if forecast is None:
         return f"{'-':>9}{'-':>11}{'-':>6}{'-':>8}{'-':>9}" + (
             f"{'-':>10}" if price_per_gpu_hour is not None else ""
         )
-    hours, gpu_hours = forecast.hours(steps), forecast.gpu_hours(steps)
+    hours = job.time(forecast).hours if job is not None else None
+    gpu_hours = None if hours is None else hours * forecast.world_size
     cells = (
         f"{forecast.step_time_s:>9.3g}{forecast.tokens_per_s:>11,.0f}{forecast.mfu:>6.0%}"
         f"{_number(hours):>8}{_number(gpu_hours):>9}"
@@ -791,11 +796,13 @@ def _table_name(candidate: Candidate) -> str:
 
 
 def format_table(
-    candidates: list[Candidate], steps: int | None = None, price_per_gpu_hour: float | None = None
+    candidates: list[Candidate],
+    job: JobSetting | None = None,
+    price_per_gpu_hour: float | None = None,
 ) -> str:
     """Fixed-width text table, the recommended row marked ``*``, then the recommendation line.
-    With forecasts: step time, tokens/s, MFU, and the hours and GPU-hours to ``steps`` (the
-    cost at ``price_per_gpu_hour``)."""
+    With forecasts: step time, tokens/s, MFU, and the hours and GPU-hours of the ``job`` (its
+    steps, start-up, evaluation and checkpoints; the cost at ``price_per_gpu_hour``)."""
     # sp rows name longer plans ("ZeRO-1 + offload optimizer + sp 2")
     width = max([26, *(len(_table_name(c)) + 1 for c in candidates)])
     forecasts = any(c.forecast is not None for c in candidates)
@@ -818,7 +825,7 @@ def format_table(
             f"{mark} {_table_name(c):<{width}}{c.tp:>3}{c.pp:>4}{c.dp:>5}{c.model_states_gb:>9.{d}f}"
             f"{c.activations_gb:>8.{d}f}{c.other_gb:>8.{d}f}{c.total_gb:>8.{d}f}{c.cpu_gb:>8.{d}f}"
             f"{c.comm_gb_per_step:>11.{d}f}{'yes' if c.fits else 'no':>6}"
-            + (_lever_cells(c) + _forecast_cells(c, steps, price_per_gpu_hour) if forecasts else "")
+            + (_lever_cells(c) + _forecast_cells(c, job, price_per_gpu_hour) if forecasts else "")
         )
     if candidates:
         lines.append(

@@ -1220,14 +1220,19 @@ class Forecast:
         hours = self.hours(steps)
         return None if hours is None else hours * self.world_size
 
-    def to_dict(self, steps: int | None = None, price_per_gpu_hour: float | None = None) -> dict:
-        """The keys `dplaunch plan --json` and plan.json carry."""
-        gpu_hours = self.gpu_hours(steps)
+    def to_dict(
+        self, steps: int | None = None, price_per_gpu_hour: float | None = None, job: Any = None
+    ) -> dict:
+        """The keys `dplaunch plan --json` and plan.json carry: hours and GPU-hours to STEPS, or
+        JOB's (planning/job_time.py JobTime: the steps with start-up, evaluation and
+        checkpoints; its parts under "job_s")."""
+        hours = job.hours if job is not None else self.hours(steps)
+        gpu_hours = None if hours is None else hours * self.world_size
         data = {
             "step_time_s": round(self.step_time_s, 6),
             "tokens_per_s": round(self.tokens_per_s, 3),
             "mfu": round(self.mfu, 5),
-            "hours": None if steps is None else round(self.hours(steps) or 0.0, 4),
+            "hours": None if hours is None else round(hours, 4),
             "gpu_hours": None if gpu_hours is None else round(gpu_hours, 4),
             "profile": self.profile,
             "terms_s": {name: round(value, 6) for name, value in self.terms.items()},
@@ -1239,6 +1244,8 @@ class Forecast:
             "peak_flops_per_rank": self.peak_flops_per_rank,
             "world_size": self.world_size,
         }
+        if job is not None:
+            data["job_s"] = job.to_dict()
         if price_per_gpu_hour is not None and gpu_hours is not None:
             data["cost"] = round(gpu_hours * price_per_gpu_hour, 2)
         return data

@@ -15,6 +15,7 @@ runs the same command again, which resumes (`--resume auto`).
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -219,6 +220,14 @@ def time_limit_seconds(text: str) -> int | None:
     else:  # M, M:S
         hours, (minutes, seconds) = 0, (parts + [0])[:2]
     return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def slurm_time(seconds: float) -> str:
+    """SECONDS as a SLURM time limit, HH:MM:SS or D-HH:MM:SS (whole seconds, rounded up)."""
+    total = math.ceil(seconds)
+    days, rest = divmod(total, 86400)
+    clock = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days}-{clock}" if days else clock
 
 
 def sbatch_directive(option: str, value: str | None) -> str:
