@@ -1,4 +1,5 @@
-"""`dplaunch report`: plots and a text summary from the metrics.jsonl of one or more runs.
+"""`dplaunch report`: plots and a text summary from the metrics.jsonl of one or more runs (and,
+for forecast.png, the forecast in their plan.json).
 
 metrics.jsonl (written by dplaunch/train/metrics.py, rank 0) holds one JSON object per line:
 a ``header`` (the plan: world size, dp/tp/pp, ZeRO stage, batch sizes), ``train`` lines (step,
@@ -255,6 +256,39 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[
     return steps, values
 
 
+@dataclass(frozen=True)
+class PhaseComparison:
+    """One phase of a run's step: the forecast's seconds term by term, and the measured median."""
+
+    phase: str
+    forecast: dict[str, float]
+    measured: float
+
+
+def phase_comparison(run_dir: Path, summary: dict[str, Any] | None) -> list[PhaseComparison]:
+    """The forecast (RUN_DIR's plan.json) beside the measured phases (the run's summary record),
+    phases the engine timed as one joined in both; [] without a forecast or timed phases."""
+    from dplaunch.planning.forecast import join_phases
+    from dplaunch.run_directory.files import read_plan_file
+
+    measured = (summary or {}).get("phases_s")
+    if not measured or not run_dir.is_dir():
+        return []
+    try:
+        forecast = read_plan_file(run_dir).get("forecast")
+    except (OSError, ValueError):
+        return []
+    if not forecast or "phases_s" not in forecast:
+        return []
+    joined = tuple((summary or {}).get("phases_joined") or ())
+    if joined:
+        forecast, measured = join_phases(forecast, measured, joined)
+    return [
+        PhaseComparison(phase, dict(forecast["phases_s"].get(phase, {})), float(seconds))
+        for phase, seconds in measured.items()
+    ]
+
+
 def make_report(run_dirs: list[Path], out_dir: Path) -> ReportResult:
     """Plots (loss, eval, lr, throughput, memory) overlaying the runs, and summary.txt, in out_dir."""
     if not run_dirs:
@@ -270,6 +304,7 @@ def make_report(run_dirs: list[Path], out_dir: Path) -> ReportResult:
     plots.simple(runs, "lr.png", "lr", "learning rate", "lr")
     plots.simple(runs, "throughput.png", "tokens_per_s", "throughput (all ranks)", "tokens / s")
     plots.simple(runs, "memory.png", "memory_gb", "peak memory of rank 0", "GB")
+    plots.phases([(run.name, phase_comparison(run.path.parent, run.summary)) for run in runs])
     summaries = [summarize(run) for run in runs]
     summary_path = out_dir / REPORT_SUMMARY_FILE
     summary_path.write_text(format_summary(summaries))
@@ -336,6 +371,31 @@ class _Plots:
             ax.grid(alpha=0.3)
             ax.legend()
         self._save(fig, "eval.png")
+
+    def phases(self, runs: list[tuple[str, list[PhaseComparison]]]) -> None:
+        """forecast.png: each run's step phase by phase, the forecast's terms stacked beside the
+        measured median (nothing when no run had a forecast and timed phases)."""
+        runs = [(name, phases) for name, phases in runs if phases]
+        if not runs:
+            return
+        fig, axes = self.plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.2), squeeze=False)
+        terms = sorted({term for _, phases in runs for p in phases for term in p.forecast})
+        colours = {term: f"C{i + 1}" for i, term in enumerate(terms)}
+        for ax, (name, phases) in zip(axes[0], runs, strict=True):
+            for x, phase in enumerate(phases):
+                bottom = 0.0
+                for term in terms:
+                    seconds = phase.forecast.get(term, 0.0)
+                    if seconds > 0:
+                        label = f"forecast: {term}" if x == 0 else None
+                        ax.bar(x - 0.2, seconds, 0.4, bottom=bottom, color=colours[term], label=label)  # fmt: skip
+                        bottom += seconds
+                ax.bar(x + 0.2, phase.measured, 0.4, color="C0", label="measured" if x == 0 else None)  # fmt: skip
+            ax.set_xticks(range(len(phases)), [p.phase for p in phases])
+            ax.set(title=f"{name}: forecast | measured", ylabel="seconds a step")
+            ax.grid(alpha=0.3, axis="y")
+            ax.legend(fontsize=8)
+        self._save(fig, "forecast.png")
 
     def simple(self, runs: list[Any], name: str, key: str, title: str, ylabel: str) -> None:
         """KEY of the training records over the steps (nothing when no run logged it)."""

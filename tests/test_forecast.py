@@ -560,6 +560,16 @@ def test_a_zero3_run_issues_the_forecast_collectives_and_checks_its_step_time_ag
     assert report.returncode == 0, report.stderr
     text = (tmp_path / "report" / "summary.txt").read_text()
     assert "measured / forecast" in text and summary["forecast_note"] in text
+    # forecast.png: phase by phase, DeepSpeed's backward and step as one (the engine times them
+    # so), the forecast's terms beside the measured median
+    from dplaunch.report import phase_comparison
+
+    assert (tmp_path / "report" / "forecast.png").is_file()
+    phases = {p.phase: p for p in phase_comparison(run, summary)}
+    assert set(phases) == {"forward", "backward and step"}
+    joined = forecast["phases_s"]["backward"]["compute"] + forecast["phases_s"]["step"].get("compute", 0.0)  # fmt: skip
+    assert phases["backward and step"].forecast["compute"] == pytest.approx(joined, rel=1e-3)
+    assert phases["forward"].measured == pytest.approx(summary["phases_s"]["forward"])
 
 
 class FakeGpu:

@@ -271,9 +271,7 @@ def job_time_limit(
     )
 
 
-def _forecast_job(
-    prepared: PreparedRun, options: SlurmOptions, shape: JobShape
-) -> tuple[Any, str]:
+def _forecast_job(prepared: PreparedRun, options: SlurmOptions, shape: JobShape) -> tuple[Any, str]:
     """(the job's JobTime on its GPUs' profile, None without one; why there is none)."""
     from dplaunch.launching.prepare import model_facts
     from dplaunch.planning.auto import layout_forecast, plan_workload

@@ -1281,8 +1281,10 @@ def compare_with_forecast(
     }
     if measured_phases:
         result["phases_s"] = {phase: round(s, 6) for phase, s in measured_phases.items()}
+        if joined:  # `dplaunch report` compares them as the line below does
+            result["phases_joined"] = list(joined)
     if measured_phases and joined:
-        forecast, measured_phases = _join_phases(forecast, measured_phases, joined)
+        forecast, measured_phases = join_phases(forecast, measured_phases, joined)
     if abs(ratio - 1) > OFF_BY:
         term, detail = most_wrong_term(forecast, measured_step_s, measured_phases)
         result["forecast_most_wrong"] = term
@@ -1293,7 +1295,7 @@ def compare_with_forecast(
     return result
 
 
-def _join_phases(
+def join_phases(
     forecast: dict[str, Any], measured: dict[str, float], joined: tuple[str, ...]
 ) -> tuple[dict[str, Any], dict[str, float]]:
     """FORECAST and MEASURED with the JOINED phases as one ("backward and step")."""
