@@ -129,3 +129,70 @@ def test_the_name_check_sees_a_literal_file_name_and_variable():
         "'DPLAUNCH_X'",
         "'see metrics.jsonl.'",
     ]
+
+
+# docs/development.md's import order: a part of the package imports only the parts before it
+# (imports inside functions too), and the ranks (train/) never import launching/: what runs in
+# a rank is no launcher's code
+IMPORT_ORDER = (
+    "errors",
+    "requirements",
+    "stop_signals",
+    "run_directory",
+    "config",
+    "hub",
+    "data",
+    "planning",
+    "report",
+    "cluster",
+    "rendering",
+    "launching",
+    "environment_report",
+    "train",
+    "commands",
+    "cli",
+    "__main__",
+)
+NEVER_IMPORTS = {"train": {"launching", "environment_report"}}
+
+
+def wrong_imports(modules: list[tuple[str, ast.Module]]) -> list[str]:
+    """`path:line imports dplaunch.X` for every import (at the top or inside a function) of a
+    part that IMPORT_ORDER puts after the importing one, or that NEVER_IMPORTS forbids it."""
+    found = []
+    for path, tree in modules:
+        parts = path.split("/")[1:]  # dplaunch/train/loop.py → train
+        importer = parts[0].removesuffix(".py")
+        if importer == "__init__":
+            continue
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            for name in names:
+                dotted = name.split(".")
+                if dotted[0] != "dplaunch" or len(dotted) < 2 or dotted[1] == importer:
+                    continue
+                imported = dotted[1]
+                later = IMPORT_ORDER.index(imported) > IMPORT_ORDER.index(importer)
+                if later or imported in NEVER_IMPORTS.get(importer, ()):
+                    found.append(f"{path}:{node.lineno} imports {name}")
+    return found
+
+
+def test_each_part_imports_only_the_parts_before_it():
+    parts = {path.split("/")[1].removesuffix(".py") for path, _ in _modules()}
+    assert parts - {"__init__", "resources"} <= set(IMPORT_ORDER), "add new parts to IMPORT_ORDER"
+    assert not wrong_imports(_modules()), "see docs/development.md's import order"
+
+
+def test_the_import_check_sees_a_rank_importing_the_launcher_inside_a_function():
+    rank = ast.parse("def f():\n    from dplaunch.launching.frameworks import x\n")
+    upward = ast.parse("import dplaunch.commands.plan\n")
+    found = wrong_imports([("dplaunch/train/x.py", rank), ("dplaunch/planning/y.py", upward)])
+    assert found == [
+        "dplaunch/train/x.py:2 imports dplaunch.launching.frameworks",
+        "dplaunch/planning/y.py:1 imports dplaunch.commands.plan",
+    ]

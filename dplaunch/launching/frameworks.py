@@ -71,23 +71,6 @@ def imported_modules(source: str) -> set[str]:
     return names
 
 
-# Keras 3's model.fit under MultiWorkerMirroredStrategy (keras-team/keras#20585, open): every
-# worker fails at its first step converting a PerReplica value (TensorFlow 2.21, Keras 3.15)
-KERAS_PER_REPLICA_FIX = (
-    "dplaunch: Keras 3's model.fit does not run under MultiWorkerMirroredStrategy "
-    "(keras-team/keras#20585): use Keras 2, set TF_USE_LEGACY_KERAS=1 before TensorFlow is "
-    "imported, with tf-keras installed (pip install 'dplaunch[tensorflow]')"
-)
-
-
-def keras_fix(error: BaseException) -> str | None:
-    """The one-line fix of a worker's error when it is Keras 3's PerReplica failure, else None."""
-    message = str(error)
-    if isinstance(error, ValueError) and "PerReplica" in message and "unsupported type" in message:
-        return KERAS_PER_REPLICA_FIX
-    return None
-
-
 def detect_framework(script: Path) -> str:
     """horovod if the script imports it; tensorflow if it imports TensorFlow/Keras and nothing of
     PyTorch's; else pytorch (what `dplaunch launch` always ran)."""

@@ -33,8 +33,6 @@ def main(argv: list[str]) -> int:
         note_failure_stack(error)
         trimmed = _from_script(error.__traceback__, script)
         if os.environ.get(TRACEBACK_PREFIX_ENV):  # a TensorFlow worker: no torch to prefix it
-            from dplaunch.launching.frameworks import keras_fix
-
             # a known failure's fix goes last: the line dplaunch's summary ends with
             fix = keras_fix(error)
             _print_prefixed(error.with_traceback(trimmed), os.environ.get("RANK", "0"), fix)
@@ -59,6 +57,23 @@ def _from_script(tb, script: str):  # noqa: ANN001, ANN202 — traceback objects
     while current is not None and os.path.abspath(current.tb_frame.f_code.co_filename) != path:
         current = current.tb_next
     return current or tb
+
+
+# Keras 3's model.fit under MultiWorkerMirroredStrategy (keras-team/keras#20585, open): every
+# worker fails at its first step converting a PerReplica value (TensorFlow 2.21, Keras 3.15)
+KERAS_PER_REPLICA_FIX = (
+    "dplaunch: Keras 3's model.fit does not run under MultiWorkerMirroredStrategy "
+    "(keras-team/keras#20585): use Keras 2, set TF_USE_LEGACY_KERAS=1 before TensorFlow is "
+    "imported, with tf-keras installed (pip install 'dplaunch[tensorflow]')"
+)
+
+
+def keras_fix(error: BaseException) -> str | None:
+    """The one-line fix of a worker's error when it is Keras 3's PerReplica failure, else None."""
+    message = str(error)
+    if isinstance(error, ValueError) and "PerReplica" in message and "unsupported type" in message:
+        return KERAS_PER_REPLICA_FIX
+    return None
 
 
 if __name__ == "__main__":
