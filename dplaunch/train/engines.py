@@ -10,6 +10,8 @@ sequence parallelism as AccelerateEngine with another loss (train/sequence_paral
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -105,6 +107,31 @@ class EngineBase:
         """The learning rate of the last step."""
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def micro_batch_loop(
+        self,
+        micro_batches: list[dict[str, torch.Tensor]],
+        backward: Callable[[torch.Tensor, torch.Tensor], None],
+        around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> torch.Tensor:
+        """The step's micro-batches in turn, the same for every engine: each moved to the
+        device, its loss (the model's or the objective's, times its share of the step's tokens
+        when rows differ in length: data.py) taken and timed as the forward, then
+        BACKWARD(loss, the losses so far) — the engine's backward, and whatever it does after
+        each (Accelerate: the optimizer step it skips until the last) — inside AROUND's context
+        (Accelerate's accumulate). The sum of their losses, detached (no host sync)."""
+        total = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            scale = batch.pop("loss_scale", None)
+            with around():
+                loss = self.forward_loss(batch)
+                if scale is not None:
+                    loss = loss * scale
+                total += loss.detach().float()
+                self.clock.lap("forward")
+                backward(loss, total)
+        return total
+
 
 def forward_options(task: str) -> dict[str, Any]:
     """Keyword arguments of every forward. A causal LM builds a KV cache in every forward unless
@@ -191,48 +218,37 @@ class AccelerateEngine(EngineBase):
         return []
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        accelerator, model, clock = self.accelerator, self.model, self.clock
-        model.train()
-        total = torch.zeros((), device=accelerator.device)
-        clock.start()
-        for batch in micro_batches:
-            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
-            # rows of unequal length: this micro-batch's share of the step's tokens (data.py)
-            scale = batch.pop("loss_scale", None)
-            with accelerator.accumulate(model):
-                loss = self.forward_loss(batch)
-                if scale is not None:
-                    loss = loss * scale
-                total += loss.detach().float()
-                clock.lap("forward")
-                accelerator.backward(loss)
-                clock.lap("backward")
-                grad_norm = None
-                # DeepSpeed clips inside its step (gradient_clipping in the JSON)
-                if (
-                    accelerator.sync_gradients
-                    and self.max_grad_norm > 0
-                    and not self.uses_deepspeed
-                ):
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), self.max_grad_norm)
-                skip = (
-                    accelerator.sync_gradients
-                    and self.guard is not None
-                    and self.guard.judge(
-                        total,
-                        grad_norm,
-                        model.parameters(),
-                        model if self.uses_deepspeed else None,
-                    )
-                )
-                if not skip:
-                    scale_before = self._loss_scale() if accelerator.sync_gradients else None
-                    self.optimizer.step()
-                    if accelerator.sync_gradients and not self._step_skipped(scale_before):
-                        self.scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                clock.lap("step")
+        self.model.train()
+        self.clock.start()
+        total = self.micro_batch_loop(
+            micro_batches, self._backward_and_step, lambda: self.accelerator.accumulate(self.model)
+        )
         return total / len(micro_batches)
+
+    def _backward_and_step(self, loss: torch.Tensor, total: torch.Tensor) -> None:
+        """Accelerate's backward (it divides by the accumulation), then the optimizer step, which
+        Accelerate skips but at the step's last micro-batch (sync_gradients)."""
+        accelerator, model, clock = self.accelerator, self.model, self.clock
+        accelerator.backward(loss)
+        clock.lap("backward")
+        grad_norm = None
+        # DeepSpeed clips inside its step (gradient_clipping in the JSON)
+        if accelerator.sync_gradients and self.max_grad_norm > 0 and not self.uses_deepspeed:
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), self.max_grad_norm)
+        skip = (
+            accelerator.sync_gradients
+            and self.guard is not None
+            and self.guard.judge(
+                total, grad_norm, model.parameters(), model if self.uses_deepspeed else None
+            )
+        )
+        if not skip:
+            scale_before = self._loss_scale() if accelerator.sync_gradients else None
+            self.optimizer.step()
+            if accelerator.sync_gradients and not self._step_skipped(scale_before):
+                self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        clock.lap("step")
 
     def _loss_scale(self) -> float | None:
         # fp16 under DDP: torch's GradScaler (DeepSpeed keeps its own and reports its overflows)

@@ -219,21 +219,15 @@ class FsdpEngine(EngineBase):
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         model, optimizer, clock = self.model, self.optimizer, self.clock
         model.train()
-        total = torch.zeros((), device=self.device)
         clock.start()
-        for batch in micro_batches:
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-            # rows of unequal length: this micro-batch's share of the step's tokens (data.py)
-            scale = batch.pop("loss_scale", None)
-            loss = self.forward_loss(batch)
-            if scale is not None:
-                loss = loss * scale
-            total += loss.detach().float()
+
+        def backward(loss: torch.Tensor, _total: torch.Tensor) -> None:
             # the mean over the step's micro-batches, as Accelerate's backward divides it
             loss = loss / len(micro_batches)
-            clock.lap("forward")
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             clock.lap("backward")
+
+        total = self.micro_batch_loop(micro_batches, backward)
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         grad_norm = None
