@@ -259,7 +259,7 @@ def test_export_of_a_two_rank_zero3_checkpoint_gives_the_trained_model(tmp_path,
     exported = tmp_path / "exported"
     result = run_dplaunch("export", run / "checkpoints" / "step-4", "--out", exported)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "ZeRO-3, 2 rank(s)" in result.stdout
+    assert "(step 4, ZeRO-3 dp 2) to " in result.stdout
     # before: zero_to_fp32's own four lines between these two ("Processing zero checkpoint …")
     exporting, wrote = result.stdout.splitlines()
     assert exporting.startswith("exporting ") and wrote.startswith(f"wrote {exported} (")
@@ -336,7 +336,7 @@ def test_export_of_a_tp2_checkpoint_gives_the_trained_model_in_one_process(tmp_p
         "export", run, "--out", exported, env=child_environment(TMPDIR=str(scratch))
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "(step 8, deepspeed tp 2, 2 rank(s))" in result.stdout
+    assert "(step 8, AutoTP dp 1 × tp 2)" in result.stdout
     assert "export job: 2 CPU rank(s) join the tp 2 shards" in result.stdout
     assert list(scratch.iterdir()) == []  # the temporary run directory is gone
     weights = load_file(str(exported / "model.safetensors"))
@@ -492,7 +492,6 @@ def test_a_change_that_keeps_the_training_passes_and_fp16_without_a_scaler_state
     # fp16 loads a loss scaler's state, which a run without fp16 never saved: the checkpoint goes
     # through its universal form and the loss scale starts afresh. fp16 needs GPUs, so the check
     # is called with this checkpoint's own plan turned fp16
-    import dataclasses
 
     from dplaunch.launching.resume import check_layout
     from dplaunch.planning.plan import Plan
@@ -502,8 +501,8 @@ def test_a_change_that_keeps_the_training_passes_and_fp16_without_a_scaler_state
     saved = json.loads((info.path / "plan.json").read_text())
     assert (saved["zero_stage"], saved["mixed_precision"]) == (0, "no")
     same = Plan.from_dict(saved)
-    assert check_layout(saved, same, info) == (False, [])
-    convert, notes = check_layout(saved, dataclasses.replace(same, mixed_precision="fp16"), info)
+    assert check_layout(saved, same.dims, same.mixed_precision, info) == (False, [])
+    convert, notes = check_layout(saved, same.dims, "fp16", info)
     assert convert and "(fp16 needs a loss-scaler state only an fp16 run saves)" in notes[0], notes
     assert notes[1] == "the fp16 loss scale starts afresh (the checkpoint was not trained in fp16)"
 

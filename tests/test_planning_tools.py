@@ -508,7 +508,7 @@ def test_verify_passes_for_zero2_against_a_ddp_run_and_report_overlays_them(tmp_
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert not (out / "dp").exists()  # the reference was not run again
     table = result.stdout.split("verify: per-step training loss", 1)[1]
-    assert f"ZeRO-2 (dp 2) vs DDP (2 ranks, {dp_reference})" in table
+    assert f"ZeRO-2 dp 2 vs DDP (2 ranks, {dp_reference})" in table
     rows = [line.split() for line in table.splitlines() if re.match(r"\s+\d+\s+\d", line)]
     assert [int(row[0]) for row in rows] == [1, 2, 3, 4, 5, 6]
     assert [float(row[1]) for row in rows] == pytest.approx(train_losses(out / "plan"), abs=1e-6)
@@ -560,7 +560,7 @@ def test_verify_rehearses_a_7b_tensor_parallel_plan_on_cpu_with_a_shrunk_model(t
     assert train_losses(out / "dp") and not (out / "dp" / "deepspeed.json").exists()
     header = json.loads((out / "plan" / "metrics.jsonl").read_text().splitlines()[0])
     assert (header["tensor_parallel_size"], header["world_size"]) == (2, 2)
-    assert "DeepSpeed (dp 1 × tp 2) vs DDP (2 ranks" in result.stdout
+    assert "AutoTP dp 1 × tp 2 vs DDP (2 ranks" in result.stdout
     assert "verify: PASS" in result.stdout
 
 

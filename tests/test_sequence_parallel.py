@@ -110,7 +110,7 @@ def test_sp2_gives_ddp_losses_and_verify_says_so(ddp_run, sp_verify):
         train_losses(run),
         reference,
     )
-    assert "DDP (dp 1 × sp 2) vs DDP (2 ranks" in output
+    assert "DDP dp 1 × sp 2 vs DDP (2 ranks" in output
     # each rank evaluated its slice of every sequence (Ulysses in evaluation too): DDP's numbers
     assert "slice 0 of each sequence, in training and evaluation" in output
     assert_same_evaluations(run, ddp_run, [0, 3])
@@ -273,9 +273,9 @@ def test_a_zero_checkpoint_changes_shards_only_when_dp_times_sp_does():
 
     info = SimpleNamespace(path=Path("ckpt"), name="ckpt", meta={"size_bytes": 0})
     # 4 ZeRO shards either way: dp and sp traded, loaded as they are
-    assert check_layout(plan(2, 2).to_dict(), plan(4, 1), info)[0] is False
+    assert check_layout(plan(2, 2).to_dict(), plan(4, 1).dims, "no", info)[0] is False
     # same dp, sp 2 → 1: 4 shards → 2, converted through the universal form
-    convert, notes = check_layout(plan(2, 2).to_dict(), plan(2, 1), info)
+    convert, notes = check_layout(plan(2, 2).to_dict(), plan(2, 1).dims, "no", info)
     assert convert and "(other ZeRO partitions)" in notes[0], notes
 
 

@@ -82,12 +82,7 @@ def run_export(checkpoint: Path, out: Path, adapter: bool = False) -> int:
     engine = CONVERTED if converted else plan.engine
     folder = _OutFolder(out)
     _quiet_export()
-    typer.echo(
-        f"exporting {info.path} (step {info.step}, {plan.engine}"
-        + (f" ZeRO-{plan.zero_stage}" if plan.zero_stage else "")
-        + (f" tp {plan.tensor_parallel_size}" if job else "")
-        + f", {plan.world_size} rank(s)) to {out}"
-    )
+    typer.echo(f"exporting {info.path} (step {info.step}, {plan.layout_name}) to {out}")
     started = time.perf_counter()
     try:
         code = 0

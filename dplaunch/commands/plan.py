@@ -628,7 +628,7 @@ def run_plan(options: PlanOptions) -> int:
 def _resume_line(checkpoint: Path, candidates: list[Candidate], setting: PlanSetting) -> str:
     """What resuming CHECKPOINT under the recommended layout does: loads as it is, or converts
     once through the universal form, and about how long that takes."""
-    from dplaunch.launching.resume import Layout, check_layout, layout_name
+    from dplaunch.launching.resume import check_layout
     from dplaunch.run_directory.checkpoints import find_checkpoint
     from dplaunch.run_directory.files import read_plan_file
 
@@ -636,18 +636,10 @@ def _resume_line(checkpoint: Path, candidates: list[Candidate], setting: PlanSet
     chosen = next((c for c in candidates if c.recommended), None)
     if chosen is None:
         return f"resume: {info.path} (step {info.step}): no layout fits, so none to resume under"
-    layout = Layout(
-        data_parallel_size=chosen.dp,
-        tensor_parallel_size=chosen.tp,
-        pipeline_parallel_size=chosen.pp,
-        sequence_parallel_size=chosen.sp,
-        zero_stage=chosen.zero_stage,
-        offload=chosen.offload,
-        mixed_precision=setting.workload.mixed_precision,
-        fsdp=chosen.fsdp,
-    )
-    convert, notes = check_layout(read_plan_file(info.path), layout, info)
-    what = notes[0] if convert else f"loads as it is under {layout_name(layout)}"
+    dims = chosen.dims(setting.gpus, setting.gpus_per_node)
+    precision = setting.workload.mixed_precision
+    convert, notes = check_layout(read_plan_file(info.path), dims, precision, info)
+    what = notes[0] if convert else f"loads as it is under {dims.name(precision)}"
     return f"resume: {info.path} (step {info.step}): {what}"
 
 

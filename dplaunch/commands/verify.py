@@ -433,7 +433,7 @@ def _verdict(runs: _Runs, options: VerifyOptions, codes: dict[str, int]) -> int:
 
         reference_ranks = read_metrics(reference_dir).header.get("world_size", "?")
     typer.echo(
-        f"\nverify: per-step training loss, {_layout_label(plan_run.plan)} vs DDP "
+        f"\nverify: per-step training loss, {plan_run.plan.layout_name} vs DDP "
         f"({reference_ranks} ranks, {reference_dir})"
     )
     typer.echo(comparison_table(plan_losses, reference_losses, "plan"))
@@ -464,23 +464,3 @@ def _verdict(runs: _Runs, options: VerifyOptions, codes: dict[str, int]) -> int:
         f"({'fp32' if precision == 'no' else precision}) over {len(gaps)} steps"
     )
     return 0 if passed else 1
-
-
-def _layout_label(plan: Any) -> str:
-    parts = [f"dp {plan.data_parallel_size}"]
-    if plan.tensor_parallel_size > 1:
-        parts.append(f"tp {plan.tensor_parallel_size}")
-    if plan.pipeline_parallel_size > 1:
-        parts.append(f"pp {plan.pipeline_parallel_size}")
-    if plan.sequence_parallel_size > 1:
-        parts.append(f"sp {plan.sequence_parallel_size}")
-    engine = {"ddp": "DDP", "deepspeed": "DeepSpeed", "pipeline": "pipeline", "fsdp": "FSDP"}[
-        plan.engine
-    ]
-    if plan.fsdp == "hybrid":
-        engine = "HSDP"
-    if plan.zero_stage:
-        engine = f"ZeRO-{plan.zero_stage}"
-    if plan.offload != "none":
-        engine += f" + offload {plan.offload}"
-    return f"{engine} ({' × '.join(parts)})"

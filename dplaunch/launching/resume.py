@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from dplaunch.errors import UserError
+from dplaunch.planning.rules import ParallelDims
 from dplaunch.run_directory.checkpoints import (
     CheckpointInfo,
     DamagedCheckpoint,
@@ -136,7 +137,9 @@ def plan_resume(
     saved_plan = read_plan_file(info.path)
     notes = _check_same_training(saved_config, config, info)
     notes += _check_steps_left(config, info)
-    convert, layout_notes = check_layout(saved_plan, plan, info)
+    convert, layout_notes = check_layout(
+        saved_plan, plan.dims, plan.mixed_precision, info, plan.gradient_accumulation_steps
+    )
     check_room(info, config, plan, run_dir, convert=convert)
     if not info.has_digests:
         # written before dplaunch recorded digests: it resumes as it always did
@@ -264,79 +267,35 @@ def _first_difference(old: Any, new: Any, where: str) -> str:
     return "" if old == new else f"{where}: {old!r} → {new!r}"
 
 
-@dataclass(frozen=True)
-class Layout:
-    """What of a plan decides how a checkpoint loads into it (a Plan has the same attributes):
-    `dplaunch plan --resume` asks about a candidate layout with one."""
-
-    data_parallel_size: int
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    sequence_parallel_size: int = 1
-    zero_stage: int = 0
-    offload: str = "none"
-    mixed_precision: str = "no"
-    fsdp: str | None = None
-
-    @property
-    def engine(self) -> str:
-        from dplaunch.planning.plan import engine_name
-
-        return engine_name(
-            self.zero_stage, self.tensor_parallel_size, self.pipeline_parallel_size, self.fsdp
-        )
-
-
-def layout_name(plan: Any) -> str:
-    """A plan's layout in a few words: "ZeRO-3 dp 2", "FSDP2 hybrid dp 4 × tp 2", "DDP dp 1"."""
-    dp, tp = plan.data_parallel_size, plan.tensor_parallel_size
-    pp, sp = plan.pipeline_parallel_size, plan.sequence_parallel_size
-    if plan.engine == "fsdp":
-        name = f"FSDP2 {plan.fsdp}"
-    elif plan.engine == "pipeline":
-        name = "pipeline" + (f" ZeRO-{plan.zero_stage}" if plan.zero_stage else "")
-    elif tp > 1:
-        name = "AutoTP" + (f" ZeRO-{plan.zero_stage}" if plan.zero_stage else "")
-    else:
-        name = f"ZeRO-{plan.zero_stage}" if plan.zero_stage else "DDP"
-    degrees = [f"dp {dp}"] + [
-        f"{axis} {n}" for axis, n in (("tp", tp), ("pp", pp), ("sp", sp)) if n > 1
-    ]
-    extras = [f"offload {plan.offload}"] if plan.offload != "none" else []
-    extras += [plan.mixed_precision] if plan.mixed_precision != "no" else []
-    return f"{name} {' × '.join(degrees)}" + (f" ({', '.join(extras)})" if extras else "")
-
-
-def _native_mismatch(saved: Any, plan: Any, form: str | None) -> str | None:
-    """Why the new plan cannot load the checkpoint as it is (None: it can). FORM: what
-    `dplaunch convert` made of it (checkpoint.json's format), None for an engine's own."""
+def _native_mismatch(
+    saved: ParallelDims, saved_precision: str, dims: ParallelDims, precision: str, form: str | None
+) -> str | None:
+    """Why the layout DIMS in PRECISION cannot load the checkpoint of SAVED (in
+    SAVED_PRECISION) as it is (None: it can). FORM: what `dplaunch convert` made of it
+    (checkpoint.json's format), None for an engine's own."""
     if form == "deepspeed":
         return "DeepSpeed's universal checkpoint"
     engine = saved.engine if form is None else form
-    if engine != plan.engine:
+    if engine != dims.engine:
         return "another engine"
     if engine == "fsdp":
         # torch.distributed.checkpoint re-shards any dp × tp, full or hybrid, as it loads
         return None
-    if plan.mixed_precision == "fp16" and saved.mixed_precision != "fp16":
+    if precision == "fp16" and saved_precision != "fp16":
         return "fp16 needs a loss-scaler state only an fp16 run saves"
     if engine == "ddp":
         # every rank saved the same whole state: any data-parallel or sequence-parallel size
         return None
-    if saved.zero_stage != plan.zero_stage:
+    if saved.zero_stage != dims.zero_stage:
         return "another ZeRO stage"
-    if saved.offload != plan.offload or saved.mixed_precision != plan.mixed_precision:
+    if saved.offload != dims.offload or saved_precision != precision:
         return "other DeepSpeed optimizer state (offload, precision)"
-    if (saved.tensor_parallel_size, saved.pipeline_parallel_size) != (
-        plan.tensor_parallel_size,
-        plan.pipeline_parallel_size,
-    ):
+    if (saved.tp, saved.pp) != (dims.tp, dims.pp):
         return "other tensor or pipeline shards"
     # DeepSpeed sees the sp ranks as data-parallel ones: ZeRO shards over dp × sp
-    shards = saved.data_parallel_size * saved.sequence_parallel_size
-    if saved.zero_stage and shards != plan.data_parallel_size * plan.sequence_parallel_size:
+    if saved.zero_stage and saved.dp * saved.sp != dims.dp * dims.sp:
         return "other ZeRO partitions"
-    if saved.data_parallel_size != plan.data_parallel_size and engine == "pipeline":
+    if saved.dp != dims.dp and engine == "pipeline":
         return "another data-parallel size of the pipeline"
     return None
 
@@ -348,28 +307,32 @@ def conversion_seconds(info: CheckpointInfo) -> float:
     return CONVERT_START_S + passes * size / CONVERT_BYTES_PER_S
 
 
-def check_layout(saved: dict[str, Any], plan: Any, info: CheckpointInfo) -> tuple[bool, list[str]]:
-    """Whether the new plan loads the checkpoint through its universal form (converted once in
-    this run) or as it is, and the resume notes that say so."""
+def check_layout(
+    saved: dict[str, Any],
+    dims: ParallelDims,
+    precision: str,
+    info: CheckpointInfo,
+    accumulation: int | None = None,
+) -> tuple[bool, list[str]]:
+    """Whether the layout DIMS in PRECISION loads the checkpoint (SAVED: its plan.json) through
+    its universal form (converted once in this run) or as it is, and the resume notes that say
+    so; ACCUMULATION: the new plan's (None: a layout the plan table only considers)."""
     from dplaunch.planning.plan import Plan
 
     old = Plan.from_dict(saved)
-    change = f"{layout_name(old)} → {layout_name(plan)}"
-    batch = (
-        f"global batch {plan.global_batch_size} kept: grad-accum "
-        f"{saved['gradient_accumulation_steps']} → {plan.gradient_accumulation_steps}"
-        if hasattr(plan, "gradient_accumulation_steps")
-        else f"global batch {saved['global_batch_size']} kept"
-    )
+    change = f"{old.layout_name} → {dims.name(precision)}"
+    batch = f"global batch {saved['global_batch_size']} kept"
+    if accumulation is not None:
+        batch += f": grad-accum {saved['gradient_accumulation_steps']} → {accumulation}"
     form = info.meta.get("format")
     if form == "universal":
         return False, [
             f"{change}: the checkpoint is a universal one (no conversion): each rank loads its "
             f"own part of every tensor; {batch}"
         ]
-    why = _native_mismatch(old, plan, form)
+    why = _native_mismatch(old.dims, old.mixed_precision, dims, precision, form)
     notes = []
-    if plan.mixed_precision == "fp16" and old.mixed_precision != "fp16":
+    if precision == "fp16" and old.mixed_precision != "fp16":
         notes.append("the fp16 loss scale starts afresh (the checkpoint was not trained in fp16)")
     if why is None:
         if change.split(" → ")[0] != change.split(" → ")[1]:
@@ -426,7 +389,7 @@ def check_room(
         raise UserError(
             "launch.gpus",
             f"the checkpoint's state (weights, gradients, Adam) takes {memory.model_states_gb:.1f} "
-            f"GiB per GPU under {layout_name(plan)}, more than a GPU's {gpu_gb:.1f} GiB",
+            f"GiB per GPU under {plan.layout_name}, more than a GPU's {gpu_gb:.1f} GiB",
             "resume on more GPUs, or with a layout that shares or moves it (--zero 3, --fsdp "
             "full, --offload optimizer)",
         )

@@ -18,7 +18,6 @@ from dplaunch.planning.mesh import Mesh, fsdp_groups
 from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.planning.rules import (
     ParallelDims,
-    engine_name,
 )
 from dplaunch.planning.workload import LoraSpec, Workload
 
@@ -34,15 +33,12 @@ class Plan:
     """Everything a launch needs, derived from the run config and the machine."""
 
     target: Target
-    world_size: int
+    # the layout (world, ranks per node, tp, pp, sp, ZeRO or FSDP, offload), whose rules it passed
+    dims: ParallelDims
     num_nodes: int
-    processes_per_node: int
     node_rank: int
     master_addr: str
     master_port: int
-    mesh: Mesh
-    zero_stage: int
-    offload: str
     mixed_precision: str
     global_batch_size: int
     micro_batch_size: int
@@ -50,8 +46,6 @@ class Plan:
     timeout_minutes: float
     notes: tuple[str, ...] = field(default=())
     stage_layers: tuple[str, ...] = field(default=())
-    # parallel.fsdp: None (DDP/ZeRO), "full" or "hybrid" (FSDP2, dplaunch/train/fsdp.py)
-    fsdp: str | None = None
     # "tensorflow": `dplaunch launch` of a TensorFlow script, whose strategy owns the collectives,
     # the batch and the precision (launching/frameworks.py)
     framework: Literal["pytorch", "tensorflow"] = "pytorch"
@@ -60,18 +54,34 @@ class Plan:
     forecast: dict[str, Any] | None = None
 
     @property
-    def dims(self) -> ParallelDims:
-        """The plan's layout, whose rules it passed (planning/rules.py)."""
-        return ParallelDims(
-            self.world_size,
-            self.processes_per_node,
-            self.tensor_parallel_size,
-            self.pipeline_parallel_size,
-            self.zero_stage,
-            self.offload,
-            fsdp=self.fsdp,
-            sp=self.sequence_parallel_size,
-        )
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def processes_per_node(self) -> int:
+        return self.dims.gpus_per_node
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.dims.mesh
+
+    @property
+    def zero_stage(self) -> int:
+        return self.dims.zero_stage
+
+    @property
+    def offload(self) -> str:
+        return self.dims.offload
+
+    @property
+    def fsdp(self) -> str | None:
+        """parallel.fsdp: None (DDP/ZeRO), "full" or "hybrid" (FSDP2, dplaunch/train/fsdp.py)."""
+        return self.dims.fsdp
+
+    @property
+    def layout_name(self) -> str:
+        """The layout in a few words (ParallelDims.name): "ZeRO-3 dp 2 (bf16)"."""
+        return self.dims.name(self.mixed_precision)
 
     @property
     def data_parallel_size(self) -> int:
@@ -104,10 +114,7 @@ class Plan:
 
     @property
     def engine(self) -> Engine:
-        name = engine_name(
-            self.zero_stage, self.tensor_parallel_size, self.pipeline_parallel_size, self.fsdp
-        )
-        return name  # type: ignore[return-value]
+        return self.dims.engine  # type: ignore[return-value]
 
     @property
     def uses_deepspeed(self) -> bool:
@@ -193,7 +200,14 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (plan.json in the run directory)."""
-        data = dataclasses.asdict(self)
+        # the keys and order plan.json has always had (a checkpoint's plan.json is read back)
+        keys = (
+            "target", "world_size", "num_nodes", "processes_per_node", "node_rank", "master_addr",
+            "master_port", "mesh", "zero_stage", "offload", "mixed_precision", "global_batch_size",
+            "micro_batch_size", "gradient_accumulation_steps", "timeout_minutes", "notes",
+            "stage_layers", "fsdp", "framework", "forecast",
+        )  # fmt: skip
+        data = {key: getattr(self, key) for key in keys}
         data["mesh"] = dataclasses.asdict(self.mesh)
         data["notes"] = list(self.notes)
         data["stage_layers"] = list(self.stage_layers)
@@ -203,7 +217,17 @@ class Plan:
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         """Inverse of to_dict."""
         data = dict(data)
-        data["mesh"] = Mesh(**data["mesh"])
+        mesh = Mesh(**data.pop("mesh"))
+        data["dims"] = ParallelDims(
+            data.pop("world_size"),
+            data.pop("processes_per_node"),
+            mesh.tensor_parallel_size,
+            mesh.pipeline_parallel_size,
+            data.pop("zero_stage"),
+            data.pop("offload"),
+            fsdp=data.pop("fsdp", None),
+            sp=mesh.sequence_parallel_size,
+        )
         data["notes"] = tuple(data.get("notes", ()))
         data["stage_layers"] = tuple(data.get("stage_layers", ()))
         return cls(**data)
@@ -291,15 +315,11 @@ def make_plan(
         )
     return Plan(
         target=target,
-        world_size=total,
+        dims=dims,
         num_nodes=nodes,
-        processes_per_node=per_node,
         node_rank=launch.node_rank,
         master_addr=launch.master_addr,
         master_port=launch.master_port or DEFAULT_MASTER_PORT,
-        mesh=mesh,
-        zero_stage=parallel.zero_stage,
-        offload=parallel.offload,
         mixed_precision=mixed_precision,
         global_batch_size=train.global_batch_size,
         micro_batch_size=micro,
@@ -307,7 +327,6 @@ def make_plan(
         timeout_minutes=launch.timeout_minutes,
         notes=(*notes, *extra_notes),
         stage_layers=stage_layers,
-        fsdp=parallel.fsdp,
     )
 
 

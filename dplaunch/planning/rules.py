@@ -45,6 +45,7 @@ The rules, and why:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -488,10 +489,31 @@ class ParallelDims:
         """The engine that trains this layout (engine_name)."""
         return engine_name(self.zero_stage, self.tp, self.pp, self.fsdp)
 
-    @property
+    @functools.cached_property
     def mesh(self) -> Mesh:
         """The ranks' coordinates and groups: tp fastest, then sp, dp and pp."""
         return Mesh(self.dp, self.tp, self.pp, self.sp)
+
+    def name(self, mixed_precision: str = "no") -> str:
+        """The layout in a few words, as every command names it: "ZeRO-3 dp 2", "FSDP2 hybrid
+        dp 4 × tp 2", "DDP dp 1 (bf16)"."""
+        engine, stage = self.engine, self.zero_stage
+        if engine == "fsdp":
+            title = f"FSDP2 {self.fsdp}"
+        elif engine == "pipeline":
+            title = "pipeline" + (f" ZeRO-{stage}" if stage else "")
+        elif self.tp > 1:
+            title = "AutoTP" + (f" ZeRO-{stage}" if stage else "")
+        else:
+            title = f"ZeRO-{stage}" if stage else "DDP"
+        degrees = [f"dp {self.dp}"] + [
+            f"{axis} {n}"
+            for axis, n in (("tp", self.tp), ("pp", self.pp), ("sp", self.sp))
+            if n > 1
+        ]
+        extras = [f"offload {self.offload}"] if self.offload != "none" else []
+        extras += [mixed_precision] if mixed_precision != "no" else []
+        return f"{title} {' × '.join(degrees)}" + (f" ({', '.join(extras)})" if extras else "")
 
     def notes(self) -> list[str]:
         """What this layout does that its flags do not say: hybrid sharding with one node's
