@@ -136,6 +136,7 @@ def test_the_name_check_sees_a_literal_file_name_and_variable():
 # a rank is no launcher's code
 IMPORT_ORDER = (
     "errors",
+    "tasks",
     "requirements",
     "stop_signals",
     "run_directory",
@@ -196,3 +197,49 @@ def test_the_import_check_sees_a_rank_importing_the_launcher_inside_a_function()
         "dplaunch/train/x.py:2 imports dplaunch.launching.frameworks",
         "dplaunch/planning/y.py:1 imports dplaunch.commands.plan",
     ]
+
+
+def task_name_comparisons(modules: list[tuple[str, ast.Module]]) -> list[str]:
+    """`path:line [names]` for each comparison with a task's name (==, !=, in a tuple of them)
+    and each mapping keyed by one, outside dplaunch/tasks/: code asks a task's facts
+    (dplaunch/tasks/base.py) instead of comparing its name."""
+    from dplaunch.tasks import TASK_NAMES
+
+    def constants(node: ast.AST) -> list[object]:
+        if isinstance(node, ast.Constant):
+            return [node.value]
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return [item.value for item in node.elts if isinstance(item, ast.Constant)]
+        return []
+
+    found = []
+    for path, tree in modules:
+        if path.startswith("dplaunch/tasks/"):
+            continue
+        for node in ast.walk(tree):
+            seen: list[object] = []
+            if isinstance(node, ast.Compare):
+                for side in (node.left, *node.comparators):
+                    seen += constants(side)
+            elif isinstance(node, ast.Dict):
+                seen += [key.value for key in node.keys if isinstance(key, ast.Constant)]
+            hits = [value for value in seen if value in TASK_NAMES]
+            if hits:
+                found.append(f"{path}:{node.lineno} {hits}")
+    return found
+
+
+def test_no_code_compares_a_task_name_outside_the_task_registry():
+    assert task_name_comparisons(_modules()) == [], "ask the task's facts (dplaunch/tasks/)"
+
+
+def test_the_task_check_sees_a_comparison_a_membership_and_a_mapping():
+    code = ast.parse(
+        'if task == "dpo":\n    pass\nx = task in ("sft", "causal-lm")\ny = {"sft": 1}\n'
+    )
+    assert task_name_comparisons([("dplaunch/train/x.py", code)]) == [
+        "dplaunch/train/x.py:1 ['dpo']",
+        "dplaunch/train/x.py:3 ['sft', 'causal-lm']",
+        "dplaunch/train/x.py:4 ['sft']",
+    ]
+    assert task_name_comparisons([("dplaunch/tasks/sft.py", code)]) == []

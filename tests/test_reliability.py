@@ -340,7 +340,7 @@ def test_a_data_mistake_that_breaks_one_rank_is_reported_by_that_rank(tmp_path):
 
     rows, seed = 16, 3
     order = Batcher(
-        list(range(rows)), Sharding(1, 2, 4, 1), pad_id=0, task="x", seed=seed
+        list(range(rows)), Sharding(1, 2, 4, 1), pad_id=0, task="sequence-classification", seed=seed
     ).epoch_order(0)
     rank1_samples = set(order[4:8])  # global batch 8 = micro 4 × dp 2: rank 1 takes the second half
     assert 0 not in rank1_samples  # the first record, which the check reads, is a good one

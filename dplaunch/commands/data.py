@@ -70,15 +70,16 @@ def run_data(
     """Build the run's training data as the ranks do; print its statistics and examples."""
     from dplaunch.config.load import load_run_config
     from dplaunch.planning.model_facts import check_tokenizer
+    from dplaunch.tasks import task_of
 
     config = load_run_config(
         flags.config, overrides=flags.overrides(), assignments=flags.assignments
     )
     task = config.model.task
-    if task == "sequence-classification":
+    if task_of(task).classifies:
         raise UserError(
             "model.task",
-            "sequence-classification trains a label per text, not tokens: nothing to show",
+            f"{task} trains a label per text, not tokens: nothing to show",
             "use dplaunch data with a causal-lm or sft run",
         )
     check_tokenizer(config.model)
@@ -103,15 +104,12 @@ def _report(config: Any, show: int, start: int, blocks: int, as_json: bool) -> A
     """The report of CONFIG's training data (one dataset): checked as `dplaunch train` checks it,
     read and tokenised as the ranks do."""
     from dplaunch.data.checks import check_data
+    from dplaunch.data.sft_checks import data_task_of
 
     task = config.model.task
-    data_task = task
-    if task == "sft":
-        from dplaunch.data.sft_checks import sft_data_task
-
-        data_task = sft_data_task(config)
+    data_task = data_task_of(config)
     check_data(config.data, data_task)  # one line for missing files, broken records, columns
-    report_class = _REPORTS.get(data_task, _CausalReport)
+    report_class = _report_class(data_task)
     # `dplaunch train`'s check of every record, in its words (file and line), before `datasets`
     # reads them (its reading may turn a text "1" into a number)
     report_class.check(config)
@@ -624,8 +622,14 @@ class _CausalReport:
             out.tokens(example["tokens"], example["trained"])
 
 
-# the report of each data task; causal-LM texts for the others
-_REPORTS: dict[str, Any] = {"sft": _SftReport, "dpo": _PairReport}
+def _report_class(data_task: str) -> Any:
+    """The report of a data task: pairs, examples with their answers, or causal-LM texts."""
+    from dplaunch.tasks import task_of
+
+    task = task_of(data_task)
+    if task.pairs:
+        return _PairReport
+    return _SftReport if task.own_labels else _CausalReport
 
 
 def _source(dataset: Any) -> str:

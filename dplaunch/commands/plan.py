@@ -18,7 +18,7 @@ from dplaunch.config.flags import (
     AttentionImplementation,
     LoraQuantize,
     MixedPrecision,
-    Task,
+    TaskName,
 )
 from dplaunch.errors import UserError
 from dplaunch.planning.profiles import GPU_SHEETS
@@ -113,7 +113,7 @@ class PlanOptions:
         ),
     ] = None
     task: Annotated[
-        Task | None, typer.Option("--task", help="The model's head.", rich_help_panel=_WORKLOAD)
+        TaskName | None, typer.Option("--task", help="The model's head.", rich_help_panel=_WORKLOAD)
     ] = None
     # LoRA rank (None: the run file's model.lora, else full fine-tuning) and QLoRA's base
     lora: Annotated[
@@ -327,15 +327,18 @@ def _from_model(options: PlanOptions) -> tuple[ModelFacts, str, Workload]:
             "QLoRA quantizes the frozen base of a LoRA run",
             "add --lora R (the adapters' rank, e.g. --lora 16)",
         )
+    from dplaunch.tasks import CAUSAL_LM, task_of
+
     raw = _model_config(options.model or "")
     facts = ModelFacts.from_config_dict(raw)
+    task = task_of(options.task or CAUSAL_LM.name)
     seq_len = options.seq_len or min(facts.max_positions or DEFAULT_SEQ_LEN, DEFAULT_SEQ_LEN)
     workload = Workload(
         micro_batch=options.micro_batch or 1,
         seq_len=int(seq_len),
         mixed_precision=options.mixed_precision or DEFAULT_MIXED_PRECISION,
         activation_checkpointing=options.activation_checkpointing,
-        task=options.task or "causal-lm",
+        task=task.name,
         num_labels=None,
         global_batch_size=options.global_batch,
         # without --micro-batch each layout's own from --global-batch (tuned with a profile)
@@ -344,7 +347,7 @@ def _from_model(options: PlanOptions) -> tuple[ModelFacts, str, Workload]:
         sequence_parallel=options.seq_len is not None,
         lora=LoraSpec(r=options.lora, quantize=options.quantize) if options.lora else None,
         # dpo's reference model, unless LoRA's adapters disabled give it
-        reference=("adapters" if options.lora else "copy") if options.task == "dpo" else None,
+        reference=("adapters" if options.lora else "copy") if task.preference else None,
         tunable=tuple(
             lever
             for lever, given in (
@@ -498,6 +501,7 @@ def describe(setting: PlanSetting, safety_margin: float) -> list[str]:
     from dplaunch.planning.estimate import count_parameters
     from dplaunch.planning.lora import count_lora, lora_line
     from dplaunch.planning.model_facts import attention_implementation
+    from dplaunch.tasks import task_of
 
     work = setting.workload
     count = count_parameters(setting.facts, work.task, work.num_labels)
@@ -540,7 +544,7 @@ def describe(setting: PlanSetting, safety_margin: float) -> list[str]:
         "activations; other = logits, buffers, CUDA context (the breakdown below); "
         "comm/step = GB each GPU sends per optimizer step; cpu = host memory for offload",
         *lora,
-        *([_reference_line(work)] if work.task == "dpo" else []),
+        *([_reference_line(work)] if task_of(work.task).preference else []),
         *forecast_lines(setting),
     ]
 

@@ -17,13 +17,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dplaunch.errors import UserError
+from dplaunch.tasks import TASK_NAMES
 
 # the values of the keys whose flags take a choice: schema.py types its fields with them, and
 # the commands offer them as the choices of their options
 MixedPrecision = Literal["no", "fp16", "bf16"]
 Offload = Literal["none", "optimizer", "all"]
 FsdpMode = Literal["full", "hybrid"]
-Task = Literal["causal-lm", "sequence-classification", "sft", "dpo"]
+# model.task: the registered tasks (dplaunch/tasks/)
+TaskName = Literal[TASK_NAMES]
 # attention kernels transformers runs (from_pretrained/from_config attn_implementation)
 AttentionImplementation = Literal[
     "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"

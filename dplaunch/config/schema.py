@@ -16,7 +16,7 @@ from dplaunch.config.flags import (
     LoraQuantize,
     MixedPrecision,
     Offload,
-    Task,
+    TaskName,
 )
 from dplaunch.run_directory.layout import (
     ADAPTER_DIR,
@@ -26,12 +26,8 @@ from dplaunch.run_directory.layout import (
     METRICS_FILE,
     TENSORBOARD_DIR,
 )
+from dplaunch.tasks import EXAMPLE_MAX_LENGTH, TASKS, key_owner, task_of
 
-# tasks that train a causal LM (sft: on formatted examples, the loss on their answers; dpo: on
-# preference pairs, the loss on their two responses)
-CAUSAL_TASKS = ("causal-lm", "sft", "dpo")
-# tasks whose records are rendered examples (chat template, answers found in them)
-EXAMPLE_TASKS = ("sft", "dpo")
 PreferenceLoss = Literal["sigmoid", "ipo", "orpo", "simpo"]
 # the losses that compare the policy with a reference model (the others need none)
 REFERENCE_LOSSES = ("sigmoid", "ipo")
@@ -43,16 +39,6 @@ LOSS_KEYS: dict[str, tuple[str, ...]] = {
     "simpo": ("label_smoothing", "simpo_gamma"),
 }
 SftFormat = Literal["conversational", "prompt-completion", "text"]
-
-
-def evaluation_metrics(task: str) -> tuple[str, ...]:
-    """What an evaluation of TASK logs after its set's prefix (`eval_`, `eval_<name>_`), the loss
-    first: the loop names its records so, train.early_stopping is checked against it."""
-    if task == "sequence-classification":
-        return ("loss", "accuracy")
-    if task == "dpo":
-        return ("loss", "rewards/accuracies")
-    return ("loss", "perplexity", "token_accuracy")
 
 
 def evaluation_prefixes(data: Any) -> list[str]:
@@ -71,8 +57,6 @@ Scheduler = Literal[
 
 # model.tokenizer naming dplaunch's built-in 259-token tokenizer (no files)
 BYTE_LEVEL = "byte-level"
-# data.max_length of sft when the run file leaves it unset: TRL's default (chat examples are long)
-SFT_MAX_LENGTH = 1024
 
 
 class FieldProblem(ValueError):
@@ -150,9 +134,11 @@ class ModelConfig(Section):
         None,
         description="Tokenizer hub id or folder; unset: `model.name_or_path`. `byte-level` is a built-in 259-token tokenizer (no files).",
     )
-    task: Task = Field(
+    task: TaskName = Field(
         "causal-lm",
-        description="`causal-lm`, `sequence-classification`, `sft`: a causal LM on conversations or prompt–completion pairs, the loss on their answers (see Fine-tuning chat models), or `dpo`: preference tuning on chosen/rejected pairs (see Preference tuning).",
+        description="What the run trains (dplaunch/tasks/): "
+        + "; ".join(f"`{task.name}`: {task.summary}" for task in TASKS.values())
+        + " (see Fine-tuning chat models, Preference tuning).",
     )
     num_labels: int = Field(
         2,
@@ -279,7 +265,7 @@ class DataConfig(Section):
     max_length: int = Field(
         128,
         ge=8,
-        description=f"Tokens per sample (the block size when packing; each response with its prompt for dpo); unset: {SFT_MAX_LENGTH} for sft and dpo (as TRL: chat examples are long; the plan says how many the limit cuts), 128 otherwise.",
+        description=f"Tokens per sample (the block size when packing; each response with its prompt for dpo); unset: {EXAMPLE_MAX_LENGTH} for sft and dpo (as TRL: chat examples are long; the plan says how many the limit cuts), 128 otherwise.",
     )
     packing: bool | None = Field(
         None,
@@ -712,7 +698,7 @@ class RunConfig(Section):
         names = self.data.label_names
         if names is None:
             return self
-        if self.model.task != "sequence-classification":
+        if not task_of(self.model.task).classifies:
             raise FieldProblem(
                 "data.label_names",
                 f"names classes, but model.task is {self.model.task}",
@@ -731,9 +717,9 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _task_keys(self) -> RunConfig:
         # values other than the defaults (run.yaml, as the ranks read it, lists every key)
-        task, data, train = self.model.task, self.data, self.train
-        if task in EXAMPLE_TASKS and "max_length" not in data.model_fields_set:
-            data.max_length = SFT_MAX_LENGTH
+        task, data, train = task_of(self.model.task), self.data, self.train
+        if task.max_length is not None and "max_length" not in data.model_fields_set:
+            data.max_length = task.max_length
         given = {
             f"data.{key}": getattr(data, key) != DataConfig.model_fields[key].default
             for key in ("format", "loss_on", "chat_template", "truncation", "tools")
@@ -742,32 +728,24 @@ class RunConfig(Section):
         given["train.sample_prompts"] = train.sample_prompts is not None
         given["train.preference"] = train.preference != PreferenceConfig()
         given["train.precompute_ref"] = train.precompute_ref
-        allowed = {
-            "sft": ("data.", "train.sample_prompts"),
-            "dpo": ("data.chat_template", "data.truncation", "data.tools", "train."),
-        }.get(task, ())
         for key, is_given in given.items():
-            if not is_given or key.startswith(allowed):
+            if not is_given or (task.keys and key.startswith(task.keys)):
                 continue
-            if key.startswith("train.pre"):
+            owner = key_owner(key)
+            assert owner is not None, key
+            if task.pairs:  # the pairs' format is found from their columns
                 raise FieldProblem(
                     key,
-                    f"is for preference tuning, but model.task is {task}",
-                    "remove it, or set model.task: dpo",
-                )
-            if task == "dpo":
-                raise FieldProblem(
-                    key,
-                    "is for supervised fine-tuning: dpo finds the pairs' format from their "
+                    f"is for {owner.purpose}: {task.name} finds the pairs' format from their "
                     "columns and trains on their responses",
                     "remove it",
                 )
             raise FieldProblem(
                 key,
-                f"is for supervised fine-tuning, but model.task is {task}",
-                "remove it, or set model.task: sft",
+                f"is for {owner.purpose}, but model.task is {task.name}",
+                f"remove it, or set model.task: {owner.name}",
             )
-        if task == "dpo":
+        if task.preference:
             self._check_preference()
         return self
 
@@ -793,7 +771,8 @@ class RunConfig(Section):
                 "data.eval_dataset, data.eval_split or data.eval_datasets)",
             )
         if train.early_stopping is not None:
-            logged = [f"{p}_{m}" for p in prefixes for m in evaluation_metrics(self.model.task)]
+            metrics = task_of(self.model.task).eval_metrics
+            logged = [f"{p}_{m}" for p in prefixes for m in metrics]
             if train.early_stopping.metric not in logged:
                 raise FieldProblem(
                     "train.early_stopping.metric",

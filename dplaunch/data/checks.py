@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dplaunch.config.schema import EXAMPLE_TASKS, DataConfig
+from dplaunch.config.schema import DataConfig, RunConfig
 from dplaunch.data.arrow_datasets import (
     CONFIG_FIELD,
     PreparedDataset,
@@ -42,6 +42,7 @@ from dplaunch.data.formats import (
 )
 from dplaunch.errors import UserError
 from dplaunch.run_directory.environment import DATA_CHECK_MB_ENV
+from dplaunch.tasks import task_of
 
 # bytes of a dataset's files read line by line before launch (about 3 s of checking here): a
 # corpus of many GB is checked on its first records of each file and its first 256 MB, not read
@@ -70,7 +71,7 @@ def check_data(
     given): the labels were checked against them, and the caller makes them data.label_names."""
     needs = _Needs.of(data, task, num_labels)
     budget = _check_budget()
-    packing = task == "causal-lm" and (data.packing if data.packing is not None else True)
+    packing = task_of(task).packs_by_default and task_of(task).packs(data.packing)
     training: _Summary | None = None
     dataset_classes: tuple[str, ...] | None = None
     _check_dataset_config(data)
@@ -122,7 +123,7 @@ def check_data(
             "use data.eval_fraction or data.eval_dataset",
         )
     # sft and dpo leave examples out: sft_checks.py and preference_checks.py count what is kept
-    counted_elsewhere = task in EXAMPLE_TASKS
+    counted_elsewhere = task_of(task).examples
     if training is not None and training.rows_known and global_batch_size and not counted_elsewhere:
         _check_one_global_batch(training, data, packing, global_batch_size)
     return dataset_classes
@@ -467,13 +468,13 @@ class _Needs:
 
     @classmethod
     def of(cls, data: DataConfig, task: str, num_labels: int | None) -> _Needs:
-        if task in EXAMPLE_TASKS:
+        if task_of(task).examples:
             # the examples' columns: sft_checks.py and preference_checks.py read every record
             return cls(())
         texts = [("data.text_column", data.text_column)]
         if data.text_pair_column:
             texts.append(("data.text_pair_column", data.text_pair_column))
-        if task != "sequence-classification":
+        if not task_of(task).classifies:
             return cls(tuple(texts))
         names = tuple(data.label_names) if data.label_names else None
         return cls(tuple(texts), data.label_column, num_labels, names, label_ids(names))
@@ -922,3 +923,17 @@ def _check_one_global_batch(
 
 def _count(number: int, noun: str) -> str:
     return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
+def check_examples(config: RunConfig, data_task: str, *, fill_a_batch: bool = True) -> list[str]:
+    """Every record of a task whose records are examples (Task.examples), checked as its ranks
+    render them: pairs (preference_checks.py) or answers (sft_checks.py); the plan's notes. []
+    for a task of plain texts or labels, which check_data checks."""
+    task = task_of(data_task)
+    if not task.examples:
+        return []
+    if task.pairs:
+        from dplaunch.data.preference_checks import check_preference_examples as check
+    else:
+        from dplaunch.data.sft_checks import check_sft_examples as check
+    return check(config, fill_a_batch=fill_a_batch)

@@ -5,14 +5,15 @@ a global batch is fine: it repeats."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from dplaunch.config.schema import SOURCE_KEYS, DataSource, RunConfig
-from dplaunch.data.checks import check_data
+from dplaunch.data.checks import check_data, check_examples
 from dplaunch.data.mixture import evaluation_data, source_data, source_name
 from dplaunch.errors import UserError
+from dplaunch.tasks import task_of
 
 
 def check_mixture(config: RunConfig, notes: list[str]) -> str:
@@ -25,16 +26,18 @@ def check_mixture(config: RunConfig, notes: list[str]) -> str:
         with naming(f"data.mixture[{index}]", source_name(source)):
             tasks.append(check_source(sourced, notes))
         if tasks[-1] != tasks[0]:
-            kinds = {"causal-lm": "plain texts", "sft": "examples"}
             raise UserError(
                 f"data.mixture[{index}]",
-                f"{source_name(source)} holds {kinds.get(tasks[-1], tasks[-1])}, and "
-                f"data.mixture[0] {kinds.get(tasks[0], tasks[0])}: the sources of a mixture "
-                "are one kind of sample",
+                f"{source_name(source)} holds {_kind(tasks[-1])}, and data.mixture[0] "
+                f"{_kind(tasks[0])}: the sources of a mixture are one kind of sample",
                 "give each source the same format (data.format: conversational or "
                 "prompt-completion for all, or text for all)",
             )
     return tasks[0]
+
+
+def _kind(data_task: str) -> str:
+    return "examples" if task_of(data_task).examples else "plain texts"
 
 
 def check_evaluation_sets(config: RunConfig, notes: list[str]) -> None:
@@ -55,19 +58,11 @@ def check_evaluation_sets(config: RunConfig, notes: list[str]) -> None:
 def check_source(config: RunConfig, notes: list[str]) -> str:
     """Check CONFIG's one dataset (records, columns, labels; sft's and dpo's examples), with no
     global batch to fill; its data task."""
-    task = config.model.task
-    if task == "sft":
-        from dplaunch.data.sft_checks import sft_data_task
+    from dplaunch.data.sft_checks import data_task_of
 
-        task = sft_data_task(config)
+    task = data_task_of(config)
     check_data(config.data, task, num_labels=config.model.num_labels, notes=notes)
-    examples: Callable[..., list[str]] | None = None
-    if task == "sft":
-        from dplaunch.data.sft_checks import check_sft_examples as examples
-    elif task == "dpo":
-        from dplaunch.data.preference_checks import check_preference_examples as examples
-    if examples is not None:
-        notes.extend(examples(config, fill_a_batch=False))
+    notes.extend(check_examples(config, task, fill_a_batch=False))
     return task
 
 

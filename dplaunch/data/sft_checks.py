@@ -40,20 +40,25 @@ from dplaunch.data.formats import (
 from dplaunch.data.sft_examples import SftExamples, TokenizerView, chat_templates
 from dplaunch.errors import UserError
 from dplaunch.hub import find_model_file
+from dplaunch.tasks import task_of
 
 # the built-in tokenizer's special tokens, as train/tokenizer.py names them
 _BYTE_LEVEL_SPECIAL = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
 
 
-def sft_data_task(config: RunConfig) -> str:
-    """The task checks.py checks the data for: "causal-lm" for sft on plain texts (today's
-    packing), else "sft". The format is data.format, or the first record's columns."""
+def data_task_of(config: RunConfig) -> str:
+    """The task checks.py checks the data for: model.task, or (Task.texts_train_as) what its
+    records train as when they are plain texts (sft's: causal-lm packing). The format is
+    data.format, or the first record's columns."""
+    task = task_of(config.model.task)
+    if task.texts_train_as is None:
+        return task.name
     data = config.data
     columns = () if data.format else first_columns(config)
     if columns is None:
-        return "sft"  # unreadable: checks.py names the problem
+        return task.name  # unreadable: checks.py names the problem
     fmt = conversations.resolve_format(data.format, columns, data.text_column)
-    return "causal-lm" if fmt == TEXT else "sft"
+    return task.texts_train_as if fmt == TEXT else task.name
 
 
 def check_sft_examples(config: RunConfig, *, fill_a_batch: bool = True) -> list[str]:

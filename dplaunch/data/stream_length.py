@@ -20,6 +20,7 @@ from typing import Any
 from dplaunch.data.example_tokens import pack_lengths
 from dplaunch.data.streams import Shard, lane_groups, parse_raw, read_raw
 from dplaunch.errors import UserError
+from dplaunch.tasks import task_of
 
 FIELD = "data.count_stream"
 # records of each file whose tokens estimate a packed pass's length
@@ -110,7 +111,7 @@ def _samples_per_record(config: Any, task: str, shards: list[Shard]) -> float:
             if number == SAMPLED_RECORDS:
                 break
             records.append(parse_raw(shard, raw, number))
-    if task != "sft":  # each text and its end-of-sequence token, cut into full blocks
+    if not task_of(task).own_labels:  # each text and its end-of-sequence token, cut into blocks
         texts = [str(record.get(data.text_column, "")) for record in records]
         tokens = sum(len(ids) + 1 for ids, _ in tokenizer.encode(texts))
         return tokens / len(records) / data.max_length
@@ -156,14 +157,12 @@ def _records_and_blocks(config: Any) -> float | None:
         if any(shard.kind == "hub" for shard in shards):
             return None
         records = sum(count_records(shard) for shard in shards)
-        task = config.model.task
-        packed = task == "causal-lm" and config.data.packing is not False
-        if task == "sft":
-            from dplaunch.data.sft_checks import sft_data_task
+        from dplaunch.data.sft_checks import data_task_of
 
-            packed = sft_data_task(config) == "causal-lm"
-        if packed and records:
-            return records * _samples_per_record(config, "causal-lm", shards)
+        # sft's evaluation sets are never packed; its plain texts are (Task.packs_evaluation)
+        task = task_of(data_task_of(config))
+        if task.packs_evaluation and task.packs(config.data.packing) and records:
+            return records * _samples_per_record(config, task.name, shards)
     except (UserError, OSError):
         return None
     return float(records)

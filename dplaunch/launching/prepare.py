@@ -74,6 +74,7 @@ from dplaunch.run_directory.layout import (
     PLAN_FILE,
     RUN_FILE,
 )
+from dplaunch.tasks import task_of
 
 # seconds a host name may take to resolve before the check gives up (and lets the launch try)
 MASTER_ADDR_RESOLVE_SECONDS = 5.0
@@ -273,11 +274,10 @@ def check_training_run(
     if config.data.mixture is not None:
         check_mixture(config, notes)
         return CheckedRun(config, facts, tuple(notes))
-    data_task = config.model.task
-    if data_task == "sft":
-        from dplaunch.data.sft_checks import sft_data_task
+    from dplaunch.data.checks import check_examples
+    from dplaunch.data.sft_checks import data_task_of
 
-        data_task = sft_data_task(config)
+    data_task = data_task_of(config)
     dataset_classes = check_data(
         config.data,
         data_task,
@@ -286,14 +286,7 @@ def check_training_run(
         classes_named="num_labels" in config.model.model_fields_set,
         notes=notes,
     )
-    if data_task == "sft":
-        from dplaunch.data.sft_checks import check_sft_examples
-
-        notes.extend(check_sft_examples(config))
-    elif data_task == "dpo":
-        from dplaunch.data.preference_checks import check_preference_examples
-
-        notes.extend(check_preference_examples(config))
+    notes.extend(check_examples(config, data_task))
     if config.data.streaming and config.data.count_stream:
         config = _count_stream(config, data_task, notes)
     if dataset_classes is not None:
@@ -351,9 +344,7 @@ def _count_stream(config: RunConfig, data_task: str, notes: list[str]) -> RunCon
     from dplaunch.data.stream_length import stream_length
 
     data = config.data
-    packing = (data_task == "causal-lm" and data.packing is not False) or (
-        data_task == "sft" and bool(data.packing)
-    )
+    packing = task_of(data_task).packs(data.packing)
     steps, note = stream_length(config, data_task, packing)
     if config.train.max_steps is None:
         epochs = config.train.epochs or 1

@@ -61,6 +61,7 @@ from dplaunch.planning.plan import (
 )
 from dplaunch.planning.profiles import Profile
 from dplaunch.planning.workload import LoraSpec, Workload
+from dplaunch.tasks import task_of
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ def planning_micro_batch(train: TrainConfig) -> int:
 
 def run_workload(config: RunConfig) -> Workload:
     """The workload of a run file."""
+    task = task_of(config.model.task)
     return Workload(
         micro_batch=planning_micro_batch(config.train),
         seq_len=config.data.max_length,
@@ -105,14 +107,13 @@ def run_workload(config: RunConfig) -> Workload:
         global_batch_size=config.train.global_batch_size,
         fixed_micro_batch=config.train.micro_batch_size,
         attn_implementation=config.model.attn_implementation,
-        pipeline=not (
-            config.model.task == "sft" and (config.data.packing or config.train.sample_prompts)
-        ),
+        # examples packed with their own masks, or sample answers, the pipeline cannot take
+        pipeline=not (task.own_labels and (config.data.packing or config.train.sample_prompts)),
         sequence_parallel=True,
         lora=LoraSpec.from_config(config.model.lora),
         guard=config.train.on_nonfinite != "off",
         clip=config.train.max_grad_norm > 0,
-        packed=config.model.task == "sft" and bool(config.data.packing),
+        packed=task.examples and task.packs(config.data.packing),
         reference=reference_kind(config),
         tunable=tunable_levers(config),
     )
@@ -134,9 +135,8 @@ def reference_kind(config: RunConfig) -> str | None:
     """Workload.reference of a run: dpo with a loss that needs a reference, not precomputed,
     holds a frozen "copy" of the model, or (LoRA) asks the policy with its "adapters" disabled."""
     train = config.train
-    if not (
-        config.model.task == "dpo" and train.preference.needs_reference and not train.precompute_ref
-    ):
+    preference = task_of(config.model.task).preference
+    if not (preference and train.preference.needs_reference and not train.precompute_ref):
         return None
     return "adapters" if config.model.lora is not None else "copy"
 

@@ -25,6 +25,7 @@ from dplaunch.errors import UserError
 from dplaunch.planning.model_facts import ModelFacts, attention_implementation
 from dplaunch.planning.rules import ParallelDims, check_offload, check_pipeline_depth
 from dplaunch.planning.workload import Workload
+from dplaunch.tasks import task_of
 
 # DeepSpeed's reduce and all-gather buckets, in elements, as deepspeed.json sets them (rendering)
 # and the estimate counts them: 200M keeps all-reduces efficient and fits a 24 GB card
@@ -154,7 +155,7 @@ def count_parameters(
     raw = facts.raw
     family = facts.model_type
     labels = int(num_labels if num_labels is not None else raw.get("num_labels") or 2)
-    classify = task == "sequence-classification"
+    classify = task_of(task).classifies
 
     def get(*keys: str) -> Any:
         return _config_value(raw, family, *keys)
@@ -826,7 +827,7 @@ def _stage_fixed(
     element = 2 if sixteen_bit else 4
     # a checkpointed layer keeps its input: the residual stream, fp32 under DDP's autocast
     checkpoint = (4 if layout.ddp else element) * seq_len * micro_batch * count.hidden_size
-    if workload.task == "sequence-classification":
+    if task_of(workload.task).classifies:
         labels = workload.num_labels
         labels = int(labels if labels is not None else facts.raw.get("num_labels") or 2)
         logits = micro_batch * labels * LOSS_BYTES_PER_LOGIT

@@ -57,6 +57,7 @@ from dplaunch.planning.mesh import Mesh, fsdp_groups
 from dplaunch.planning.model_facts import ModelFacts, attention_implementation
 from dplaunch.planning.profiles import DTYPES, GPU_SHEETS, Profile, gpu_sheet_name
 from dplaunch.planning.workload import LoraSpec, Workload
+from dplaunch.tasks import task_of
 
 if TYPE_CHECKING:
     from dplaunch.planning.rules import ParallelDims
@@ -764,7 +765,7 @@ def _tensor_parallel_collectives(step, facts, count, dims, workload, m) -> None:
     layer_0 = [mod for mod in modules if mod.layer == 0 and mod.shape is not None]
     rows = sum(_role(mod.path) in ("attention_out", "mlp_out") for mod in layer_0)
     columns = sum(_role(mod.path) in ("attention_in", "mlp_in") for mod in layer_0)
-    split_head = bool(count.head_sharded) and workload.task != "sequence-classification"
+    split_head = bool(count.head_sharded) and not task_of(workload.task).classifies
     vocab = math.ceil(count.vocab_size / dims.tp) * dims.tp
     group = Group(dims.tp)
     forward, backward = rows * count.num_layers, columns * count.num_layers

@@ -25,6 +25,7 @@ from typing import Any
 from dplaunch.planning.estimate import LLAMA_LIKE, StageShare, config_field, model_state_bytes
 from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.planning.workload import ALL_LINEAR, LoraSpec
+from dplaunch.tasks import task_of
 
 # bitsandbytes' nf4 block: one fp32 absmax per 64 weights (without double quantization; with it,
 # and on CPU after bitsandbytes repacks the weights, the constants take less)
@@ -150,7 +151,7 @@ def model_modules(facts: ModelFacts, task: str = "causal-lm", num_labels: int | 
     """
     labels = int(num_labels if num_labels is not None else facts.raw.get("num_labels") or 2)
     # the sequence classifier's labels, None: the language-model head
-    classify = labels if task == "sequence-classification" else None
+    classify = labels if task_of(task).classifies else None
     if facts.model_type == "gpt2":
         return True, _gpt2_modules(facts, classify)
     if facts.model_type == "bert":
@@ -273,7 +274,7 @@ def adapted_modules(
     """(modules that get adapters, modules trained in full as saved copies) of ``spec`` among
     ``modules`` (:func:`model_modules`), by peft's rules."""
     saved_names = list(spec.modules_to_save)
-    if task == "sequence-classification":
+    if task_of(task).classifies:
         saved_names += ["score", "classifier"]  # peft's SEQ_CLS task type trains the head in full
     # peft wraps every module whose path ends with a name (plain suffix, its own rule)
     saved = [m for m in modules if any(m.path.endswith(name) for name in saved_names)]

@@ -14,6 +14,7 @@ from dplaunch.errors import UserError
 from dplaunch.planning.lora import model_modules
 from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.planning.rules import ParallelDims
+from dplaunch.tasks import task_of
 
 _LLAMA_LIKE_OTHERS = (
     "model", "layers", "self_attn", "mlp", "act_fn", "norm", "input_layernorm",
@@ -48,7 +49,7 @@ def adaptable_names(facts: ModelFacts, task: str) -> tuple[tuple[str, ...], tupl
 
 def head_name(task: str) -> str:
     """The name of the task's output head in HF's classes of these families."""
-    return "score" if task == "sequence-classification" else "lm_head"
+    return task_of(task).head_module
 
 
 def bitsandbytes_installed() -> bool:
@@ -153,7 +154,7 @@ def check_lora_variant(model: ModelConfig, dims: ParallelDims) -> None:
     if not lora.moves_base:
         return
     init = f"model.lora.init {lora.init}"
-    if model.task == "dpo":
+    if task_of(model.task).preference:
         raise UserError(
             "model.lora.init",
             f"{lora.init} takes the adapters' start out of the base, and dpo's reference is "
@@ -174,7 +175,7 @@ def check_lora_variant(model: ModelConfig, dims: ParallelDims) -> None:
             "lora_B), which has no DoRA magnitude",
             "drop one of model.lora.use_dora and model.lora.init",
         )
-    if lora.modules_to_save or model.task == "sequence-classification":
+    if lora.modules_to_save or task_of(model.task).classifies:
         saved = "the classification head" if not lora.modules_to_save else "modules_to_save"
         raise UserError(
             "model.lora.init",

@@ -49,9 +49,9 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dplaunch.config.schema import CAUSAL_TASKS
 from dplaunch.errors import UserError
 from dplaunch.planning.mesh import Mesh
+from dplaunch.tasks import task_of
 
 if TYPE_CHECKING:
     from dplaunch.planning.model_facts import ModelFacts
@@ -74,12 +74,9 @@ AUTOTP_FAMILIES = (
 )
 # families dplaunch can cut into pipeline stages (dplaunch/train/pipeline.py)
 PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
-# the pipeline engine's last stage computes a causal-LM loss (dpo's pair loss it does not)
-PIPELINE_TASKS = tuple(task for task in CAUSAL_TASKS if task != "dpo")
 # families whose attention DeepSpeed's Ulysses wraps and whose MLP train.tiled_mlp tiles
 # (dplaunch/train/sequence_parallel.py); Ulysses and the tiled loss train causal LMs
 SEQUENCE_PARALLEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-SEQUENCE_PARALLEL_TASKS = PIPELINE_TASKS
 # the attention kernels Ulysses runs with a mask of the whole gathered sequence (None: the key is
 # unset, transformers picks sdpa for the families above)
 SEQUENCE_PARALLEL_KERNELS = (None, "sdpa", "flash_attention_2", "flash_attention_3")
@@ -155,7 +152,7 @@ def check_sequence_parallel_model(sp: int, model: ModelFacts, task: str) -> None
             f"sequence parallelism (sp {sp}) is not supported for model type {model.model_type!r}",
             f"use sp 1, or a supported family: {', '.join(SEQUENCE_PARALLEL_FAMILIES)}",
         )
-    if task not in SEQUENCE_PARALLEL_TASKS:
+    if not task_of(task).sequence_parallel:
         raise UserError(
             "parallel.sp",
             f"sequence parallelism (sp {sp}) trains causal LMs (causal-lm, sft), and model.task "
@@ -357,7 +354,7 @@ def check_pipeline_model(pp: int, model: ModelFacts, task: str) -> None:
             f"supported: {', '.join(PIPELINE_FAMILIES)}",
         )
     check_pipeline_depth(pp, model.num_layers)
-    if task not in PIPELINE_TASKS:
+    if not task_of(task).pipeline:
         raise UserError(
             "parallel.pp",
             f"pipeline parallelism (pp {pp}) trains causal LMs only, and model.task is {task!r}",
@@ -419,13 +416,13 @@ def check_attention_kernel(attn_implementation: str | None, target: str, precisi
 def check_preference_layout(task: str, tp: int, pp: int, sp: int) -> None:
     """dpo trains data-parallel only (DDP, ZeRO-1/2/3, FSDP2): its reference model is built and
     sharded as the policy is on those, and its pair loss needs whole sequences on one stage."""
-    if task != "dpo":
+    if task_of(task).model_parallel:
         return
     for axis, degree in (("tp", tp), ("pp", pp), ("sp", sp)):
         if degree > 1:
             raise UserError(
                 f"parallel.{axis}",
-                f"model.task dpo trains on data-parallel layouts only, and {axis} is {degree}",
+                f"model.task {task} trains on data-parallel layouts only, and {axis} is {degree}",
                 f"use --{axis} 1: DDP, ZeRO-1/2/3 (--zero) or FSDP2 (--fsdp) shard the policy and "
                 "its reference model",
             )

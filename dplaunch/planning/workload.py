@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dplaunch.tasks import task_of
+
 ALL_LINEAR = "all-linear"
 
 
@@ -93,7 +95,7 @@ class Workload:
     @property
     def rows_per_sample(self) -> int:
         """Rows one sample puts through the forward: dpo's pair is two (chosen, rejected)."""
-        return 2 if self.task == "dpo" else 1
+        return task_of(self.task).rows_per_sample
 
     @property
     def holds_reference(self) -> bool:

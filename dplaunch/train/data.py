@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dplaunch.config.schema import EXAMPLE_TASKS, DataConfig
+from dplaunch.config.schema import DataConfig
 from dplaunch.data import answer_spans, conversations, example_tokens, preference, sft_examples
 from dplaunch.data.answer_spans import Renderer, TemplateError
 from dplaunch.data.arrow_datasets import hub_layout_folder, saved_folder
@@ -36,6 +36,7 @@ from dplaunch.data.example_tokens import IGNORE_INDEX, leading_special_ids, pack
 from dplaunch.data.formats import class_number, expand_files, is_local, label_ids, local_format
 from dplaunch.data.preference import REFERENCE_COLUMNS, RESPONSES
 from dplaunch.data.sft_examples import SftExamples, TokenizerView, make_renderer
+from dplaunch.tasks import task_of
 
 
 def load_splits(data: DataConfig, seed: int) -> tuple[Any | None, Any | None]:
@@ -117,7 +118,7 @@ def tokenized_cache_file(dataset: Any, tokenizer: Any, data: DataConfig, task: s
             }
         ),
         # the template's text, not its file's name
-        "chat_template": sft_renderer(tokenizer, data).template if task in EXAMPLE_TASKS else None,
+        "chat_template": sft_renderer(tokenizer, data).template if task_of(task).examples else None,
         "task": task,
         "code": _tokenize_source(),
     }
@@ -170,7 +171,7 @@ def tokenize(
     workers = data.num_workers if data.num_workers > 1 else None
     task = data_task(task, data, dataset.column_names)
     packing = packs_texts(task, data)
-    packing_examples = task == "sft" and bool(data.packing)
+    packing_examples = task_of(task).examples and task_of(task).packs(data.packing)
     encode = row_encoder(tokenizer, data, task, dataset.column_names)
 
     def pack(batch: Any) -> dict[str, Any]:
@@ -234,7 +235,8 @@ def tokenize(
 
 def packs_texts(task: str, data: DataConfig) -> bool:
     """Whether causal-LM texts are concatenated into full max_length blocks (unset: yes)."""
-    return task == "causal-lm" and (data.packing if data.packing is not None else True)
+    facts = task_of(task)
+    return facts.packs_by_default and facts.packs(data.packing)
 
 
 def row_encoder(tokenizer: Any, data: DataConfig, task: str, columns: list[str]) -> Any:
@@ -242,9 +244,10 @@ def row_encoder(tokenizer: Any, data: DataConfig, task: str, columns: list[str])
     input_ids (and labels). sft leaves out the examples it drops; the other tasks keep one row
     per record. The cached path maps the whole dataset with it, a stream each worker's records."""
     task = data_task(task, data, columns)
-    if task == "sft":
+    facts = task_of(task)
+    if facts.own_labels:  # examples: their answers are the labels
         return _sft_rows(tokenizer, data, columns)
-    if task == "dpo":
+    if facts.pairs:
         return _pair_rows(tokenizer, data)
     packing = packs_texts(task, data)
     eos = tokenizer.eos_token_id
@@ -260,7 +263,7 @@ def row_encoder(tokenizer: Any, data: DataConfig, task: str, columns: list[str])
         return number
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
-        if task == "sequence-classification":
+        if facts.classifies:
             pair = batch[data.text_pair_column] if data.text_pair_column else None
             out = tokenizer(
                 batch[data.text_column], pair, truncation=True, max_length=data.max_length
@@ -277,19 +280,18 @@ def row_encoder(tokenizer: Any, data: DataConfig, task: str, columns: list[str])
 
 
 def data_task(task: str, data: DataConfig, columns: list[str]) -> str:
-    """The task the data is made for: sft on plain texts is causal-LM packing, as today."""
-    if (
-        task == "sft"
-        and conversations.resolve_format(data.format, columns, data.text_column) == TEXT
-    ):
-        return "causal-lm"
+    """The task the data is made for: sft on plain texts is causal-LM packing, as today
+    (Task.texts_train_as)."""
+    plain = task_of(task).texts_train_as
+    if plain and conversations.resolve_format(data.format, columns, data.text_column) == TEXT:
+        return plain
     return task
 
 
 def for_evaluation(data: DataConfig, task: str) -> DataConfig:
     """The data settings of the evaluation set: sft examples one per row (never packed), so the
     evaluation loss and the sample answers are per example on every attention backend."""
-    return data.model_copy(update={"packing": False}) if task == "sft" else data
+    return data if task_of(task).packs_evaluation else data.model_copy(update={"packing": False})
 
 
 def tokenizer_view(tokenizer: Any) -> TokenizerView:
@@ -325,7 +327,7 @@ def sft_renderer(tokenizer: Any, data: DataConfig) -> Renderer:
 def attach_chat_template(tokenizer: Any, data: DataConfig, task: str) -> None:
     """Give the tokenizer the run's chat template, so the exported tokenizer renders prompts as
     training did (apply_chat_template)."""
-    if task in EXAMPLE_TASKS and data.chat_template:
+    if task_of(task).examples and data.chat_template:
         tokenizer.chat_template = conversations.read_chat_template(data.chat_template)
 
 
@@ -457,7 +459,7 @@ def collate_rows(
     causal-LM labels are the inputs with padding ignored."""
     if own_labels:
         return _collate_sft(rows, pad_id, flatten_packed)
-    if task == "dpo":
+    if task_of(task).pairs:
         return _collate_pairs(rows, pad_id)
     width = max(len(row["input_ids"]) for row in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -467,7 +469,7 @@ def collate_rows(
         input_ids[r, : len(ids)] = ids
         attention[r, : len(ids)] = 1
     batch = {"input_ids": input_ids, "attention_mask": attention}
-    if task == "sequence-classification":
+    if task_of(task).classifies:
         batch["labels"] = torch.tensor([int(row["labels"]) for row in rows], dtype=torch.long)
     else:
         batch["labels"] = input_ids.masked_fill(attention == 0, IGNORE_INDEX)
@@ -601,7 +603,7 @@ class Batcher:
         self.steps_per_epoch = len(dataset) // sharding.global_batch_size
         self._order_epoch, self._order = -1, np.arange(0)
         # sft examples carry their own labels (the answers); packed ones their position ids
-        self.own_labels = task == "sft" and "labels" in (dataset.column_names or ())
+        self.own_labels = task_of(task).own_labels and "labels" in (dataset.column_names or ())
         # flash-attention keeps packed examples apart only in one flattened row (varlen from the
         # position ids); set by the loop from the model's attention implementation
         self.flatten_packed = False
@@ -645,7 +647,7 @@ class Batcher:
             self.collate(mine[i : i + shard.micro_batch_size])
             for i in range(0, per_rank, shard.micro_batch_size)
         ]
-        if self.task != "sequence-classification" and self._packed_blocks is None:
+        if not task_of(self.task).classifies and self._packed_blocks is None:
             step = order[start : start + shard.global_batch_size]
             self._weight_by_tokens(batches, mine, step)
         return batches
@@ -654,7 +656,7 @@ class Batcher:
     def pairs(self) -> bool:
         """Preference pairs (dpo): a micro-batch holds its pairs' chosen rows, then their
         rejected rows."""
-        return self.task == "dpo"
+        return task_of(self.task).pairs
 
     def _weight_by_tokens(
         self, batches: list[dict[str, torch.Tensor]], mine: list[int], step: np.ndarray
@@ -717,7 +719,7 @@ class Batcher:
         otherwise (rows one by one). Built on first use: computing the epoch order needs none."""
         dataset = self.dataset
         if (
-            self.task == "sequence-classification"
+            task_of(self.task).classifies
             or self.own_labels
             or self.pairs
             or not hasattr(dataset, "data")

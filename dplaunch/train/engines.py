@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 import torch
 
-from dplaunch.config.schema import CAUSAL_TASKS
 from dplaunch.planning.plan import Plan
+from dplaunch.tasks import task_of
 from dplaunch.train.lora import is_lora_model, trained_state
 from dplaunch.train.phase_clock import PhaseClock
 
@@ -137,7 +137,7 @@ def forward_options(task: str) -> dict[str, Any]:
     """Keyword arguments of every forward. A causal LM builds a KV cache in every forward unless
     told not to, in training too: a copy of each layer's keys and values, held until the backward
     is done (2-5 % of a CPU step)."""
-    return {"use_cache": False} if task in CAUSAL_TASKS else {}
+    return {"use_cache": False} if task_of(task).causal else {}
 
 
 def parameter_groups(model: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
@@ -436,7 +436,7 @@ def loss_sums(
     logits: torch.Tensor, labels: torch.Tensor, task: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Summed cross-entropy, number of predictions and number correct (per row weight applied by caller)."""
-    if task == "sequence-classification":
+    if task_of(task).classifies:
         losses = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
         correct = (logits.argmax(-1) == labels).float()
         return losses, torch.ones_like(losses), correct

@@ -8,6 +8,7 @@ SIGUSR1/SIGTERM, at train.stop_after_steps) go through dplaunch/train/checkpoint
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 import time
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dplaunch.config.schema import RunConfig, evaluation_metrics
+from dplaunch.config.schema import RunConfig
 from dplaunch.planning.forecast import compare_with_forecast, mfu
 from dplaunch.planning.plan import Plan
 from dplaunch.run_directory.environment import restarts_so_far
@@ -39,6 +40,7 @@ from dplaunch.run_directory.layout import (
     step_dir,
 )
 from dplaunch.stop_signals import EXIT_CHECKPOINTED, StopSignals
+from dplaunch.tasks import task_of
 from dplaunch.train.checkpoint import Checkpointer, SaveHooks
 from dplaunch.train.checkpoint_faults import hold_start_up
 from dplaunch.train.collective_spy import spy_from_environment, watched
@@ -69,7 +71,7 @@ from dplaunch.train.modeling import load_model, load_tokenizer
 from dplaunch.train.nonfinite import EXIT_NONFINITE, NonFiniteGuard
 from dplaunch.train.nonfinite_faults import nonfinite_fault_from_environment
 from dplaunch.train.phase_clock import StepTimes
-from dplaunch.train.preference import disable_dropout, start_preference
+from dplaunch.train.preference import disable_dropout
 from dplaunch.train.quick_start import freeze_imports, resume_collector
 from dplaunch.train.sequence_parallel import LongSequenceEngine, prepare_long_sequences
 from dplaunch.train.trackers import open_trackers
@@ -259,7 +261,7 @@ def start_run(run_dir: Path, signals: StopSignals) -> tuple[RankRun, int]:
     engine.guard = guard
     for line in engine.layout_lines():
         say(f"[dplaunch] {line}")
-    objective, reference = start_preference(
+    objective, reference = _objective_starter(config.model.task)(
         config, plan, accelerator, engine, run_dir, tokenizer, batchers, say
     )
     best = BestTracker.of(config)
@@ -331,6 +333,16 @@ def _write_header(
     )
 
 
+def _objective_starter(task: str) -> Callable[..., tuple[Any, Any]]:
+    """The task's rank-side start of its objective (Task.objective: "module:function"), or one
+    that starts none where the loss is the model's own."""
+    path = task_of(task).objective
+    if path is None:
+        return lambda *_: (None, None)
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def _nonfinite_guard(config: RunConfig, plan: Plan, accelerator: Any, model: Any) -> NonFiniteGuard:
     """train.on_nonfinite's guard, and the test fault (if any) in MODEL: train/nonfinite_faults.py."""
     guard = NonFiniteGuard(
@@ -360,7 +372,7 @@ def _build_model(
         on_gpu=plan.target == "gpu",
         say=say,
     )
-    if config.model.task == "dpo":
+    if task_of(config.model.task).preference:
         disable_dropout(model)  # as TRL: the log-probability ratios must not be noise
     partition = _partition_line(model)
     if partition is not None:
@@ -981,7 +993,7 @@ def _eval_totals(run: RankRun, batcher: Batcher) -> torch.Tensor:
 
 
 def _eval_metrics(task: str, totals: torch.Tensor, prefix: str) -> dict[str, float]:
-    """The task's evaluation metrics (config.schema.evaluation_metrics names them), PREFIX_NAME:
+    """The task's evaluation metrics (Task.eval_metrics names them), PREFIX_NAME:
     the mean loss, and the share correct (classes, preferred responses, next tokens)."""
     loss, share = float(totals[0] / totals[1]), float(totals[2] / totals[1])
     values = {
@@ -991,7 +1003,7 @@ def _eval_metrics(task: str, totals: torch.Tensor, prefix: str) -> dict[str, flo
         "token_accuracy": share,
         "rewards/accuracies": share,
     }
-    return {f"{prefix}_{name}": values[name] for name in evaluation_metrics(task)}
+    return {f"{prefix}_{name}": values[name] for name in task_of(task).eval_metrics}
 
 
 def _log_samples(run: RankRun, step: int) -> None:

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from dplaunch.config.schema import LoraConfig, ModelConfig
+from dplaunch.tasks import task_of
 
 
 def lora_alpha(lora: LoraConfig) -> float:
@@ -37,7 +38,7 @@ def peft_config(lora: LoraConfig, task: str) -> Any:
         lora_dropout=lora.dropout,
         target_modules=lora.target_modules,
         modules_to_save=lora.modules_to_save,
-        task_type="SEQ_CLS" if task == "sequence-classification" else "CAUSAL_LM",
+        task_type=task_of(task).peft_task_type,
         use_dora=lora.use_dora,
         use_rslora=lora.use_rslora,
         # peft's True: A Kaiming-uniform, B zero

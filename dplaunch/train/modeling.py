@@ -8,8 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dplaunch.config.schema import BYTE_LEVEL, CAUSAL_TASKS, ModelConfig
+from dplaunch.config.schema import BYTE_LEVEL, ModelConfig
 from dplaunch.run_directory.layout import MODEL_FILES_DIR
+from dplaunch.tasks import task_of
 from dplaunch.train.lora import add_adapters, quantization_options
 from dplaunch.train.tokenizer import byte_level_tokenizer
 
@@ -137,11 +138,10 @@ def _auto_class(model: ModelConfig, label_names: list[str] | None) -> tuple[Any,
     """The transformers auto class of the task, and the config fields its labels set."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    auto = (
-        AutoModelForCausalLM if model.task in CAUSAL_TASKS else AutoModelForSequenceClassification
-    )
+    task = task_of(model.task)
+    auto = AutoModelForSequenceClassification if task.classifies else AutoModelForCausalLM
     extra: dict[str, Any] = {}
-    if model.task == "sequence-classification":
+    if task.classifies:
         extra["num_labels"] = model.num_labels
         if label_names:
             extra["id2label"] = dict(enumerate(label_names))

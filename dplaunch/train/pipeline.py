@@ -34,8 +34,9 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
-from dplaunch.planning.rules import PIPELINE_FAMILIES, PIPELINE_TASKS
+from dplaunch.planning.rules import PIPELINE_FAMILIES
 from dplaunch.run_directory.layout import PIPELINE_TAG
+from dplaunch.tasks import task_of
 from dplaunch.train.collective_timeout import collective_timeout
 from dplaunch.train.engines import EngineBase, RunFileHyperparameters, loss_sums
 
@@ -570,8 +571,8 @@ def create_pipeline_engine(
     """
     from accelerate.utils import set_seed
 
-    if task not in PIPELINE_TASKS:
-        raise ValueError(f"pipeline parallelism (pp>1) supports task causal-lm only, not {task}")
+    if not task_of(task).pipeline:
+        raise ValueError(f"pipeline parallelism (pp>1) does not train task {task}")
     _check_supported(model.config.model_type)
     _check_config(ds_config, num_stages)
     # deepspeed.comm keeps its own handle on the process group even when torch's exists (the

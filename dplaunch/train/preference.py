@@ -252,11 +252,9 @@ def start_preference(
     batchers: tuple[Any, ...],
     say: Any,
 ) -> tuple[PreferenceObjective | None, dict[str, Any] | None]:
-    """model.task dpo: the run's objective, given to ENGINE, with its reference built (or its
-    values precomputed into the BATCHERS' data) before any checkpoint is loaded; and what the
-    header says of the reference. (None, None) for other tasks."""
-    if config.model.task != "dpo":
-        return None, None
+    """model.task dpo's objective (tasks/dpo.py names it), given to ENGINE, with its reference
+    built (or its values precomputed into the BATCHERS' data) before any checkpoint is loaded;
+    and what the header says of the reference."""
     reference, described = build_reference(config, plan, accelerator, engine, run_dir, tokenizer)
     say(f"[dplaunch] {reference_line(described)}")
     if config.train.precompute_ref:

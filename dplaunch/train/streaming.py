@@ -43,6 +43,7 @@ from dplaunch.data.streams import (
     window_size,
 )
 from dplaunch.run_directory.files import read_data_positions, write_data_position
+from dplaunch.tasks import task_of
 from dplaunch.train.data import (
     Sharding,
     collate_blocks,
@@ -95,7 +96,7 @@ class StreamLayout:
         task = data_task(task, data, columns)
         if packs_texts(task, data):
             kind = "tokens"
-        elif task == "sft" and data.packing:
+        elif task_of(task).examples and task_of(task).packs(data.packing):
             kind = "examples"
         else:
             kind = "one"
@@ -317,24 +318,24 @@ def record_encoder(
     """Records → their encoded samples (None for an sft example the cached path would drop too),
     with the cached path's row pass (data.row_encoder)."""
     encode = row_encoder(tokenizer, data, task, columns)
-    task = data_task(task, data, columns)
+    facts = task_of(data_task(task, data, columns))
 
     def as_arrays(rows: dict[str, list], index: int) -> dict:
         out = {"input_ids": np.asarray(rows["input_ids"][index], np.int32)}
         if "labels" in rows:
             label = rows["labels"][index]
-            out["labels"] = np.asarray(label, np.int32) if task == "sft" else int(label)
+            out["labels"] = np.asarray(label, np.int32) if facts.own_labels else int(label)
         return out
 
     def encode_records(records: list[dict]) -> list[dict | None]:
-        if task == "sft":  # one at a time: an example may be left out
+        if facts.own_labels:  # one at a time: an example may be left out
             out = []
             for record in records:
                 rows = encode({key: [value] for key, value in record.items()})
                 out.append(as_arrays(rows, 0) if rows["input_ids"] else None)
             return out
         wanted = [data.text_column]
-        if task == "sequence-classification":
+        if facts.classifies:
             wanted += [data.label_column] + (
                 [data.text_pair_column] if data.text_pair_column else []
             )
@@ -507,7 +508,7 @@ class StreamBatcher:
         self.source = lanes
         self.layout = self.source.layout
         self.task = lanes.task
-        self.own_labels = self.layout.task == "sft"
+        self.own_labels = task_of(self.layout.task).own_labels
         self.flatten_packed = False
         # the stream's length is unknown: the run's length is train.max_steps
         self.steps_per_epoch: int | None = None
@@ -559,7 +560,7 @@ class StreamBatcher:
         self._pass = min(row.pop("pass") for row in rows)
         micro = self.sharding.micro_batch_size
         batches = [self._collate(rows[i : i + micro]) for i in range(0, len(rows), micro)]
-        if self.task != "sequence-classification" and self.layout.kind != "tokens":
+        if not task_of(self.task).classifies and self.layout.kind != "tokens":
             tokens = [
                 sum(_trained_tokens(row, self.own_labels) for row in rows[i : i + micro])
                 for i in range(0, len(rows), micro)
