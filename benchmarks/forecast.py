@@ -8,6 +8,12 @@ than fit. Each run reports at its end (metrics.jsonl's summary) its median step 
 steps, the forecast of plan.json and their ratio; the benchmark also times the steps itself from
 the train lines' clocks (the same median) as a check.
 
+Then, ahead of the peers and not only right: `dplaunch train --parallel auto` (the layout, micro
+batch and activation checkpointing tuned on the profile, no trial run) against HF Trainer's and a
+plain `accelerate launch` loop's default run (DDP, the batch's share in one micro-batch) of the
+same model and global batch on the same ranks: tokens/s ratios, goal ≥ 1.2× where auto's forecast
+saw a better choice than the default (5 % faster), never below 1.0×.
+
 Goal: the median |forecast / measured − 1| ≤ 10 %, every layout within ±20 % and the layouts ranked right
 (Spearman's rank correlation of forecast and measured ≥ 0.9). Results: benchmarks/results/
 forecast.json and forecast.png (forecast against measured, one point per run), with the machine's
@@ -34,6 +40,7 @@ from benchmarks.common import (
     fresh,
     median,
     read_jsonl,
+    render_run,
     run_checked,
     write_result,
 )
@@ -217,7 +224,10 @@ def run(options: Options) -> dict[str, Any]:
             f"≤ {MEDIAN_GOAL:.0%}",
             "the median relative error of the forecast step over every run",
         )
+    against_peers = auto_against_defaults(profile, work, options)
+    ratios.update(against_peers.pop("ratios"))
     payload = {
+        "auto_against_defaults": against_peers,
         "what": "forecast step time (plan.json, on the profile `dplaunch calibrate` measured "
         "just before) against the run's median step after two warm-up steps",
         "steps_per_run": steps,
@@ -235,6 +245,87 @@ def run(options: Options) -> dict[str, Any]:
             f"{before.split('load average: ')[-1]} → {after.split('load average: ')[-1]}",
         )
     return payload
+
+
+# the peers' default run of the benchmark's model and global batch (8) on 2 ranks: DDP, the whole
+# share of the batch a rank (4) in one micro-batch, no activation checkpointing
+DEFAULT_RUN = ("--cpu", "--gpus", "2", "--micro-batch", "4", "--set", "train.log_every=1")
+# a better choice than the default exists when auto's forecast is this much faster than its own
+BETTER_BY = 0.05
+AUTO_GOALS = (1.0, 1.2)  # tokens/s of auto ÷ a peer's default: never below; where better exists
+
+
+def auto_against_defaults(profile: Path, work: Path, options: Any) -> dict[str, Any]:
+    """`dplaunch train --parallel auto` (layout, micro batch and checkpointing tuned on PROFILE,
+    no trial run) against HF Trainer's and a plain `accelerate launch` loop's default run of the
+    same model and global batch on the same 2 ranks, each run on its own: tokens/s of the median
+    step after the warm-up, and whether auto's forecast saw a better choice than the default."""
+    from benchmarks.throughput import (
+        HAND_LOOP,
+        TRAINER,
+        WARMUP,
+        dplaunch_step_times,
+        prepare_blocks,
+        run_peer,
+        steady_tokens_per_s,
+        tokens_per_step,
+    )
+
+    steps = 10 if options.quick else 16
+    length = ("--max-steps", str(steps), "--profile", str(profile))
+    render = work / "rendered-default"
+    launch = render_run(CONFIG, render, *DEFAULT_RUN, *length)
+    env = bench_environment(**launch["env"])
+    blocks = prepare_blocks(render, work, env)
+    tokens = tokens_per_step(render)
+    auto = work / fresh(work, "auto")
+    tuned = ("--parallel", "auto", "--set", "train.micro_batch_size=null")
+    argv = dplaunch_train_argv(CONFIG, auto, "--cpu", "--gpus", "2", *tuned, *length)
+    run_checked(
+        argv + ["--set", "train.log_every=1"], work / f"{auto.name}.log", bench_environment()
+    )
+    rates = {
+        "dplaunch --parallel auto": steady_tokens_per_s(
+            dplaunch_step_times(auto), WARMUP, steps, tokens
+        )
+    }
+    for peer, label in ((TRAINER, "trainer"), (HAND_LOOP, "hand")):
+        times, _ = run_peer(peer, render, blocks, work / fresh(work, f"default-{label}"), env)
+        rates[f"{peer} (default run)"] = steady_tokens_per_s(times, WARMUP, steps, tokens)
+    chosen, default = read_plan_file(auto), read_plan_file(render)
+    better = (
+        chosen["forecast"]["step_time_s"] < (1 - BETTER_BY) * default["forecast"]["step_time_s"]
+    )
+    goal = AUTO_GOALS[1] if better else AUTO_GOALS[0]
+    auto_rate = rates["dplaunch --parallel auto"]
+    ratios = {
+        f"auto / {name}": _entry(
+            round(auto_rate / rate, 4),
+            auto_rate / rate >= goal,
+            f"≥ {goal}",
+            "tokens/s of the tuned run over a peer's default run of the same global batch",
+        )
+        for name, rate in rates.items()
+        if name != "dplaunch --parallel auto"
+    }
+    print(
+        f"  auto chose {chosen['micro_batch_size']}×{chosen['gradient_accumulation_steps']} "
+        f"(forecast {chosen['forecast']['step_time_s']:.3f} s/step against the default's "
+        f"{default['forecast']['step_time_s']:.3f}): "
+        + ", ".join(f"{name} {rate:,.0f} tokens/s" for name, rate in rates.items())
+    )
+    return {
+        "tokens_per_s": {name: round(rate, 1) for name, rate in rates.items()},
+        "auto_plan": {
+            "micro_batch_size": chosen["micro_batch_size"],
+            "gradient_accumulation_steps": chosen["gradient_accumulation_steps"],
+            "zero_stage": chosen["zero_stage"],
+            "forecast_step_s": chosen["forecast"]["step_time_s"],
+        },
+        "default_forecast_step_s": default["forecast"]["step_time_s"],
+        "better_choice_forecast": better,
+        "ratios": ratios,
+    }
 
 
 def _entry(value: float, met: bool, goal: str, meaning: str) -> dict[str, Any]:
