@@ -29,6 +29,7 @@ from tests.helpers import (
     REPO,
     TINY_LLAMA,
     child_environment,
+    free_port,
     last_line,
     output,
     run_dplaunch,
@@ -709,9 +710,12 @@ def test_launch_sh_quotes_every_value_and_reruns_the_same_command(tmp_path):
     script = write_script(tmp_path, "report.py", "import json\n" + REPORTS)
     run_dir = tmp_path / EVIL
     args = [EVIL, "two words", "$HOME"]
+    # launch.sh repeats the first run's port: not the default 29500, which the suite's other
+    # launches take and leave between the two runs (EADDRINUSE in CI)
+    port = f"launch.master_port={free_port()}"
     result = run_dplaunch(
-        "launch", script, "--cpu", "--gpus", "2", "--set", f"output_dir={run_dir}", "--", *args,
-        timeout=120, cwd=tmp_path,
+        "launch", script, "--cpu", "--gpus", "2", "--set", f"output_dir={run_dir}", "--set", port,
+        "--", *args, timeout=120, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     launch_sh = run_dir / "launch.sh"
