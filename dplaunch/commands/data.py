@@ -494,6 +494,87 @@ class _PairReport:
                 out.tokens(response["tokens"], response["trained"])
 
 
+class _PromptReport:
+    """grpo prompts through the ranks' pipeline: how many, their token lengths and those
+    data.max_length cuts, and the shown prompts as the policy reads them (nothing in them is
+    trained: the completions the policy samples are)."""
+
+    noun = "prompts"
+
+    def __init__(self, stats: dict[str, Any], shown: list[dict[str, Any]], lines: list[str]):
+        self.stats, self.shown, self.lines = stats, shown, lines
+        self.count = stats["prompts"]
+
+    @staticmethod
+    def check(config: Any) -> None:
+        """`dplaunch train`'s refusals of the prompts and the reward functions."""
+        from dplaunch.data.prompt_checks import check_prompt_examples
+
+        check_prompt_examples(config, fill_a_batch=False)
+
+    @classmethod
+    def build(
+        cls, config: Any, tokenizer: Any, dataset: Any, wanted: range, _blocks: int
+    ) -> _PromptReport:
+        from dplaunch.data.preview import percentile
+        from dplaunch.data.prompts import PromptExamples
+        from dplaunch.train.data import tokenizer_view
+
+        data, settings = config.data, config.train.grpo
+        pipeline = PromptExamples.of(data, tokenizer_view(tokenizer))
+        lengths, cut, shown = [], 0, []
+        for index in range(len(dataset)):
+            record = dataset[index]
+            ids, dropped = pipeline.ids(record)
+            lengths.append(len(ids))
+            cut += dropped > 0
+            if index in wanted:
+                extra = {k: v for k, v in record.items() if k != "prompt"}
+                shown.append(
+                    {"index": index, "tokens": tokenizer.convert_ids_to_tokens(ids),
+                     "text": tokenizer.decode(ids), "columns": extra}
+                )  # fmt: skip
+        per_step = config.train.global_batch_size // settings.num_generations
+        stats = {
+            "task": "grpo",
+            "prompts": len(dataset),
+            "cut": cut,
+            "max_length": data.max_length,
+            "tokens_per_prompt": {
+                "p50": percentile(lengths, 50),
+                "p90": percentile(lengths, 90),
+                "max": max(lengths, default=0),
+            },
+            "prompts_per_step": per_step,
+            "num_generations": settings.num_generations,
+            "max_completion_length": settings.max_completion_length,
+            "steps_per_epoch": len(dataset) // per_step * settings.num_iterations,
+        }
+        lines = [
+            f"data: {_source(data.dataset)} ({len(dataset):,} prompts, grpo), tokenizer "
+            f"{config.model.tokenizer or config.model.name_or_path}",
+            f"tokens per prompt: p50 {stats['tokens_per_prompt']['p50']:,}, p90 "
+            f"{stats['tokens_per_prompt']['p90']:,}, max {stats['tokens_per_prompt']['max']:,}; "
+            f"{cut:,} longer than data.max_length {data.max_length} keep their last tokens",
+            f"a step: {per_step:,} prompts × {settings.num_generations} completions of up to "
+            f"{settings.max_completion_length} tokens; {stats['steps_per_epoch']:,} steps an epoch",
+        ]
+        return cls(stats, shown, lines)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"stats": self.stats, "examples": self.shown}
+
+    def print(self, out: _Printer) -> None:
+        for line in self.lines:
+            out.line(line)
+        for prompt in self.shown:
+            out.line()
+            out.line(f"prompt {prompt['index']}: {len(prompt['tokens']):,} tokens", "bold")
+            out.line(prompt["text"])
+            if prompt["columns"]:
+                out.line("  for the rewards: " + json.dumps(prompt["columns"], default=str))
+
+
 def _rendered_pair(pipeline: Any, record: dict, index: int) -> Any:
     """RECORD's two responses rendered; refused naming pair INDEX when the ranks cannot train
     on it (a record past the launch check's budget: that check names the others' lines)."""
@@ -629,6 +710,8 @@ def _report_class(data_task: str) -> Any:
     task = task_of(data_task)
     if task.pairs:
         return _PairReport
+    if task.prompts:
+        return _PromptReport
     return _SftReport if task.own_labels else _CausalReport
 
 

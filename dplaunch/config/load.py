@@ -289,6 +289,15 @@ def _resolve_relative_paths(config: RunConfig, base_dir: Path | None) -> None:
     # prompts' file
     if config.train.sample_prompts:
         config.train.sample_prompts = resolve(config.train.sample_prompts)
+    # grpo's reward functions given as a file (file.py:function), relative to the run file too
+    grpo = config.train.grpo
+    if grpo is not None:
+        entries = list(grpo.rewards)
+        for index, entry in enumerate(entries):
+            module, _, name = entry.rpartition(":") if isinstance(entry, str) else ("", "", "")
+            if module.endswith(".py"):
+                entries[index] = f"{resolve(module)}:{name}"
+        grpo.rewards = entries
 
 
 def _exists(path: Path) -> bool:

@@ -934,6 +934,8 @@ def check_examples(config: RunConfig, data_task: str, *, fill_a_batch: bool = Tr
         return []
     if task.pairs:
         from dplaunch.data.preference_checks import check_preference_examples as check
+    elif task.prompts:
+        from dplaunch.data.prompt_checks import check_prompt_examples as check
     else:
         from dplaunch.data.sft_checks import check_sft_examples as check
     return check(config, fill_a_batch=fill_a_batch)

@@ -12,10 +12,11 @@ from dplaunch.tasks.base import EXAMPLE_MAX_LENGTH, Task
 from dplaunch.tasks.causal_lm import CAUSAL_LM
 from dplaunch.tasks.classification import SEQUENCE_CLASSIFICATION
 from dplaunch.tasks.dpo import DPO
+from dplaunch.tasks.grpo import GRPO
 from dplaunch.tasks.sft import SFT
 
 TASKS: dict[str, Task] = {
-    task.name: task for task in (CAUSAL_LM, SEQUENCE_CLASSIFICATION, SFT, DPO)
+    task.name: task for task in (CAUSAL_LM, SEQUENCE_CLASSIFICATION, SFT, DPO, GRPO)
 }
 TASK_NAMES = tuple(TASKS)
 
@@ -37,6 +38,7 @@ __all__ = [
     "CAUSAL_LM",
     "DPO",
     "EXAMPLE_MAX_LENGTH",
+    "GRPO",
     "SEQUENCE_CLASSIFICATION",
     "SFT",
     "TASKS",

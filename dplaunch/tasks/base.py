@@ -1,7 +1,7 @@
 """What a training task is, as the planner, the data checks, the ranks and the commands ask it.
 
 A task (`model.task`) is one object of this class, declared in its own module of this package
-(causal_lm.py, classification.py, sft.py, dpo.py) and registered in __init__.py. Its facts are
+(causal_lm.py, classification.py, sft.py, dpo.py, grpo.py) and registered in __init__.py. Its facts are
 torch- and pydantic-free, so that the command line reads them before any heavy import: which
 model it builds, what its records hold, the layouts that train it, what its evaluation logs and
 which run-file keys are its own. Code elsewhere asks these facts (`task_of(name).preference`),
@@ -37,6 +37,9 @@ class Task:
     pairs: bool = False
     # its loss compares the policy with a reference model (train.preference, train/preference.py)
     preference: bool = False
+    # its records are prompts only: the policy generates their completions while it trains and
+    # reward functions score them (online RL: grpo, train/grpo.py)
+    prompts: bool = False
     # the layouts beyond data parallelism that train it: the pipeline engine's last stage takes
     # a causal-LM loss of its own; Ulysses and the tiled loss need a token loss
     pipeline: bool = False

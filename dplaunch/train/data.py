@@ -249,6 +249,8 @@ def row_encoder(tokenizer: Any, data: DataConfig, task: str, columns: list[str])
         return _sft_rows(tokenizer, data, columns)
     if facts.pairs:
         return _pair_rows(tokenizer, data)
+    if facts.prompts:
+        return _prompt_rows(tokenizer, data)
     packing = packs_texts(task, data)
     eos = tokenizer.eos_token_id
     ids = label_ids(data.label_names)
@@ -389,6 +391,26 @@ def _pair_rows(tokenizer: Any, data: DataConfig) -> Any:
         ]
         pairs = [preference_pair(pipeline, record) for record in records]
         return pipeline.tokens(pairs).columns
+
+    return encode
+
+
+def _prompt_rows(tokenizer: Any, data: DataConfig) -> Any:
+    """The row pass of grpo: prompt records → the prompt's input_ids, with every column of the
+    record kept as it is (the reward functions read the prompt and the others)."""
+    from dplaunch.data.prompts import PromptExamples
+
+    pipeline = PromptExamples.of(data, tokenizer_view(tokenizer))
+
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        records = [
+            dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)
+        ]
+        try:
+            ids = [pipeline.ids(record)[0] for record in records]
+        except TemplateError as error:
+            raise ValueError(f"a record's prompt {error}") from None
+        return {**batch, "input_ids": ids}
 
     return encode
 

@@ -211,6 +211,8 @@ class RankRun:
     sampler: Any = None
     # model.task dpo: the preference objective, whose metrics join each log line
     objective: Any = None
+    # model.task grpo: a step's prompts → its micro-batches of completions, sampled and scored
+    rollout: Callable[[int, list], list] | None = None
     # train.early_stopping / train.keep_best: the best evaluation so far (None: neither)
     best: BestTracker | None = None
 
@@ -303,6 +305,7 @@ def start_run(run_dir: Path, signals: StopSignals) -> tuple[RankRun, int]:
         resumed=resume is not None,
         sampler=_prompt_sampler(config, tokenizer),
         objective=objective,
+        rollout=getattr(objective, "rollout", None),
         best=best,
     )
     _write_header(run, run_data, parameters, start_step, reference)
@@ -524,6 +527,7 @@ def _batchers(
             pad_id=tokenizer.pad_token_id,
             task=config.model.task,
             seed=config.train.seed,
+            settings=config.train.grpo,
         )
         if batcher.steps_per_epoch == 0:
             raise ValueError(
@@ -822,6 +826,8 @@ def _train_step(run: RankRun, progress: _Progress, step: int) -> tuple[float, st
     waited = began = time.perf_counter()
     micro_batches = run.batcher.micro_batches(step)
     progress.interval[2] += time.perf_counter() - waited
+    if run.rollout is not None:  # grpo: the completions, sampled and scored (not data waiting)
+        micro_batches = run.rollout(step, micro_batches)
     engine, guard = run.engine, run.guard
     step_lr = engine.current_lr()  # the step's own (the scheduler then moves to the next)
     guard.begin(step + 1)
@@ -977,6 +983,8 @@ def _evaluate(run: RankRun, step: int) -> None:
 def _eval_totals(run: RankRun, batcher: Batcher) -> torch.Tensor:
     """(loss sum, rows or tokens, correct) of one evaluation set over every rank."""
     engine, accelerator, place = run.engine, run.accelerator, run.place
+    if hasattr(run.objective, "eval_totals"):  # grpo: the rewards of sampled completions
+        return accelerator.reduce(run.objective.eval_totals(batcher), reduction="sum")
     sums = torch.zeros(3, device=accelerator.device)
     for batch, real in batcher.eval_micro_batches(batcher.eval_rows(run.plan.micro_batch_size)):
         losses, counts, correct = engine.eval_batch(batch)
@@ -1002,6 +1010,9 @@ def _eval_metrics(task: str, totals: torch.Tensor, prefix: str) -> dict[str, flo
         "accuracy": share,
         "token_accuracy": share,
         "rewards/accuracies": share,
+        # grpo's totals are (reward sum, completions, reward² sum)
+        "reward": loss,
+        "reward_std": math.sqrt(max(share - loss**2, 0.0)),
     }
     return {f"{prefix}_{name}": values[name] for name in task_of(task).eval_metrics}
 

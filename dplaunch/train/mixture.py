@@ -20,6 +20,7 @@ from dplaunch.data.mixture import (
     source_data,
     source_name,
 )
+from dplaunch.tasks import task_of
 from dplaunch.train.data import Batcher, Sharding, for_evaluation
 
 # (data section) → (training split or None when streamed, evaluation split or None), read as the
@@ -127,10 +128,25 @@ class MixtureBatcher(Batcher):
 
 
 def training_batcher(
-    run_data: RunData, data: DataConfig, sharding: Sharding, *, pad_id: int, task: str, seed: int
+    run_data: RunData,
+    data: DataConfig,
+    sharding: Sharding,
+    *,
+    pad_id: int,
+    task: str,
+    seed: int,
+    settings: Any = None,
 ) -> Batcher:
     """This rank's batcher of the run's cached training data (a mixture's, or one dataset's)."""
     assert run_data.train is not None
+    if task_of(task).prompts:  # grpo: each step's prompts, whose completions the ranks sample
+        from dplaunch.train.grpo import PromptBatcher
+
+        assert settings is not None
+        return PromptBatcher(
+            run_data.train, sharding, settings=settings, pad_id=pad_id, task=task, seed=seed,
+            shuffle=data.shuffle,
+        )  # fmt: skip
     if data.mixture is None:
         return Batcher(
             run_data.train, sharding, pad_id=pad_id, task=task, seed=seed, shuffle=data.shuffle

@@ -163,8 +163,13 @@ class FrozenCopy:
 
     @torch.no_grad()
     def logps(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.run(model, lambda module: response_logps(module, batch)[0])
+
+    @torch.no_grad()
+    def run(self, model: Any, function: Any) -> Any:
+        """FUNCTION(the reference's module), in the run's precision (grpo's token log-probs)."""
         with self.autocast():
-            return response_logps(self.module, batch)[0]
+            return function(self.module)
 
 
 class DisabledAdapters:
@@ -176,13 +181,18 @@ class DisabledAdapters:
 
     @torch.no_grad()
     def logps(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.run(model, lambda module: response_logps(module, batch)[0])
+
+    @torch.no_grad()
+    def run(self, model: Any, function: Any) -> Any:
+        """FUNCTION(MODEL) with the adapters disabled (grpo's token log-probs)."""
         # peft turns modules_to_save's gradients off and on again around the context, on the
         # parameters registered at that moment: under FSDP2 the root's unsharded ones after its
         # forward, so the sharded ones would stay frozen. What trains is put back as it was
         trains = [(p, p.requires_grad) for p in self.peft_model.parameters()]
         try:
             with self.peft_model.disable_adapter():
-                return response_logps(model, batch)[0]
+                return function(model)
         finally:
             for parameter, flag in trains:
                 if parameter.is_leaf:
@@ -287,10 +297,17 @@ def build_reference(
     settings = config.train.preference
     if not settings.needs_reference:
         return None, {"kind": f"none ({settings.loss} is reference-free)"}
-    lora = config.model.lora is not None
     if config.train.precompute_ref:
         return None, {"kind": "precomputed log-probabilities (train.precompute_ref)"}
-    if lora:
+    return reference_model(config, plan, accelerator, engine, run_dir, tokenizer)
+
+
+def reference_model(
+    config: RunConfig, plan: Plan, accelerator: Any, engine: Any, run_dir: Path, tokenizer: Any
+) -> tuple[FrozenCopy | DisabledAdapters, dict[str, Any]]:
+    """The policy's starting point, built and sharded as the policy (dpo's reference, grpo's
+    KL term's), and what the header says of it: its kind, and the parameters rank 0 holds."""
+    if config.model.lora is not None:
         peft_model = accelerator.unwrap_model(engine.model)
         return DisabledAdapters(peft_model), {"kind": "the policy with its adapters disabled"}
     from dplaunch.train.modeling import load_model
