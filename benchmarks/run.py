@@ -7,6 +7,7 @@
     python -m benchmarks.run --only long_context   # optional: activation memory and longest sequence, sp 1 vs 2
     python -m benchmarks.run --only streaming      # optional: data.streaming vs tokenise-and-cache on a 2 GB corpus
     python -m benchmarks.run --only forecast       # optional: forecast vs measured step time of 10 layouts (~15 min)
+    python -m benchmarks.run --only memory         # optional: chunked loss and selective checkpointing vs full logits and HF Trainer
     python -m benchmarks.run --reps 5 --no-write # more repetitions (throughput: rounds), keep results/ untouched
 
 Results go to benchmarks/results/NAME.json (with date, machine, versions) and NAME.png. The GPU
@@ -30,6 +31,7 @@ from benchmarks import (
     launch_overhead,
     long_context,
     lora,
+    memory,
     scaling,
     scaling_peers,
     startup,
@@ -40,7 +42,7 @@ from benchmarks.common import RESULTS, Options, machine_facts, verdict
 
 # what `make bench` runs without --only; the optional ones would take it past 20 minutes
 DEFAULT = (startup, launch_overhead, throughput, lora, scaling, flags, fsdp)
-OPTIONAL = (scaling_peers, long_context, streaming, forecast)
+OPTIONAL = (scaling_peers, long_context, streaming, forecast, memory)
 COMPARISONS = {module.NAME: module for module in (*DEFAULT, *OPTIONAL)}
 
 

@@ -639,6 +639,7 @@ def test_the_measured_step_is_the_devices_not_the_time_the_host_took_to_queue_it
         batcher=types.SimpleNamespace(micro_batches=lambda step: []),
         place=types.SimpleNamespace(counts_tokens=False),
         accelerator=types.SimpleNamespace(device=cuda),
+        rollout=None,  # grpo's sampling: none here
     )
     progress = loop._Progress(torch.zeros(3), 0)
     for step in range(8):

@@ -1,6 +1,6 @@
 """Online RL (model.task: grpo): bad inputs are refused before launch in one line; completions
 are seeded per prompt and completion, never per rank, so every layout samples the same ones and
-trains as DDP does (DDP, ZeRO-2, ZeRO-3, FSDP2 on 2 ranks, 1 rank at the same global batch; LoRA
+trains as DDP does (DDP, ZeRO-1, ZeRO-2, ZeRO-3, FSDP2 on 2 ranks, 1 rank at the same global batch; LoRA
 under ZeRO-3 as LoRA under DDP), with the KL to a reference model and two iterations per batch
 of completions; a run stopped inside a batch's iterations resumes exactly; a reward function
 that fails during the run stops it with one line naming it and the step.
@@ -19,6 +19,12 @@ import yaml
 
 from dplaunch.config.flags import RunFlags
 from dplaunch.errors import UserError
+from dplaunch.planning.estimate import estimate_memory
+from dplaunch.planning.forecast import forecast_step
+from dplaunch.planning.model_facts import ModelFacts
+from dplaunch.planning.profiles import datasheet_profile
+from dplaunch.planning.rules import ParallelDims
+from dplaunch.planning.workload import Generation, Workload
 from dplaunch.train.generation import Sampling, completion_seed, draw, filtered_logits
 from tests.helpers import REPO, read_metrics, run_dplaunch, train
 
@@ -126,6 +132,63 @@ def test_train_grpo_under_another_task_is_refused(tmp_path):
     assert line.startswith("train.grpo: is for online RL (grpo), but model.task is sft"), line
 
 
+# -- the plan and the forecast -----------------------------------------------------------------
+
+LLAMA_1B = {
+    "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
+    "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "vocab_size": 32000,
+}  # fmt: skip
+
+
+def _grpo_workload(**generation) -> Workload:
+    options = {"rows": 8, "completion_tokens": 1024, "iterations": 1, **generation}
+    return Workload(
+        micro_batch=8, seq_len=512 + options["completion_tokens"], mixed_precision="bf16",
+        task="grpo", global_batch_size=64, reference="copy", generation=Generation(**options),
+    )  # fmt: skip
+
+
+def test_the_plan_counts_the_kv_cache_of_a_group_and_the_reference():
+    facts = ModelFacts.from_config_dict(LLAMA_1B)
+    estimate = estimate_memory(facts, ParallelDims(8, 8), _grpo_workload())
+    # 2 (k, v) × 22 layers × 4 kv heads × 64 × 8 rows × (512 + 1024) tokens × 2 bytes, and
+    # the 8 rows' last logits in fp32
+    kv, logits = 2 * 22 * 4 * 64 * 8 * 1536 * 2, 8 * 32000 * 4
+    assert estimate.kv_cache_gb * 2**30 == pytest.approx(kv + logits)
+    assert estimate.reference_gb > 0
+    lines = "\n".join(estimate.breakdown_lines())
+    assert "KV cache while sampling (grpo)" in lines and "reference model" in lines
+
+
+def test_a_run_files_workload_holds_its_generation_and_reference(tmp_path):
+    from dplaunch.config.load import load_run_config
+    from dplaunch.planning.auto import run_workload
+
+    config = load_run_config(grpo_run_file(tmp_path / "grpo.yaml"))
+    work = run_workload(config)
+    assert work.generation == Generation(rows=4, completion_tokens=5, iterations=2)
+    assert work.seq_len == config.data.max_length + 5 and work.reference == "copy"
+
+
+def test_the_forecast_counts_the_sampling_its_gathers_and_one_batch_per_iterations():
+    facts, h100 = ModelFacts.from_config_dict(LLAMA_1B), datasheet_profile("H100", 8, 1)
+    ddp = forecast_step(facts, ParallelDims(8, 8), _grpo_workload(), h100)
+    generate = ddp.phases["generate"]
+    assert set(generate) == {"decode", "overhead", "communication", "scoring"}
+    assert ddp.terms["generation"] == pytest.approx(sum(generate.values()))
+    assert generate["communication"] == 0.0 and generate["decode"] > 0.0
+    # a decode step reads the weights: 8 groups (64 completions ÷ 8 ranks … 8 a group) × 1024
+    # tokens × 2.2 GB ÷ 70 % of 3.35 TB/s, and the prefills
+    assert generate["decode"] == pytest.approx(1024 * 2.2e9 / (0.7 * 3.35e12), rel=0.1)
+    zero3 = forecast_step(facts, ParallelDims(8, 8, zero_stage=3), _grpo_workload(), h100)
+    assert zero3.phases["generate"]["communication"] > 0.0  # every decode step gathers
+    twice = forecast_step(facts, ParallelDims(8, 8), _grpo_workload(iterations=2), h100)
+    assert twice.phases["generate"]["decode"] == pytest.approx(generate["decode"] / 2)
+    longer = forecast_step(facts, ParallelDims(8, 8), _grpo_workload(completion_tokens=2048), h100)
+    assert longer.phases["generate"]["decode"] > 1.9 * generate["decode"]
+
+
 # -- the sampler -------------------------------------------------------------------------------
 
 
@@ -154,6 +217,7 @@ def test_a_completion_seed_depends_on_the_prompt_and_the_completion_only():
 LAYOUTS = {
     "ddp": ("--gpus", "2"),
     "one-rank": ("--gpus", "1"),
+    "zero1": ("--gpus", "2", "--zero", "1"),
     "zero2": ("--gpus", "2", "--zero", "2"),
     "zero3": ("--gpus", "2", "--zero", "3"),
     "fsdp2": ("--gpus", "2", "--fsdp", "full"),
@@ -207,7 +271,7 @@ def _assert_same(run: Path, reference: Path) -> None:
             assert mine[key] == pytest.approx(theirs[key], abs=1e-5), (run.name, mine["step"], key)
 
 
-@pytest.mark.parametrize("layout", ["one-rank", "zero2", "zero3", "fsdp2"])
+@pytest.mark.parametrize("layout", ["one-rank", "zero1", "zero2", "zero3", "fsdp2"])
 def test_every_layout_samples_the_same_completions_and_trains_as_ddp(grpo_runs, layout):
     _assert_same(grpo_runs[layout], grpo_runs["ddp"])
 
@@ -229,6 +293,12 @@ def test_the_run_learns_something_and_logs_trls_metrics(grpo_runs):
     assert steps[0]["reward_std"] > 0 and all(r["loss"] != 0.0 for r in steps)
     # the policy starts at the reference (KL 0) and moves away from it
     assert steps[0]["kl"] == 0.0 and steps[1]["kl"] > 0.0 and steps[3]["kl"] > 0.0
+    # a few completions with their rewards, at the steps that sample
+    shown = [r for r in read_metrics(grpo_runs["ddp"]) if r["type"] == "completions"]
+    assert [r["step"] for r in shown] == [1, 3]
+    assert len(shown[0]["completions"]) == 2 and {"prompt", "completion", "reward"} <= set(
+        shown[0]["completions"][0]
+    )
     export = grpo_runs["ddp"] / "model"
     assert (export / "config.json").is_file() and not list(export.glob("*reference*"))
 

@@ -169,7 +169,11 @@ def test_packed_sft_on_sp2_by_dp2_with_zero3_and_tiling_gives_one_rank_losses(ru
     flags = ("--cpu", "--gpus", "4", "--sp", "2", "--zero", "3", "--set", "train.tiled_mlp=true",
              "--set", "model.gradient_checkpointing=true")  # fmt: skip
     result = train(tiled, *flags, "--set", "train.checkpoint_every=3", config=config)
-    assert "DEEPSPEED" in result.stdout and "tiled MLP and loss: 2 tiles" in result.stdout
+    assert "DEEPSPEED" in result.stdout and "tiled MLP: 2 tiles" in result.stdout
+    # the tiled loss is the chunked loss, recomputed per chunk under ZeRO-3's partitioned head
+    assert "chunked loss: the head and the loss 256 tokens at a time (each chunk recomputed)" in (
+        result.stdout
+    )
     assert "sequence-parallel groups: [[0, 1], [2, 3]]" in result.stdout
     header = read_metrics(tiled)[0]
     assert (header["world_size"], header["data_parallel_size"]) == (4, 2)
@@ -415,7 +419,10 @@ def test_auto_splits_sequences_only_when_activations_do_not_fit(tmp_path):
     data = yaml.safe_load(TINY_LLAMA.read_text())
     data["model"]["config"] = dict(LLAMA_7B)
     data["model"]["gradient_checkpointing"] = True
-    data["train"].update(global_batch_size=8, micro_batch_size=1, mixed_precision="bf16")
+    # the full logits (train.loss_chunk auto would chunk them: see the end)
+    data["train"].update(
+        global_batch_size=8, micro_batch_size=1, mixed_precision="bf16", loss_chunk="off"
+    )
     data["parallel"] = "auto"
     picked = {}
     for length in (65536, 262144):
@@ -430,6 +437,14 @@ def test_auto_splits_sequences_only_when_activations_do_not_fit(tmp_path):
     assert picked == {65536: (3, 1, 1, 1), 262144: (3, 4, 1, 1)}
     assert not table[3, "none", 2].fits and table[3, "none", 4].fits
     assert "the activations are the problem, and sp 4 is the least" in choice.note
+    # with the chunked loss (auto) the 256K tokens' logits (6.2 GiB a rank under sp 4) are one
+    # chunk's: sp 2 fits
+    data["train"]["loss_chunk"] = "auto"
+    config = build_run_config(
+        data, assignments=["launch.gpus=8", "launch.gpu_memory_gb=80"], base_dir=tmp_path
+    )
+    chunked = resolve_auto_parallel(config, facts, Machine()).parallel
+    assert (chunked.zero_stage, chunked.sp) == (3, 2)
 
 
 def test_plan_with_seq_len_lists_the_sequence_parallel_rows(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,10 @@ class StepClock:
 
     def tick(self, step: int) -> None:
         if self._file is not None:
-            self._file.write(json.dumps({"step": step, "time": time.time()}) + "\n")
+            # the process's peak resident memory so far (GB), as dplaunch's memory_gb on CPU
+            peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # KiB
+            record = {"step": step, "time": time.time(), "memory_gb": round(peak_gb, 4)}
+            self._file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         if self._file is not None:

@@ -148,9 +148,9 @@ class ModelConfig(Section):
     trust_remote_code: bool = Field(
         False, description="Run Python code shipped with a hub model: off unless you say so."
     )
-    gradient_checkpointing: bool = Field(
+    gradient_checkpointing: bool | str = Field(
         False,
-        description="Activation (gradient) checkpointing in the model's blocks: less activation memory, more compute.",
+        description="Activation (gradient) checkpointing of the model's blocks: `true` (every block), `every-K` (blocks 0, K, 2K…: selective, torchtitan's), or `false`. A checkpointed block keeps only its input and recomputes its forward in the backward: less activation memory, more compute (the plan counts both).",
     )
     attn_implementation: AttentionImplementation | None = Field(
         None,
@@ -173,6 +173,34 @@ class ModelConfig(Section):
         if self.config is not None and "model_type" not in self.config:
             raise ValueError("model.config needs a model_type (e.g. llama, gpt2, bert)")
         return self
+
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _every_k(cls, value: Any) -> Any:
+        if isinstance(value, bool) or value is None:
+            return bool(value)
+        text = str(value).strip().lower()
+        if text in ("true", "on", "yes"):
+            return True
+        if text in ("false", "off", "no"):
+            return False
+        match = re.fullmatch(r"every-(\d+)", text)
+        if match is None or int(match.group(1)) < 1:
+            raise FieldProblem(
+                "",
+                f"{value!r} is neither true, false nor every-K",
+                "write true (every block), false, or every-K (every K-th block, K ≥ 1)",
+            )
+        k = int(match.group(1))
+        return True if k == 1 else f"every-{k}"
+
+    @property
+    def checkpoint_every(self) -> int:
+        """Every which block is checkpointed: 0 none, 1 all, K every K-th (blocks 0, K, 2K…)."""
+        value = self.gradient_checkpointing
+        if isinstance(value, str):
+            return int(value.split("-")[1])
+        return 1 if value else 0
 
 
 # what data.dataset takes, for its refusals (config/load.py's too)
@@ -649,7 +677,11 @@ class TrainConfig(Section):
     )
     tiled_mlp: bool = Field(
         False,
-        description="Long sequences: run each MLP and the logits/loss over tiles of the sequence (ALST), same loss, less activation memory.",
+        description="Long sequences: run each MLP over tiles of the sequence (ALST), and the head and loss in chunks as `loss_chunk` (chunks of about `hidden_size` tokens unless it names a size): same loss, less activation memory.",
+    )
+    loss_chunk: int | Literal["auto", "off"] = Field(
+        "auto",
+        description="The output head and the token loss computed N tokens at a time, so that no [tokens, vocabulary] logits tensor of the micro-batch exists (causal-lm, sft; DDP, ZeRO-1/2/3, LoRA, sp). `auto`: on (chunks of about `hidden_size` tokens) when the plan's logits are at least a quarter of the forward/backward's memory, as with a large vocabulary; `off`: the model's own full logits.",
     )
     preference: PreferenceConfig = Field(
         PreferenceConfig(),
@@ -678,11 +710,22 @@ class TrainConfig(Section):
             return [] if value == "none" else [value]
         return value
 
-    @field_validator("on_nonfinite", mode="before")
+    @field_validator("on_nonfinite", "loss_chunk", mode="before")
     @classmethod
     def _off_as_yaml_reads_it(cls, value: Any) -> Any:
         # YAML 1.1 reads a bare `off` (in a run file or --set) as false
         return "off" if value is False else value
+
+    @field_validator("loss_chunk")
+    @classmethod
+    def _positive_chunk(cls, value: Any) -> Any:
+        if isinstance(value, int) and value < 1:
+            raise FieldProblem(
+                "",
+                f"{value} tokens is no chunk",
+                "give a number of tokens ≥ 1, auto, or off",
+            )
+        return value
 
     @model_validator(mode="after")
     def _micro_fits(self) -> TrainConfig:

@@ -54,7 +54,7 @@ from dplaunch.planning.model_facts import (
 )
 from dplaunch.planning.plan import Machine, ModelChoices, Plan, make_plan
 from dplaunch.planning.profiles import Profile
-from dplaunch.planning.rules import check_sequence_length_splits
+from dplaunch.planning.rules import check_checkpoint_every, check_sequence_length_splits
 from dplaunch.rendering.accelerate_config import accelerate_config_name, render_accelerate_config
 from dplaunch.rendering.deepspeed_config import render_deepspeed_config
 from dplaunch.rendering.launch_command import (
@@ -258,6 +258,7 @@ def check_training_run(
     )
     config = config.model_copy(update={"launch": launch})
     facts = model_facts(config.model)
+    check_checkpoint_every(config.model.checkpoint_every, facts.num_layers)
     length_note = check_sequence_length(
         facts, config.data.max_length, from_run_file=config.model.config is not None
     )
@@ -331,11 +332,42 @@ def plan_training_run(
         from dplaunch.planning.lora_check import check_lora
 
         check_lora(config.model, facts, plan.dims)
+    plan = _plan_loss_chunk(config, facts, plan)
     if profile is not None:
         from dplaunch.planning.auto import run_forecast
 
         plan = replace(plan, forecast=run_forecast(config, facts, plan, profile))
     return config, plan
+
+
+def _plan_loss_chunk(config: RunConfig, facts: ModelFacts, plan: Plan) -> Plan:
+    """train.loss_chunk (and train.tiled_mlp's chunked loss) resolved on the plan's layout: the
+    chunk the ranks compute the head and loss in (0: the full logits), and the plan's note."""
+    from dplaunch.planning.auto import plan_workload
+    from dplaunch.planning.candidates import workload_memory
+    from dplaunch.planning.loss_chunk import check_loss_chunk
+
+    train = config.train
+    check_loss_chunk(train.loss_chunk, config.model.task, plan.dims, train.tiled_mlp)
+    workload = plan_workload(config, plan)
+    full = workload_memory(facts, plan.dims, replace(workload, loss_chunk=0))
+    chunked = workload_memory(facts, plan.dims, workload)
+    if not chunked.loss_chunk:
+        return plan
+    if isinstance(train.loss_chunk, int):
+        why = "as train.loss_chunk sets"
+    elif train.tiled_mlp:
+        why = "train.tiled_mlp chunks the loss as its tiles"
+    else:
+        why = (
+            f"auto: the logits would take {full.logits_gb:.2f} GiB of a GPU, a large share of "
+            f"the forward/backward's {full.forward_backward_gb:.2f} GiB"
+        )
+    note = (
+        f"train.loss_chunk: the head and the loss run {chunked.loss_chunk:,} tokens at a time "
+        f"({why}); the plan counts {chunked.logits_gb:.2f} GiB for them"
+    )
+    return replace(plan, loss_chunk=chunked.loss_chunk, notes=(*plan.notes, note))
 
 
 def _count_stream(config: RunConfig, data_task: str, notes: list[str]) -> RunConfig:

@@ -50,6 +50,7 @@ from dplaunch.planning.candidates import (
     workload_memory,
 )
 from dplaunch.planning.forecast import Forecast, forecast_step
+from dplaunch.planning.loss_chunk import chunk_setting
 from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.planning.plan import (
     DEFAULT_MAX_MICRO_BATCH,
@@ -60,7 +61,7 @@ from dplaunch.planning.plan import (
     batch_math,
 )
 from dplaunch.planning.profiles import Profile
-from dplaunch.planning.workload import LoraSpec, Workload
+from dplaunch.planning.workload import Generation, LoraSpec, Workload
 from dplaunch.tasks import task_of
 
 
@@ -97,11 +98,14 @@ def planning_micro_batch(train: TrainConfig) -> int:
 def run_workload(config: RunConfig) -> Workload:
     """The workload of a run file."""
     task = task_of(config.model.task)
+    generation = run_generation(config)
     return Workload(
         micro_batch=planning_micro_batch(config.train),
-        seq_len=config.data.max_length,
+        # grpo trains rows of a prompt and its completion
+        seq_len=config.data.max_length + (generation.completion_tokens if generation else 0),
         mixed_precision=config.train.mixed_precision,
-        activation_checkpointing=config.model.gradient_checkpointing,
+        activation_checkpointing=config.model.checkpoint_every > 0,
+        checkpoint_every=max(config.model.checkpoint_every, 1),
         task=config.model.task,
         num_labels=config.model.num_labels,
         global_batch_size=config.train.global_batch_size,
@@ -115,7 +119,19 @@ def run_workload(config: RunConfig) -> Workload:
         clip=config.train.max_grad_norm > 0,
         packed=task.examples and task.packs(config.data.packing),
         reference=reference_kind(config),
+        loss_chunk=chunk_setting(config.train.loss_chunk, config.train.tiled_mlp),
+        generation=generation,
         tunable=tunable_levers(config),
+    )
+
+
+def run_generation(config: RunConfig) -> Generation | None:
+    """Workload.generation of a run: grpo's sampling (train.grpo), else None."""
+    settings = config.train.grpo
+    if not task_of(config.model.task).prompts or settings is None:
+        return None
+    return Generation(
+        settings.num_generations, settings.max_completion_length, settings.num_iterations
     )
 
 
@@ -132,11 +148,14 @@ def tunable_levers(config: RunConfig) -> tuple[str, ...]:
 
 
 def reference_kind(config: RunConfig) -> str | None:
-    """Workload.reference of a run: dpo with a loss that needs a reference, not precomputed,
-    holds a frozen "copy" of the model, or (LoRA) asks the policy with its "adapters" disabled."""
-    train = config.train
-    preference = task_of(config.model.task).preference
-    if not (preference and train.preference.needs_reference and not train.precompute_ref):
+    """Workload.reference of a run: dpo with a loss that needs a reference, not precomputed, or
+    grpo with beta > 0 holds a frozen "copy" of the model, or (LoRA) asks the policy with its
+    "adapters" disabled."""
+    train, task = config.train, task_of(config.model.task)
+    needed = task.preference and train.preference.needs_reference and not train.precompute_ref
+    # grpo's KL term compares the policy with its starting weights
+    needed = needed or (task.prompts and train.grpo is not None and train.grpo.beta > 0)
+    if not needed:
         return None
     return "adapters" if config.model.lora is not None else "copy"
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dplaunch.errors import UserError
+from dplaunch.planning.loss_chunk import resolve_chunk, why_not_chunked
 from dplaunch.planning.model_facts import ModelFacts, attention_implementation
 from dplaunch.planning.rules import ParallelDims, check_offload, check_pipeline_depth
 from dplaunch.planning.workload import Workload
@@ -340,6 +341,8 @@ class StageShare:
     params: int
     holds_embedding: bool
     holds_head: bool
+    # the stage's first decoder layer, of the whole model
+    first_layer: int = 0
 
 
 class AdapterCount(Protocol):
@@ -382,14 +385,15 @@ def stage_shares(count: ParameterCount, *, tp: int = 1, pp: int = 1) -> list[Sta
     """
     layer = count.per_layer - count.per_layer_sharded + count.per_layer_sharded // tp
     head = count.head - count.head_sharded + count.head_sharded // tp
-    shares = []
+    shares, first_layer = [], 0
     for stage, layers in enumerate(layers_per_stage(count.num_layers, pp)):
         first, last = stage == 0, stage == pp - 1
         params = layers * layer
         params += count.embedding if first else 0
         params += head if last else 0
         params += count.tied_params if last and not first else 0
-        shares.append(StageShare(stage, layers, params, first, last))
+        shares.append(StageShare(stage, layers, params, first, last, first_layer))
+        first_layer += layers
     return shares
 
 
@@ -465,6 +469,11 @@ class MemoryEstimate:
     trainable_params: int | None = None
     # dpo: the reference model, a frozen copy of the weights held as the policy's are
     reference_gb: float = 0.0
+    # grpo: the KV cache of one prompt's completions while they are sampled (kv_cache_bytes)
+    kv_cache_gb: float = 0.0
+    # train.loss_chunk: the tokens of a chunk of the head and loss (0: the full logits), and
+    # then logits_gb is one chunk's (planning/loss_chunk.py)
+    loss_chunk: int = 0
 
     @property
     def forward_backward_gb(self) -> float:
@@ -498,10 +507,14 @@ class MemoryEstimate:
             "weights_gb": "weights",
             "gradients_gb": "gradients",
             "optimizer_gb": "optimizer states (Adam)",
-            "reference_gb": "reference model (frozen copy, dpo)",
+            "reference_gb": "reference model (frozen copy: dpo, grpo's KL)",
             "activations_gb": f"activations ({self.layers_per_gpu} layers, "
             f"{self.attn_implementation} attention)",
-            "logits_gb": f"logits in the loss ({LOSS_BYTES_PER_LOGIT} bytes each)",
+            "logits_gb": (
+                f"logits of a {self.loss_chunk:,}-token chunk of the loss"
+                if self.loss_chunk
+                else f"logits in the loss ({LOSS_BYTES_PER_LOGIT} bytes each)"
+            ),
             "autocast_gb": "autocast 16-bit weight copies (DDP)",
             "mask_gb": "attention masks of packed rows (sdpa)",
             "gathered_gb": (
@@ -513,6 +526,7 @@ class MemoryEstimate:
                 else "DeepSpeed reduce/prefetch buckets"
             ),
             "step_gb": "fp32 gradient partition at the step",
+            "kv_cache_gb": "KV cache while sampling (grpo)",
             "nccl_gb": "NCCL buffers",
             "cuda_context_gb": "CUDA context",
         }
@@ -521,7 +535,13 @@ class MemoryEstimate:
     def breakdown_lines(self) -> list[str]:
         """The breakdown as text, then how the lines make the total."""
         lines = [f"  {text:<48}{gib:>9.2f}" for _, text, gib in self.breakdown() if gib]
-        peak = "optimizer step" if self.step_gb > self.forward_backward_gb else "forward/backward"
+        sampling = self.kv_cache_gb + (self.gathered_gb if self.kv_cache_gb else 0.0)
+        peaks = {
+            "forward/backward": self.forward_backward_gb,
+            "optimizer step": self.step_gb,
+            "sampling": sampling,
+        }
+        peak = max(peaks, key=lambda name: peaks[name])  # the first of equal ones
         lines.append(f"  {'total (peak: ' + peak + ')':<48}{self.total_gb:>9.2f}")
         return lines
 
@@ -727,6 +747,10 @@ class _StageFixed:
     quantized_load: bool = False
     # FSDP2: the unsharded root and blocks (in place of ZeRO-3's gathered unit)
     fsdp_unsharded: float = 0.0
+    # grpo: the KV cache and last logits of one prompt's completions while sampling
+    generation: float = 0.0
+    # train.loss_chunk can run on this layout and task (planning/loss_chunk.py)
+    chunkable: bool = False
 
 
 def estimate_memory(
@@ -860,6 +884,11 @@ def _stage_fixed(
     else:
         host_load = 4 * count.total / (layout.state_ranks if layout.zero_stage == 3 else 1)
     axes = (layout.comm_dp, layout.tp, layout.pp, layout.sp)
+    generation = 0.0
+    if workload.generation is not None:
+        generation = kv_cache_bytes(facts, count, workload, element)
+        # the last position's logits of each row, fp32 (sampling)
+        generation += workload.generation.rows * count.vocab_size * 4
     return _StageFixed(
         layer_full=layer_full,
         checkpoint=checkpoint,
@@ -873,6 +902,9 @@ def _stage_fixed(
         implementation=implementation,
         quantized_load=bool(quantized),
         fsdp_unsharded=fsdp_unsharded,
+        generation=generation,
+        chunkable=why_not_chunked(workload.task, fsdp=layout.fsdp, tp=layout.tp, pp=layout.pp)
+        is None,
     )
 
 
@@ -886,12 +918,8 @@ def _stage_memory(
 ) -> MemoryEstimate:
     # the estimate of one GPU of pipeline stage SHARE
     in_flight = min(layout.pp - share.stage, layout.steps or layout.pp)
-    if workload.activation_checkpointing:
-        recomputed = fixed.layer_full if share.layers else 0
-        activations = share.layers * fixed.checkpoint * in_flight + recomputed
-    else:
-        activations = share.layers * fixed.layer_full * in_flight
-    stage_logits = fixed.logits if share.holds_head else 0
+    activations = _stage_activations(share, fixed, workload, in_flight)
+    stage_logits, chunk = _head_logits(share, count, layout, fixed, workload, activations)
     masks = 0.0
     if workload.packed and fixed.implementation == "sdpa":
         masks = in_flight * packed_mask_bytes(
@@ -925,7 +953,10 @@ def _stage_memory(
     forward_backward = (
         activations + stage_logits + fixed.autocast + masks + gathered + fixed.buckets
     )
-    total = states + CUDA_CONTEXT_BYTES + fixed.nccl + max(forward_backward, step)
+    # grpo samples before the forward: the KV cache (and, ZeRO-3/FSDP2, a gathered unit) is
+    # freed by then
+    sampling = fixed.generation + (gathered if fixed.generation else 0)
+    total = states + CUDA_CONTEXT_BYTES + fixed.nccl + max(forward_backward, step, sampling)
     return MemoryEstimate(
         params_per_gpu=share.params,
         stage=share.stage,
@@ -952,7 +983,69 @@ def _stage_memory(
         mask_gb=masks / GIB,
         fsdp=layout.fsdp,
         reference_gb=reference / GIB,
+        kv_cache_gb=fixed.generation / GIB,
+        loss_chunk=chunk,
     )
+
+
+def _head_logits(
+    share: StageShare,
+    count: ParameterCount,
+    layout: _Layout,
+    fixed: _StageFixed,
+    workload: Workload,
+    activations: float,
+) -> tuple[float, int]:
+    """(the stage's logits bytes, train.loss_chunk's tokens a chunk or 0): the full logits, or
+    one chunk's and, where the head is whole on the rank (the fused form), its fp32 gradient."""
+    if not share.holds_head:
+        return 0.0, 0
+    if not fixed.chunkable:
+        return fixed.logits, 0
+    tokens = workload.micro_batch * workload.seq_len / layout.sp
+    chunk = resolve_chunk(workload.loss_chunk, tokens, count.hidden_size, fixed.logits, activations)
+    if not chunk:
+        return fixed.logits, 0
+    logits = fixed.logits * chunk / tokens
+    if layout.zero_stage != 3:
+        logits += 4 * count.vocab_size * count.hidden_size
+    return logits, chunk
+
+
+def _stage_activations(
+    share: StageShare, fixed: _StageFixed, workload: Workload, in_flight: int
+) -> float:
+    """The activation peak of a stage: every block's activations of IN_FLIGHT micro-batches, or
+    with checkpointing, where its checkpointed blocks (every-K: 0, K, 2K…) keep only their input
+    and the others everything. The backward walks the blocks from the last: when a
+    checkpointed block is recomputed, the blocks after it have freed theirs, so the peak is the
+    larger of all that is saved and, for each checkpointed block, what the blocks before it
+    save, its input and its recomputed activations."""
+    if not workload.activation_checkpointing:
+        return share.layers * fixed.layer_full * in_flight
+    first = share.first_layer
+    saved, peak = 0.0, 0.0
+    for layer in range(first, first + share.layers):
+        if workload.checkpointed(layer):
+            peak = max(peak, (saved + fixed.checkpoint) * in_flight + fixed.layer_full)
+            saved += fixed.checkpoint
+        else:
+            saved += fixed.layer_full
+    return max(peak, saved * in_flight)
+
+
+def kv_cache_bytes(
+    facts: ModelFacts, count: ParameterCount, workload: Workload, element: int
+) -> float:
+    """grpo: the KV cache of one prompt's completions at their longest: 2 (keys, values) ×
+    layers × key/value heads × head size × rows (num_generations, sampled together) × the
+    prompt's and completion's tokens (workload.seq_len) × ELEMENT bytes. Each rank samples one
+    prompt's completions at a time (train/generation.py), so one group's cache is the peak."""
+    assert workload.generation is not None
+    heads = int(facts.raw.get("num_key_value_heads") or count.num_heads)
+    head_size = int(facts.raw.get("head_dim") or count.hidden_size // max(count.num_heads, 1))
+    rows = workload.generation.rows
+    return 2.0 * count.num_layers * heads * head_size * rows * workload.seq_len * element
 
 
 def reference_bytes(params: int, layout: _Layout, workload: Workload) -> float:
@@ -1073,6 +1166,7 @@ __all__ = [
     "estimate_memory",
     "layers_per_stage",
     "model_state_bytes",
+    "kv_cache_bytes",
     "reference_bytes",
     "stage_shares",
 ]

@@ -343,7 +343,7 @@ def micro_batch_flops(
     task: str = "causal-lm",
     num_labels: int | None = None,
     lora: LoraSpec | None = None,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | int = False,
     share: RankShare = RankShare(),
 ) -> Flops:
     """FLOPs of one micro-batch (``micro_batch`` × ``seq_len`` tokens) on one rank.
@@ -358,7 +358,8 @@ def micro_batch_flops(
     requires one. Attention scores of a layer: forward 4·b·heads·s²·head_dim (QKᵀ and the
     weighted values, every position counted as FlopCounterMode does), backward 2·b·heads·s²·d
     for each of the gradients of Q, K, V and the scores that is needed. Activation checkpointing
-    recomputes every decoder layer's forward in the backward, up to the last tensor the backward
+    recomputes every decoder layer's forward (``activation_checkpointing`` K > 1: every-K,
+    layers 0, K, 2K… only) in the backward, up to the last tensor the backward
     needs (torch's non-reentrant checkpoint stops there): a pre-norm layer's last product (the
     MLP's output projection, or with an adapter there its lora_B) is not recomputed.
 
@@ -369,7 +370,8 @@ def micro_batch_flops(
 
     Every count is linear in the micro-batch: one row's FLOPs, remembered per model, scaled.
     """
-    row = _row_flops(facts, seq_len, task, num_labels, lora, activation_checkpointing, share)
+    checkpointing = int(activation_checkpointing)  # False 0, True 1, every-K K
+    row = _row_flops(facts, seq_len, task, num_labels, lora, checkpointing, share)
     return row.scaled(micro_batch)
 
 
@@ -380,10 +382,11 @@ def _row_flops(
     task: str,
     num_labels: int | None,
     lora: LoraSpec | None,
-    activation_checkpointing: bool,
+    checkpoint_every: int,
     share: RankShare,
 ) -> Flops:
-    """micro_batch_flops of one row."""
+    """micro_batch_flops of one row (CHECKPOINT_EVERY 0: no activation checkpointing)."""
+    activation_checkpointing = checkpoint_every > 0
     micro_batch = 1
     count = _count(facts, task, num_labels)
     modules = list(_modules(facts, task, num_labels))
@@ -410,7 +413,7 @@ def _row_flops(
     for layer in range(first, first + layers):
         in_layer = [m for m in modules if m.layer == layer and m.shape is not None]
         layer_flops, stream, tail = _layer_flops(in_layer, tokens, scores, tp, stream, adapters)
-        if activation_checkpointing:
+        if activation_checkpointing and layer % checkpoint_every == 0:
             layer_flops += Flops(
                 dense_recompute=layer_flops.dense_forward - (tail if pre_norm else 0.0),
                 attention_recompute=layer_flops.attention_forward,
@@ -1450,26 +1453,14 @@ def forecast_step(
     # dpo: a micro-batch's pairs are two rows each (chosen, rejected), in one forward
     b, s = workload.micro_batch * workload.rows_per_sample, workload.seq_len
     stages = layers_per_stage(count.num_layers, dims.pp)
-    flops_options = dict(
-        micro_batch=b,
-        seq_len=s,
-        task=workload.task,
-        num_labels=workload.num_labels,
-        lora=workload.lora,
-        activation_checkpointing=workload.activation_checkpointing,
-    )
-    per_stage = []
-    first = 0
-    for layers in stages:
-        share = RankShare(dims.tp, dims.sp, (first, layers))
-        per_stage.append(micro_batch_flops(facts, share=share, **flops_options))
-        first += layers
+    per_stage = _stage_flops(facts, dims, workload, stages)
     hidden = count.hidden_size / dims.tp
     tokens = b * s / dims.sp
     timed = [compute_seconds(f, profile, dtype, hidden, tokens, s, kernel) for f in per_stage]
     forward_s, backward_s = max(timed, key=sum)
-    if workload.reference is not None:
-        # dpo's reference forward of the same rows (no backward) before the policy's
+    if workload.reference is not None and workload.generation is None:
+        # dpo's reference forward of the same rows (no backward) before the policy's (grpo's
+        # runs in the generate phase)
         forward_s *= 2
     gpu = not profile.device.upper().startswith("CPU")
     collectives = step_collectives(facts, dims, workload, guard=guard, clip=clip, gpu=gpu)
@@ -1487,6 +1478,8 @@ def forecast_step(
     visible = _overhead_phases(facts, dims, workload, profile, phases) if overheads else {}
     for phase, seconds in visible.items():
         phases[phase]["overhead"] = seconds
+    if workload.generation is not None:  # grpo samples and scores before its forward
+        phases["generate"] = _generate_phase(facts, dims, workload, profile, m * forward_s)
     terms = {
         "compute": compute,
         "communication": sum(exposed.values()),
@@ -1494,6 +1487,7 @@ def forecast_step(
         "offload": offload,
         "optimizer": optimizer,
         "overhead": sum(visible.values()),
+        "generation": sum(phases.get("generate", {}).values()),
     }
     step = sum(terms.values())
     model_flops = sum(f.model for f in per_stage) * m * dims.dp * dims.tp * dims.sp
@@ -1511,6 +1505,66 @@ def forecast_step(
         phases=phases,
         collectives=tuple(collectives),
     )
+
+
+def _stage_flops(
+    facts: ModelFacts, dims: ParallelDims, workload: Workload, stages: list[int]
+) -> list[Flops]:
+    """One micro-batch's FLOPs on a rank of each pipeline stage (STAGES: its layers)."""
+    options = dict(
+        micro_batch=workload.micro_batch * workload.rows_per_sample,
+        seq_len=workload.seq_len,
+        task=workload.task,
+        num_labels=workload.num_labels,
+        lora=workload.lora,
+        # every-K: K (1 every block), else off
+        activation_checkpointing=workload.checkpoint_every
+        if workload.activation_checkpointing
+        else False,
+    )
+    per_stage, first = [], 0
+    for layers in stages:
+        share = RankShare(dims.tp, dims.sp, (first, layers))
+        per_stage.append(micro_batch_flops(facts, share=share, **options))
+        first += layers
+    return per_stage
+
+
+def _generate_phase(
+    facts: ModelFacts,
+    dims: ParallelDims,
+    workload: Workload,
+    profile: Profile,
+    scoring_forward_s: float,
+) -> dict[str, float]:
+    """grpo's generate phase (planning/generation_time.py) on this layout and profile."""
+    from dplaunch.planning.generation_time import DecodeCosts, generation_seconds
+
+    count = _count(facts, workload.task, workload.num_labels)
+    counts = overhead_counts(facts, dims, workload)
+    terms, _ = overheads_for(profile, engine_family(dims))
+    dtype = DTYPES.get(workload.mixed_precision, "fp32")
+    element = _element(workload.mixed_precision)
+    params = count.total / dims.tp
+    rows = workload.generation.rows if workload.generation is not None else 1
+    gather_s = 0.0
+    if (dims.zero_stage == 3 or dims.fsdp is not None) and dims.dp > 1:
+        # every decode step gathers the whole model (each rank's shard from the others)
+        groups = Mesh(dims.dp, dims.tp, dims.pp, dims.sp).data_parallel_groups()
+        scope = _scope(groups, dims.gpus_per_node)
+        gather = Collective("all_gather", params * element, dims.dp, scope, "forward", "decode")
+        gather_s = gather.seconds(profile)
+    costs = DecodeCosts(
+        params=params,
+        weight_bytes=params * element,
+        dense_rate=profile.dense_rate(dtype, count.hidden_size // dims.tp, rows),
+        tensors_overhead_s=terms.forward_s
+        + terms.forward_tensor_s * counts.tensors
+        + terms.forward_byte_s * counts.weight_bytes,
+        gather_s=gather_s,
+        scoring_forward_s=scoring_forward_s,
+    )
+    return generation_seconds(workload, dims, profile, costs)
 
 
 def _overhead_phases(

@@ -52,6 +52,9 @@ class Plan:
     # the forecast of this plan's step (planning/forecast.py Forecast.to_dict: step_time_s,
     # tokens_per_s, mfu, hours, gpu_hours, profile, terms_s, phases_s…); None without a profile
     forecast: dict[str, Any] | None = None
+    # train.loss_chunk as planned (planning/loss_chunk.py): the tokens of a chunk of the head
+    # and the loss, which the ranks compute so (train/chunked_loss.py); 0: the full logits
+    loss_chunk: int = 0
 
     @property
     def world_size(self) -> int:
@@ -205,7 +208,7 @@ class Plan:
             "target", "world_size", "num_nodes", "processes_per_node", "node_rank", "master_addr",
             "master_port", "mesh", "zero_stage", "offload", "mixed_precision", "global_batch_size",
             "micro_batch_size", "gradient_accumulation_steps", "timeout_minutes", "notes",
-            "stage_layers", "fsdp", "framework", "forecast",
+            "stage_layers", "fsdp", "framework", "forecast", "loss_chunk",
         )  # fmt: skip
         data = {key: getattr(self, key) for key in keys}
         data["mesh"] = dataclasses.asdict(self.mesh)

@@ -413,6 +413,17 @@ def check_attention_kernel(attn_implementation: str | None, target: str, precisi
         )
 
 
+def check_checkpoint_every(every: int, num_layers: int) -> None:
+    """model.gradient_checkpointing every-K: K at most the model's blocks (block 0, K, 2K… are
+    checkpointed; beyond the last block it names none but the first)."""
+    if every > num_layers:
+        raise UserError(
+            "model.gradient_checkpointing",
+            f"every-{every} checkpoints every {every}th block, and the model has {num_layers}",
+            f"use every-K with K ≤ {num_layers}, true (every block) or false",
+        )
+
+
 def check_preference_layout(task: str, tp: int, pp: int, sp: int) -> None:
     """dpo trains data-parallel only (DDP, ZeRO-1/2/3, FSDP2): its reference model is built and
     sharded as the policy is on those, and its pair loss needs whole sequences on one stage."""

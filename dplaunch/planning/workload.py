@@ -55,6 +55,18 @@ class LoraSpec:
 
 
 @dataclass(frozen=True)
+class Generation:
+    """grpo's sampling in each step (train.grpo): the planner's KV cache and decode terms."""
+
+    # completions sampled per prompt, together (the rows of one decode batch)
+    rows: int
+    # tokens of a completion at most (the forecast assumes every completion reaches it)
+    completion_tokens: int
+    # optimizer steps each batch of completions trains (num_iterations): a step samples 1/μ of one
+    iterations: int = 1
+
+
+@dataclass(frozen=True)
 class Workload:
     """What one GPU computes per micro-batch: the inputs of the activation and traffic estimates."""
 
@@ -62,6 +74,9 @@ class Workload:
     seq_len: int = 2048
     mixed_precision: str = "bf16"
     activation_checkpointing: bool = False
+    # with activation_checkpointing: every which block is checkpointed (1: all; K: blocks 0, K,
+    # 2K…, model.gradient_checkpointing every-K)
+    checkpoint_every: int = 1
     task: str = "causal-lm"
     num_labels: int | None = None
     # samples per optimizer step; None = unknown (one micro-batch per step for traffic)
@@ -88,6 +103,12 @@ class Workload:
     # adapters disabled); None: no reference forward (another task, a reference-free loss, or
     # train.precompute_ref's values)
     reference: str | None = None
+    # train.loss_chunk (planning/loss_chunk.py): 0 the full logits, None auto (on where the
+    # logits are a large share of the memory), else the tokens of a chunk
+    loss_chunk: int | None = 0
+    # grpo: the completions sampled each step (seq_len is then a prompt's and its completion's
+    # tokens); None: nothing is generated
+    generation: Generation | None = None
     # the levers the run leaves to the tuner (planning/candidates.py LEVERS, by Workload field:
     # "micro_batch", "activation_checkpointing"), those it did not set; () = its own settings
     tunable: tuple[str, ...] = ()
@@ -101,6 +122,10 @@ class Workload:
     def holds_reference(self) -> bool:
         """Whether a reference model is held beside the policy (its memory counts)."""
         return self.reference == "copy"
+
+    def checkpointed(self, layer: int) -> bool:
+        """Whether decoder block LAYER (0-based, of the whole model) is checkpointed."""
+        return self.activation_checkpointing and layer % self.checkpoint_every == 0
 
     def accumulation_steps(self, dp: int) -> int | None:
         """Micro-batches per optimizer step on dp data-parallel ranks (rounded up); None: unknown."""

@@ -394,8 +394,8 @@ class GrpoObjective:
             values = torch.tensor(per_func, dtype=torch.float32).T
             rewards = (values * torch.tensor(self.weights)).nansum(-1)
             sums += torch.stack([rewards.sum(), torch.tensor(float(group)), (rewards**2).sum()])
-        longest = -(-total // shard.data_parallel_size)
-        self._idle_in_step(len(mine), batcher.dataset[0]["input_ids"]) if longest else None
+        if total:  # ZeRO-3, FSDP2: a rank with one prompt fewer samples an idle batch
+            self._idle_in_step(len(mine), batcher.dataset[0]["input_ids"])
         return sums.to(self.accelerator.device)
 
     # --- resume -------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ SIGUSR1/SIGTERM, at train.stop_after_steps) go through dplaunch/train/checkpoint
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import math
 import time
@@ -826,8 +827,10 @@ def _train_step(run: RankRun, progress: _Progress, step: int) -> tuple[float, st
     waited = began = time.perf_counter()
     micro_batches = run.batcher.micro_batches(step)
     progress.interval[2] += time.perf_counter() - waited
+    sampled = time.perf_counter()
     if run.rollout is not None:  # grpo: the completions, sampled and scored (not data waiting)
         micro_batches = run.rollout(step, micro_batches)
+    sampled = time.perf_counter() - sampled
     engine, guard = run.engine, run.guard
     step_lr = engine.current_lr()  # the step's own (the scheduler then moves to the next)
     guard.begin(step + 1)
@@ -840,7 +843,10 @@ def _train_step(run: RankRun, progress: _Progress, step: int) -> tuple[float, st
     if run.place.counts_tokens:
         progress.interval[1] += sum(batch_tokens(b) for b in micro_batches)
     stopping = guard.verdict()
-    progress.times.end(began, clock.seconds if clock is not None else {})
+    phases = dict(clock.seconds) if clock is not None else {}
+    if run.rollout is not None and phases:  # the forecast's generate phase
+        phases["generate"] = sampled
+    progress.times.end(began, phases)
     if guard.event is None:
         progress.interval[0] += loss
         progress.interval_steps += 1
@@ -881,6 +887,13 @@ def _log_step(run: RankRun, progress: _Progress, step: int, step_lr: float) -> N
     if run.objective is not None:  # dpo: rewards and log-probabilities, as TRL names them
         record.update(run.objective.log_record(run.accelerator.reduce))
     run.metrics.write("train", **record)
+    shown = getattr(run.objective, "shown", None)
+    if shown:  # grpo: a few of the step's completions with their rewards (rank 0's first)
+        run.metrics.write("completions", step=step, completions=shown)
+        run.metrics.text(
+            "completions", "\n\n".join(json.dumps(s, default=str) for s in shown), step
+        )
+        run.objective.shown = []
     run.say.train_step(step, run.total_steps, record, progress.start_step)
     progress.interval.zero_()
     progress.interval_steps = 0

@@ -117,7 +117,22 @@ def load_model(
     if model.lora is not None:
         # model.lora: peft adapters train, the base stays frozen (train/lora.py)
         built = add_adapters(built, model, seed)
+    if model.checkpoint_every > 1:
+        checkpoint_every_kth(built, model.checkpoint_every)
     return built
+
+
+def checkpoint_every_kth(model: Any, every: int) -> int:
+    """model.gradient_checkpointing every-K: only blocks 0, K, 2K… stay checkpointed (selective
+    activation checkpointing, torchtitan's); the others keep their activations. transformers
+    checkpoints a block when its own `gradient_checkpointing` flag is on. Returns the blocks
+    left checkpointed."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for index, block in enumerate(blocks):
+        block.gradient_checkpointing = index % every == 0
+    return sum(block.gradient_checkpointing for block in blocks)
 
 
 def pretrained_skeleton(model: ModelConfig, label_names: list[str] | None = None) -> Any:

@@ -33,6 +33,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from dplaunch.data.example_tokens import IGNORE_INDEX
+from dplaunch.train.chunked_loss import chunked_head, cross_entropy_sum, fused_cross_entropy
 from dplaunch.train.engines import AccelerateEngine, token_sums
 
 
@@ -245,20 +246,25 @@ def tile_mlps(model: Any, tiles: int) -> None:
         mlp.forward = types.MethodType(forward, mlp)
 
 
+def base_model(model: Any) -> Any:
+    """The transformers model under peft's adapters (the model itself without)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 class FinalHidden:
-    """Keeps the decoder's last hidden state (after the final norm) of a forward, so the tiled loss
-    applies the lm_head to it tile by tile; the model's own logits are then computed for no
-    position (logits_to_keep). Registered after the engine wraps the model: ZeRO-3's own hook
+    """Keeps the decoder's last hidden state (after the final norm) of a forward, so the chunked
+    loss applies the head to it a chunk at a time; the model's own logits are then computed for
+    no position (logits_to_keep). Registered after the engine wraps the model: ZeRO-3's own hook
     replaces the norm's output with one whose backward gathers the norm's weight first, and this
-    hook must keep that one."""
+    hook keeps that one (the decoder returns it)."""
 
     def __init__(self, model: Any):
         self.value: torch.Tensor | None = None
-        model.model.norm.register_forward_hook(self._keep)
+        base_model(model).get_decoder().register_forward_hook(self._keep)
 
-    def _keep(self, module: Any, _inputs: Any, output: torch.Tensor) -> None:
+    def _keep(self, module: Any, _inputs: Any, output: Any) -> None:
         if module.training:  # evaluation computes the model's own logits
-            self.value = output
+            self.value = output[0] if isinstance(output, tuple) else output.last_hidden_state
 
     def take(self) -> torch.Tensor:
         value, self.value = self.value, None
@@ -274,17 +280,18 @@ class LongSequenceEngine(AccelerateEngine):
         self,
         *args: Any,
         shards: SequenceShards,
-        tiled_loss: bool,
+        tiled_mlp: bool,
         tiles: int,
+        loss_chunk: int,
         attention: UlyssesAttention | None,
     ):
         super().__init__(*args)
         self.shards = shards
         self.attention = attention
         unwrapped = self.accelerator.unwrap_model(self.model)
-        self.lm_head = unwrapped.lm_head
-        self.final = FinalHidden(unwrapped) if tiled_loss else None
-        self.tiles = tiles
+        self.lm_head = base_model(unwrapped).get_output_embeddings()
+        self.final = FinalHidden(unwrapped) if loss_chunk else None
+        self.tiled_mlp, self.tiles, self.loss_chunk = tiled_mlp, tiles, loss_chunk
 
     @property
     def evaluates_slices(self) -> bool:
@@ -298,9 +305,34 @@ class LongSequenceEngine(AccelerateEngine):
                 f"sequence parallel: Ulysses over {self.shards.size} ranks, this rank holds "
                 f"slice {self.shards.rank} of each sequence, in training and evaluation"
             )
+        if self.tiled_mlp:
+            lines.append(f"tiled MLP: {self.tiles} tiles per sequence slice")
         if self.final is not None:
-            lines.append(f"tiled MLP and loss: {self.tiles} tiles per sequence slice")
+            how = "gradients in the forward" if self.fuses else "each chunk recomputed"
+            lines.append(
+                f"chunked loss: the head and the loss {self.loss_chunk} tokens at a time ({how})"
+            )
         return lines
+
+    @property
+    def fuses(self) -> bool:
+        """Whether the head's weight is whole on this rank (not a ZeRO-3 partition), without a
+        bias: the fused form computes the gradients in the forward (train/chunked_loss.py)."""
+        weight = self.lm_head.weight
+        return (
+            getattr(self.lm_head, "bias", None) is None
+            and not hasattr(weight, "ds_numel")
+            and type(weight.data) is torch.Tensor
+        )
+
+    def chunked_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed token loss of HIDDEN through the head, a chunk at a time."""
+        if self.fuses:
+            return fused_cross_entropy(hidden, self.lm_head.weight, labels, self.loss_chunk)
+        parts = chunked_head(
+            lambda h, y: cross_entropy_sum(self.lm_head(h), y), hidden, self.loss_chunk, labels
+        )
+        return torch.stack(parts).sum()
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         try:
@@ -316,18 +348,11 @@ class LongSequenceEngine(AccelerateEngine):
             self.attention.prepare(self.shards, batch)
         if self.final is None:
             logits = self.model(**local, **self.forward_options).logits
-            loss_sum = _cross_entropy_sum(logits, shift_labels)
+            loss_sum = cross_entropy_sum(logits, shift_labels)
         else:
             no_logits = torch.zeros(0, dtype=torch.long, device=shift_labels.device)
             self.model(**local, **self.forward_options, logits_to_keep=no_logits)
-            hidden = self.final.take()
-            parts = tiled(
-                lambda h, y: _cross_entropy_sum(self.lm_head(h), y),
-                hidden,
-                self.tiles,
-                shift_labels,
-            )
-            loss_sum = torch.stack(parts).sum()
+            loss_sum = self.chunked_loss(self.final.take(), shift_labels)
         # the sp copies of every gradient add up over the group (see the module's docstring)
         return loss_sum * (self.shards.size / max(tokens, 1))
 
@@ -353,22 +378,13 @@ class LongSequenceEngine(AccelerateEngine):
         return token_sums(logits, labels)
 
 
-def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.size(-1)),
-        labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
-
-
 def prepare_long_sequences(
     model: Any, plan: Any, config: Any, rank: int, pad_id: int
 ) -> dict[str, Any]:
     """Before Accelerate wraps the model: Ulysses attention and tiled MLPs as the run asks; the
     keyword arguments of LongSequenceEngine (empty when neither is asked)."""
-    sp = plan.sequence_parallel_size
-    if sp <= 1 and not config.train.tiled_mlp:
+    sp, chunk = plan.sequence_parallel_size, plan.loss_chunk
+    if sp <= 1 and not config.train.tiled_mlp and not chunk:
         return {}
     attention = None
     if sp > 1:
@@ -380,7 +396,8 @@ def prepare_long_sequences(
         tile_mlps(model, tiles)
     return {
         "shards": shards,
-        "tiled_loss": config.train.tiled_mlp,
+        "tiled_mlp": config.train.tiled_mlp,
         "tiles": tiles,
+        "loss_chunk": chunk,
         "attention": attention,
     }

@@ -1,0 +1,118 @@
+"""The output head and the loss a chunk of tokens at a time (train.loss_chunk): no [tokens,
+vocabulary] tensor of the whole micro-batch exists, in the forward or in the backward.
+
+Two forms, one per kind of loss:
+
+- ``fused_cross_entropy`` (the model's own token loss: causal-lm, sft's answers): Liger's fused
+  linear cross-entropy. For each chunk the forward computes the logits, their loss, and at once
+  the gradients it would take in the backward: d loss / d logits = softmax − one-hot on the
+  labelled rows, then the hidden states' gradient (that times the head's weight) and the head
+  weight's (its transpose times the chunk's hidden states, added up over the chunks). The
+  backward only scales the two by the incoming gradient. Nothing is recomputed, so tokens/s stays
+  at the full logits' (the head's products run once forward and twice for the gradients, as an
+  ordinary backward does); the memory is one chunk's logits and the head's gradient (which the
+  backward allocates anyway). It needs the head's weight whole on the rank: DDP, ZeRO-1/2, LoRA.
+- ``chunked_head`` (ZeRO-3's partitioned head, and the losses that need each token's
+  log-probability: dpo's responses, grpo's completions): each chunk's head and loss run under
+  non-reentrant activation checkpointing (torch.utils.checkpoint), calling the head module so
+  that ZeRO-3 gathers its weight; the backward recomputes one chunk's logits at a time.
+
+Both sum over tokens; the caller divides (train/sequence_parallel.py: by the micro-batch's
+labelled tokens, as the model's own loss does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from dplaunch.data.example_tokens import IGNORE_INDEX
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Σ cross-entropy(hidden @ weightᵀ, targets) over the labelled tokens, chunk by chunk, the
+    gradients computed in the forward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int
+    ) -> torch.Tensor:
+        wants_hidden, wants_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.zeros_like(hidden) if wants_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if wants_weight else None
+        for start in range(0, hidden.size(0), chunk):
+            part = hidden[start : start + chunk]
+            labels = targets[start : start + chunk]
+            labelled = labels != IGNORE_INDEX
+            picked = labels.clamp(min=0)
+            logits = (part @ weight.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            chosen = logits.gather(-1, picked.unsqueeze(-1)).squeeze(-1)
+            total += ((lse - chosen) * labelled).sum()
+            # softmax − one-hot, in place of the logits (the chunk's one [rows, vocab] tensor)
+            grad = logits.sub_(lse.unsqueeze(-1)).exp_()
+            grad[torch.arange(len(labels), device=grad.device), picked] -= 1.0
+            grad.mul_(labelled.unsqueeze(-1))
+            if grad_hidden is not None:
+                grad_hidden[start : start + chunk] = (grad.to(weight.dtype) @ weight).to(
+                    hidden.dtype
+                )
+            if grad_weight is not None:
+                grad_weight.addmm_(grad.t(), part.float())
+        ctx.save_for_backward(
+            grad_hidden if grad_hidden is not None else torch.empty(0),
+            grad_weight if grad_weight is not None else torch.empty(0),
+        )
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        grad_hidden, grad_weight = ctx.saved_tensors
+        hidden = grad_hidden * grad_output if ctx.needs_input_grad[0] else None
+        weight = (
+            (grad_weight * grad_output).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        )
+        return hidden, weight, None, None
+
+
+def fused_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int
+) -> torch.Tensor:
+    """Σ over the labelled TARGETS (IGNORE_INDEX elsewhere) of the cross-entropy of HIDDEN
+    [tokens, h] through a head of WEIGHT [vocab, h] (no bias), CHUNK tokens at a time, the
+    gradients computed in the forward."""
+    flat = hidden.reshape(-1, hidden.size(-1))
+    return _FusedLinearCrossEntropy.apply(flat, weight, targets.reshape(-1), max(int(chunk), 1))
+
+
+def chunked_head(
+    function: Callable[..., torch.Tensor], hidden: torch.Tensor, chunk: int, *extra: torch.Tensor
+) -> list[torch.Tensor]:
+    """FUNCTION(a chunk of HIDDEN [rows, tokens, h], the same chunk of each EXTRA [rows, tokens…])
+    over chunks of about CHUNK tokens along the sequence, each under checkpointing: its logits
+    exist only while it runs, and again one chunk at a time in the backward. Always as many
+    calls on every rank of a run (ZeRO-3 gathers the head's weight in each)."""
+    rows, tokens = hidden.size(0), hidden.size(1)
+    pieces = max(1, -(-rows * tokens // max(chunk, 1)))
+    pieces = min(pieces, max(tokens, 1))
+    parts = zip(
+        torch.tensor_split(hidden, pieces, dim=1),
+        *(torch.tensor_split(t, pieces, dim=1) for t in extra),
+        strict=True,
+    )
+    return [checkpoint(function, *part, use_reentrant=False) for part in parts]
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Σ cross-entropy of LOGITS [..., vocab] at LABELS (IGNORE_INDEX left out), in fp32."""
+    return torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)),
+        labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )

@@ -1,0 +1,162 @@
+"""The chunked loss (train.loss_chunk): the head and the token loss a chunk at a time give the
+full logits' loss and gradients (head, hidden states, the last block) within 1e-5, in both forms
+(the fused one, gradients in the forward; the checkpointed one ZeRO-3 takes); a 2-rank run with
+it trains as without it, per step, under DDP, ZeRO-3 and LoRA for causal-lm and sft; `auto` turns
+it on for a large vocabulary and not for a tiny model, and the plan counts one chunk's logits;
+what cannot run it is refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dplaunch.data.example_tokens import IGNORE_INDEX
+from dplaunch.errors import UserError
+from dplaunch.planning.estimate import estimate_memory
+from dplaunch.planning.loss_chunk import check_loss_chunk
+from dplaunch.planning.model_facts import ModelFacts
+from dplaunch.planning.rules import ParallelDims
+from dplaunch.planning.workload import Workload
+from dplaunch.train.chunked_loss import chunked_head, cross_entropy_sum, fused_cross_entropy
+from tests.helpers import REPO, read_metrics, train
+
+TINY = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=97, max_position_embeddings=64,
+)  # fmt: skip
+
+
+def _labels(rows: int, tokens: int) -> torch.Tensor:
+    labels = torch.randint(0, 97, (rows, tokens), generator=torch.Generator().manual_seed(2))
+    labels[0, :3] = IGNORE_INDEX  # a prompt's tokens, as sft's
+    labels[1, -2:] = IGNORE_INDEX  # padding
+    return labels
+
+
+@pytest.mark.parametrize("form", ["fused", "checkpointed"])
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_the_chunked_loss_and_gradients_equal_the_full_logits(form, chunk):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY)).train()
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    labels = _labels(2, 12)
+
+    def gradients(loss_of) -> tuple[float, dict[str, torch.Tensor]]:
+        model.zero_grad()
+        hidden = model.model(input_ids=ids).last_hidden_state
+        loss = loss_of(hidden)
+        loss.backward()
+        kept = ("lm_head.weight", "model.layers.1.mlp.down_proj.weight", "model.norm.weight")
+        return float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if n in kept}
+
+    full_loss, full = gradients(lambda h: cross_entropy_sum(model.lm_head(h), labels))
+    if form == "fused":
+        loss, grads = gradients(
+            lambda h: fused_cross_entropy(h, model.lm_head.weight, labels, chunk)
+        )
+    else:
+        loss, grads = gradients(
+            lambda h: torch.stack(
+                chunked_head(lambda a, y: cross_entropy_sum(model.lm_head(a), y), h, chunk, labels)
+            ).sum()
+        )
+    assert loss == pytest.approx(full_loss, rel=1e-6)
+    assert set(grads) == set(full) and len(full) == 3
+    for name, grad in full.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_a_frozen_head_gets_no_gradient_and_the_hidden_states_theirs():
+    hidden = torch.randn(3, 4, 8, requires_grad=True)
+    weight = torch.randn(11, 8)  # LoRA's frozen head
+    labels = torch.randint(0, 11, (3, 4))
+    fused_cross_entropy(hidden, weight, labels, 2).backward()
+    got = hidden.grad.clone()
+    hidden.grad = None
+    cross_entropy_sum(hidden @ weight.t(), labels).backward()
+    torch.testing.assert_close(got, hidden.grad, atol=1e-6, rtol=1e-5)
+
+
+LLAMA3_8B = {
+    "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "vocab_size": 128256,
+}  # fmt: skip
+
+
+def test_auto_chunks_a_large_vocabulary_and_the_plan_counts_one_chunk():
+    facts, dims = ModelFacts.from_config_dict(LLAMA3_8B), ParallelDims(8, 8, zero_stage=3)
+    work = Workload(micro_batch=1, seq_len=8192, activation_checkpointing=True)
+    full = estimate_memory(facts, dims, work)
+    auto = estimate_memory(facts, dims, Workload(**{**work.__dict__, "loss_chunk": None}))
+    # 8,192 tokens × 128,256 × 12 bytes ≈ 11.7 GiB of logits, against checkpointed activations
+    assert full.loss_chunk == 0 and full.logits_gb > 11
+    assert auto.loss_chunk == 4096
+    assert auto.logits_gb == pytest.approx(full.logits_gb * 4096 / 8192)
+    assert "logits of a 4,096-token chunk of the loss" in "\n".join(auto.breakdown_lines())
+    tiny = ModelFacts.from_config_dict({"model_type": "llama", **TINY})
+    small = Workload(micro_batch=8, seq_len=64, loss_chunk=None)
+    assert estimate_memory(tiny, ParallelDims(2, 2), small).loss_chunk == 0
+    # the fused form (the head whole on the rank) also holds the head's fp32 gradient
+    ddp = estimate_memory(
+        facts, ParallelDims(8, 8), Workload(**{**work.__dict__, "loss_chunk": 4096})
+    )
+    assert ddp.logits_gb * 2**30 == pytest.approx(
+        full.logits_gb * 2**30 / 2 + 4 * 128256 * 4096, rel=1e-6
+    )
+
+
+@pytest.mark.parametrize(
+    "task,dims,expected",
+    [
+        ("dpo", ParallelDims(2, 2), "model.task dpo's loss is not the model's token loss"),
+        ("causal-lm", ParallelDims(2, 2, fsdp="full"), "FSDP2's engine"),
+        ("causal-lm", ParallelDims(2, 2, tp=2), "a tensor-parallel head splits the vocabulary"),
+    ],
+    ids=["dpo", "fsdp2", "tp"],
+)
+def test_a_chunk_where_it_cannot_run_is_refused(task, dims, expected):
+    check_loss_chunk("auto", task, dims, tiled_mlp=False)  # auto stays off there
+    with pytest.raises(UserError) as refused:
+        check_loss_chunk(512, task, dims, tiled_mlp=False)
+    assert refused.value.line().startswith("train.loss_chunk: cannot chunk the loss: " + expected)
+
+
+# -- 2 ranks: the same per-step losses ---------------------------------------------------------
+
+# (run file, flags, train.loss_chunk); every layout trains as DDP per step (the layout matrix)
+CHUNKED_RUNS = {
+    "causal-ddp-full": ("examples/tiny-llama.yaml", (), "off"),
+    "causal-ddp": ("examples/tiny-llama.yaml", (), "7"),
+    "causal-zero3": ("examples/tiny-llama.yaml", ("--zero", "3"), "7"),
+    "sft-lora-full": ("configs/sft-lora.yaml", (), "off"),
+    "sft-lora": ("configs/sft-lora.yaml", (), "7"),
+}
+
+
+@pytest.fixture(scope="module")
+def chunked_runs(tmp_path_factory) -> dict[str, list[float]]:
+    """Each run's per-step losses (4 steps on 2 ranks)."""
+    tmp = tmp_path_factory.mktemp("chunked")
+    losses = {}
+    for name, (run_file, flags, chunk) in CHUNKED_RUNS.items():
+        common = ("--cpu", "--gpus", "2", "--max-steps", "4", "--set", "train.log_every=1")
+        run = tmp / name
+        result = train(
+            run, *common, *flags, "--set", f"train.loss_chunk={chunk}", config=REPO / run_file
+        )
+        said = "chunked loss: the head and the loss 7 tokens at a time"
+        assert (said in result.stdout) == (chunk != "off"), result.stdout[-2000:]
+        losses[name] = [r["loss"] for r in read_metrics(run) if r["type"] == "train"]
+    return losses
+
+
+@pytest.mark.parametrize(
+    "chunked,full",
+    [("causal-ddp", "causal-ddp-full"), ("causal-zero3", "causal-ddp-full"),
+     ("sft-lora", "sft-lora-full")],
+)  # fmt: skip
+def test_a_chunked_run_trains_as_the_full_logits(chunked_runs, chunked, full):
+    assert len(chunked_runs[full]) == 4
+    assert chunked_runs[chunked] == pytest.approx(chunked_runs[full], abs=1e-5)
