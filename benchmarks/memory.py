@@ -28,7 +28,9 @@ from typing import Any
 
 from benchmarks.common import (
     REPO,
+    RESULTS,
     Options,
+    bar_chart,
     bench_environment,
     dplaunch_train_argv,
     fresh,
@@ -208,4 +210,17 @@ def run(options: Options) -> dict[str, Any]:
         "steps": steps,
     }
     write_result(NAME, payload, options)
+    if options.write:
+        chart(payload)
     return payload
+
+
+def chart(payload: dict[str, Any]) -> None:
+    """benchmarks/results/memory.png: rank 0's peak memory of each contender."""
+    runs = payload["loss"]["runs"]
+    bar_chart(
+        RESULTS / f"{NAME}.png",
+        "Peak memory, vocabulary 65,536, 2 CPU ranks (lower is better)",
+        {"rank 0's peak RSS": {name: [r["peak_gb"] for r in reps] for name, reps in runs.items()}},
+        ylabel="GB (median; dots = repetitions)",
+    )
