@@ -18,7 +18,12 @@ from dplaunch.planning.loss_chunk import check_loss_chunk
 from dplaunch.planning.model_facts import ModelFacts
 from dplaunch.planning.rules import ParallelDims
 from dplaunch.planning.workload import Workload
-from dplaunch.train.chunked_loss import chunked_head, cross_entropy_sum, fused_cross_entropy
+from dplaunch.train.chunked_loss import (
+    chunked_head,
+    cross_entropy_sum,
+    fused_cross_entropy,
+    pieces_for,
+)
 from tests.helpers import REPO, read_metrics, train
 
 TINY = dict(
@@ -58,7 +63,12 @@ def test_the_chunked_loss_and_gradients_equal_the_full_logits(form, chunk):
     else:
         loss, grads = gradients(
             lambda h: torch.stack(
-                chunked_head(lambda a, y: cross_entropy_sum(model.lm_head(a), y), h, chunk, labels)
+                chunked_head(
+                    lambda a, y: cross_entropy_sum(model.lm_head(a), y),
+                    h,
+                    pieces_for(2, 12, chunk),
+                    labels,
+                )
             ).sum()
         )
     assert loss == pytest.approx(full_loss, rel=1e-6)
@@ -110,11 +120,15 @@ def test_auto_chunks_a_large_vocabulary_and_the_plan_counts_one_chunk():
 @pytest.mark.parametrize(
     "task,dims,expected",
     [
-        ("dpo", ParallelDims(2, 2), "model.task dpo's loss is not the model's token loss"),
+        (
+            "sequence-classification",
+            ParallelDims(2, 2),
+            "model.task sequence-classification has no vocabulary head",
+        ),
         ("causal-lm", ParallelDims(2, 2, fsdp="full"), "FSDP2's engine"),
         ("causal-lm", ParallelDims(2, 2, tp=2), "a tensor-parallel head splits the vocabulary"),
     ],
-    ids=["dpo", "fsdp2", "tp"],
+    ids=["classification", "fsdp2", "tp"],
 )
 def test_a_chunk_where_it_cannot_run_is_refused(task, dims, expected):
     check_loss_chunk("auto", task, dims, tiled_mlp=False)  # auto stays off there

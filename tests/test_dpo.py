@@ -391,6 +391,8 @@ LAYOUTS = {
     "zero2": ("--zero", "2"),
     "zero3": ("--zero", "3"),
     "fsdp": ("--fsdp", "full"),
+    # train.loss_chunk: the policy's log-probabilities in checkpointed chunks of 5 tokens
+    "zero3-chunked": ("--zero", "3", "--set", "train.loss_chunk=5"),
 }
 
 
@@ -433,7 +435,7 @@ def assert_trains_as(run_dir: Path, reference_run: Path, tolerance: float = 1e-5
         assert mine["rewards/accuracies"] == ddp["rewards/accuracies"]
 
 
-@pytest.mark.parametrize("layout", ["zero1", "zero2", "zero3", "fsdp"])
+@pytest.mark.parametrize("layout", ["zero1", "zero2", "zero3", "fsdp", "zero3-chunked"])
 def test_every_layout_trains_as_ddp_does(layouts, layout):
     assert_trains_as(layouts[layout], layouts["ddp"])
     # the rewards moved: the policy left its reference

@@ -221,6 +221,8 @@ LAYOUTS = {
     "zero2": ("--gpus", "2", "--zero", "2"),
     "zero3": ("--gpus", "2", "--zero", "3"),
     "fsdp2": ("--gpus", "2", "--fsdp", "full"),
+    # train.loss_chunk: the completions' log-probabilities in checkpointed chunks of 3 tokens
+    "ddp-chunked": ("--gpus", "2", "--set", "train.loss_chunk=3"),
 }
 LORA = ("--set", "model.lora.r=4")
 
@@ -271,7 +273,7 @@ def _assert_same(run: Path, reference: Path) -> None:
             assert mine[key] == pytest.approx(theirs[key], abs=1e-5), (run.name, mine["step"], key)
 
 
-@pytest.mark.parametrize("layout", ["one-rank", "zero1", "zero2", "zero3", "fsdp2"])
+@pytest.mark.parametrize("layout", ["one-rank", "zero1", "zero2", "zero3", "fsdp2", "ddp-chunked"])
 def test_every_layout_samples_the_same_completions_and_trains_as_ddp(grpo_runs, layout):
     _assert_same(grpo_runs[layout], grpo_runs["ddp"])
 

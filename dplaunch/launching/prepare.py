@@ -364,7 +364,7 @@ def _plan_loss_chunk(config: RunConfig, facts: ModelFacts, plan: Plan) -> Plan:
             f"the forward/backward's {full.forward_backward_gb:.2f} GiB"
         )
     note = (
-        f"train.loss_chunk: the head and the loss run {chunked.loss_chunk:,} tokens at a time "
+        f"train.loss_chunk: the output head runs {chunked.loss_chunk:,} tokens at a time "
         f"({why}); the plan counts {chunked.logits_gb:.2f} GiB for them"
     )
     return replace(plan, loss_chunk=chunked.loss_chunk, notes=(*plan.notes, note))

@@ -276,8 +276,8 @@ def plan_workload(config: RunConfig, plan: Plan) -> Workload:
 
 
 def layout_forecast(config: RunConfig, facts: ModelFacts, plan: Plan, profile: Profile) -> Forecast:
-    """The forecast of the run's own layout on PROFILE."""
-    workload = plan_workload(config, plan)
+    """The forecast of the run's own layout on PROFILE (with the chunk the plan resolved)."""
+    workload = replace(plan_workload(config, plan), loss_chunk=plan.loss_chunk)
     return forecast_step(
         facts, plan.dims, workload, profile, guard=workload.guard, clip=workload.clip
     )

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dplaunch.errors import UserError
-from dplaunch.planning.loss_chunk import resolve_chunk, why_not_chunked
+from dplaunch.planning.loss_chunk import fuses, resolve_chunk, why_not_chunked
 from dplaunch.planning.model_facts import ModelFacts, attention_implementation
 from dplaunch.planning.rules import ParallelDims, check_offload, check_pipeline_depth
 from dplaunch.planning.workload import Workload
@@ -1002,12 +1002,12 @@ def _head_logits(
         return 0.0, 0
     if not fixed.chunkable:
         return fixed.logits, 0
-    tokens = workload.micro_batch * workload.seq_len / layout.sp
+    tokens = workload.micro_batch * workload.rows_per_sample * workload.seq_len / layout.sp
     chunk = resolve_chunk(workload.loss_chunk, tokens, count.hidden_size, fixed.logits, activations)
     if not chunk:
         return fixed.logits, 0
     logits = fixed.logits * chunk / tokens
-    if layout.zero_stage != 3:
+    if fuses(workload.task, layout.zero_stage):
         logits += 4 * count.vocab_size * count.hidden_size
     return logits, chunk
 

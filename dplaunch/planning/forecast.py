@@ -53,6 +53,7 @@ from dplaunch.planning.estimate import (
     layers_per_stage,
 )
 from dplaunch.planning.lora import Module, adapted_modules, model_modules
+from dplaunch.planning.loss_chunk import fuses
 from dplaunch.planning.mesh import Mesh, fsdp_groups
 from dplaunch.planning.model_facts import ModelFacts, attention_implementation
 from dplaunch.planning.profiles import DTYPES, GPU_SHEETS, Profile, gpu_sheet_name
@@ -1527,6 +1528,13 @@ def _stage_flops(
         share = RankShare(dims.tp, dims.sp, (first, layers))
         per_stage.append(micro_batch_flops(facts, share=share, **options))
         first += layers
+    chunk = workload.loss_chunk
+    if chunk is not None and chunk > 0 and not fuses(workload.task, dims.zero_stage):
+        # the chunked loss's checkpointed chunks: the head's forward once more in the backward
+        count = _count(facts, workload.task, workload.num_labels)
+        tokens = options["micro_batch"] * workload.seq_len / dims.sp
+        head = 2.0 * tokens * count.hidden_size * count.vocab_size / dims.tp
+        per_stage[-1] = per_stage[-1] + Flops(dense_recompute=head)
     return per_stage
 
 

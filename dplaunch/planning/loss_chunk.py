@@ -8,15 +8,17 @@ least AUTO_SHARE of the forward/backward's activations and logits together — a
 ``hidden_size`` tokens (a chunk's logits about the head's own size, as DeepSpeed's tiled loss
 chooses). `off`: the model's own full logits; N: chunks of N tokens.
 
-Where it runs: the tasks whose loss is a token loss (Task.sequence_parallel: causal-lm, sft),
-on DDP, ZeRO-1/2/3 and LoRA, with or without sp (train/sequence_parallel.py's engine computes
-it). Not (yet) with FSDP2, tp or pp, nor for dpo's and grpo's log-probabilities: `auto` stays off
+Where it runs: every task with a vocabulary head (causal-lm, sft: the loss, in
+train/sequence_parallel.py's engine; dpo, grpo: the policy's per-token log-probabilities, in
+their objectives, always in checkpointed chunks: their gradient is not known in the forward), on
+DDP, ZeRO-1/2/3 and LoRA, with or without sp. Not (yet) with FSDP2, tp or pp: `auto` stays off
 there, a number is refused with the reason (check_loss_chunk).
 
-Memory, one chunk of C tokens: C × vocabulary × LOSS_BYTES_PER_LOGIT; where the head's weight is
-whole on the rank (not ZeRO-3) the fused form also holds the head's gradient in fp32 from the
-forward to the backward (4 × vocabulary × hidden bytes); under ZeRO-3 each chunk's logits are
-recomputed in the backward (the head's forward FLOPs once more).
+Memory, one chunk of C tokens: C × vocabulary × LOSS_BYTES_PER_LOGIT; where the fused form runs
+(the model's own token loss, the head's weight whole on the rank: not ZeRO-3) it also holds the
+head's gradient in fp32 from the forward to the backward (4 × vocabulary × hidden bytes);
+elsewhere each chunk's logits are recomputed in the backward (the head's forward FLOPs once
+more: fuses() says which).
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ def chunk_setting(value: int | str, tiled_mlp: bool = False) -> int | None:
 
 def why_not_chunked(task: str, *, fsdp: bool, tp: int, pp: int) -> str | None:
     """Why this task or layout cannot chunk its loss, or None."""
-    if not task_of(task).sequence_parallel:
-        return f"model.task {task}'s loss is not the model's token loss (causal-lm, sft)"
+    if not task_of(task).causal:
+        return f"model.task {task} has no vocabulary head"
     if fsdp:
         return "FSDP2's engine computes the model's own full logits"
     if tp > 1:
@@ -70,6 +72,12 @@ def check_loss_chunk(value: int | str, task: str, dims: Any, tiled_mlp: bool) ->
     if reason is not None:
         key = "train.tiled_mlp" if value in ("auto", "off") else "train.loss_chunk"
         raise UserError(key, f"cannot chunk the loss: {reason}", "remove it, or set it off")
+
+
+def fuses(task: str, zero_stage: int) -> bool:
+    """Whether the chunked loss computes its gradients in the forward (the fused form: the
+    model's own token loss, the head whole on the rank), rather than recomputing each chunk."""
+    return task_of(task).sequence_parallel and zero_stage != 3
 
 
 def resolve_chunk(

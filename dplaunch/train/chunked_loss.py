@@ -90,22 +90,97 @@ def fused_cross_entropy(
     return _FusedLinearCrossEntropy.apply(flat, weight, targets.reshape(-1), max(int(chunk), 1))
 
 
+def pieces_for(rows: int, longest: int, chunk: int) -> int:
+    """How many chunks a micro-batch of ROWS rows of at most LONGEST tokens is cut into for
+    chunks of about CHUNK tokens: from the plan's sizes, not from the batch's own length, so that
+    every rank makes as many calls (ZeRO-3 gathers the head's weight in each: collective)."""
+    return max(1, -(-rows * max(longest, 1) // max(chunk, 1)))
+
+
 def chunked_head(
-    function: Callable[..., torch.Tensor], hidden: torch.Tensor, chunk: int, *extra: torch.Tensor
+    function: Callable[..., torch.Tensor], hidden: torch.Tensor, pieces: int, *extra: torch.Tensor
 ) -> list[torch.Tensor]:
     """FUNCTION(a chunk of HIDDEN [rows, tokens, h], the same chunk of each EXTRA [rows, tokens…])
-    over chunks of about CHUNK tokens along the sequence, each under checkpointing: its logits
-    exist only while it runs, and again one chunk at a time in the backward. Always as many
-    calls on every rank of a run (ZeRO-3 gathers the head's weight in each)."""
-    rows, tokens = hidden.size(0), hidden.size(1)
-    pieces = max(1, -(-rows * tokens // max(chunk, 1)))
-    pieces = min(pieces, max(tokens, 1))
+    over PIECES chunks along the sequence (pieces_for; empty ones too), each under
+    checkpointing: its logits exist only while it runs, and again one chunk at a time in the
+    backward."""
     parts = zip(
         torch.tensor_split(hidden, pieces, dim=1),
         *(torch.tensor_split(t, pieces, dim=1) for t in extra),
         strict=True,
     )
     return [checkpoint(function, *part, use_reentrant=False) for part in parts]
+
+
+def base_model(model: Any) -> Any:
+    """The transformers model under peft's adapters (the model itself without)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+class FinalHidden:
+    """Keeps the decoder's last hidden state (after the final norm) of the next forward the
+    caller expects, so that the head is applied to it a chunk at a time; the model's own logits
+    are then computed for no position (logits_to_keep). Registered after the engine wraps the
+    model: ZeRO-3's own hook replaces the norm's output with one whose backward gathers the
+    norm's weight first, and this hook keeps that one (the decoder returns it). Other forwards
+    (an evaluation's, which computes the model's own logits) are left alone."""
+
+    def __init__(self, model: Any):
+        self.value: torch.Tensor | None = None
+        self.wanted = False
+        base_model(model).get_decoder().register_forward_hook(self._keep)
+
+    def expect(self) -> None:
+        """The next forward's hidden states are to be kept."""
+        self.wanted = True
+
+    def _keep(self, _module: Any, _inputs: Any, output: Any) -> None:
+        if self.wanted:
+            self.value = output[0] if isinstance(output, tuple) else output.last_hidden_state
+            self.wanted = False
+
+    def take(self) -> torch.Tensor:
+        value, self.value = self.value, None
+        assert value is not None, "the forward did not reach the decoder's end"
+        return value
+
+
+class ChunkedHead:
+    """A token-level function of a causal LM's logits (the log-probability of each target, its
+    entropy) computed a chunk of CHUNK tokens at a time: the model's forward keeps no logits, and
+    each chunk's head and function run under checkpointing (chunked_head), in the backward too.
+    dpo's responses and grpo's completions take their log-probabilities so."""
+
+    def __init__(self, model: Any, chunk: int, longest: int):
+        self.final = FinalHidden(model)
+        self.head = base_model(model).get_output_embeddings()
+        # a row's tokens at most (the plan's): every rank cuts as many chunks
+        self.chunk, self.longest = chunk, longest
+
+    def __call__(
+        self,
+        model: Any,
+        batch: dict[str, torch.Tensor],
+        targets: torch.Tensor,
+        function: Callable[[torch.Tensor, torch.Tensor], Any],
+    ) -> Any:
+        """FUNCTION(logits [rows, t, vocab], targets [rows, t]) over the micro-batch's positions
+        but the last (TARGETS: the next tokens, [rows, length − 1]), joined along the sequence:
+        a tensor, or a tuple of them."""
+        no_logits = torch.zeros(0, dtype=torch.long, device=targets.device)
+        self.final.expect()
+        model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            use_cache=False,
+            logits_to_keep=no_logits,
+        )
+        hidden = self.final.take()[:, :-1]
+        pieces = pieces_for(hidden.size(0), self.longest, self.chunk)
+        parts = chunked_head(lambda h, y: function(self.head(h), y), hidden, pieces, targets)
+        if isinstance(parts[0], tuple):
+            return tuple(torch.cat(column, dim=1) for column in zip(*parts, strict=True))
+        return torch.cat(parts, dim=1)
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ import torch
 from dplaunch.config.schema import GrpoConfig, RunConfig
 from dplaunch.planning.plan import Plan
 from dplaunch.tasks.grpo_rewards import RewardError, check_rewards, score
+from dplaunch.train.chunked_loss import ChunkedHead
 from dplaunch.train.data import Batcher, Sharding
 from dplaunch.train.generation import EngineSampler, Sampler, Sampling, completion_seed
 from dplaunch.train.grpo_loss import (
@@ -114,6 +115,14 @@ class GrpoObjective:
         self.batcher, self.sampler, self.reference = batcher, sampler, reference
         self.rank = self.accelerator.process_index
         self.loss_settings = LossSettings.of(settings)
+        # train.loss_chunk: the completions' log-probabilities a chunk of tokens at a time
+        # (a row: the prompt's tokens at most, and the completion's)
+        longest = config.data.max_length + settings.max_completion_length
+        self.chunked = (
+            ChunkedHead(accelerator.unwrap_model(engine.model), plan.loss_chunk, longest)
+            if plan.loss_chunk
+            else None
+        )
         self.functions = check_rewards(settings.rewards, settings.reward_weights, None, Path.cwd())
         self.weights = settings.reward_weights or [1.0] * len(self.functions)
         self.current: Rollout | None = None
@@ -314,12 +323,21 @@ class GrpoObjective:
         """A micro-batch's loss, as TRL's before its division by the accumulation (dplaunch's
         engines divide by it; dapo, normalised by the whole step's tokens, is scaled back)."""
         settings = self.settings
-        logits = model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
-        ).logits[:, :-1]
-        logps, entropy = token_logps_and_entropy(
-            logits, batch["input_ids"][:, 1:], settings.temperature
-        )
+        targets = batch["input_ids"][:, 1:]
+        if self.chunked is not None:  # train.loss_chunk: no full logits
+            logps, entropy = self.chunked(
+                model,
+                batch,
+                targets,
+                lambda logits, y: token_logps_and_entropy(logits, y, settings.temperature),
+            )
+        else:
+            logits = model(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                use_cache=False,
+            ).logits[:, :-1]
+            logps, entropy = token_logps_and_entropy(logits, targets, settings.temperature)
         loss, terms = policy_loss(
             logps,
             batch.get("old_logps"),

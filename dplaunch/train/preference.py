@@ -43,6 +43,7 @@ from dplaunch.config.schema import PreferenceConfig, RunConfig
 from dplaunch.data.example_tokens import IGNORE_INDEX
 from dplaunch.data.preference import REFERENCE_COLUMNS
 from dplaunch.planning.plan import Plan
+from dplaunch.train.chunked_loss import ChunkedHead
 
 # metrics.jsonl's keys (TRL's names), in the order of the objective's sums after the pair count
 METRIC_KEYS = (
@@ -56,20 +57,30 @@ METRIC_KEYS = (
 ORPO_KEYS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
-def response_logps(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed log-probability of each row's trained tokens, their number), one forward."""
-    logits = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
-    ).logits[:, :-1]
+def response_logps(
+    model: Any, batch: dict[str, torch.Tensor], chunked: ChunkedHead | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probability of each row's trained tokens, their number), one forward; with
+    CHUNKED (train.loss_chunk) the head a chunk of tokens at a time, no full logits."""
     labels = batch["labels"][:, 1:]
     trained = labels != IGNORE_INDEX
-    # cross-entropy is log_softmax and the gather in one kernel, in fp32
-    per_token = -F.cross_entropy(
-        logits.float().reshape(-1, logits.size(-1)),
-        labels.clamp(min=0).reshape(-1),
-        reduction="none",
-    ).view(labels.shape)
+    targets = labels.clamp(min=0)
+    if chunked is not None:
+        per_token = chunked(model, batch, targets, target_logps)
+    else:
+        logits = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+        ).logits[:, :-1]
+        per_token = target_logps(logits, targets)
     return (per_token * trained).sum(-1), trained.sum(-1)
+
+
+def target_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The log-probability of each target under LOGITS, in fp32 (cross-entropy is the
+    log-softmax and the gather in one kernel)."""
+    return -F.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none"
+    ).view(targets.shape)
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -203,9 +214,16 @@ class PreferenceObjective:
     """The loss of a micro-batch of pairs, and the metrics summed over the steps since the last
     log line (or over an evaluation)."""
 
-    def __init__(self, settings: PreferenceConfig, reference: Reference | None):
+    def __init__(
+        self,
+        settings: PreferenceConfig,
+        reference: Reference | None,
+        chunked: ChunkedHead | None = None,
+    ):
         self.settings = settings
         self.reference = reference
+        # train.loss_chunk: the policy's log-probabilities a chunk of tokens at a time
+        self.chunked = chunked
         self.keys = METRIC_KEYS + (ORPO_KEYS if settings.loss == "orpo" else ())
         self.totals: torch.Tensor | None = None
 
@@ -215,7 +233,7 @@ class PreferenceObjective:
         if self.settings.needs_reference and kept is None:
             assert self.reference is not None, "no reference model and no precomputed values"
             kept = self.reference.logps(model, batch)
-        logps, tokens = response_logps(model, batch)
+        logps, tokens = response_logps(model, batch, self.chunked)
         return PairTerms(self.settings, logps, tokens, kept)
 
     def loss(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -277,7 +295,13 @@ def start_preference(
                 batcher, engine.model, policy, accelerator, cache_file, plan.micro_batch_size
             )
             say(f"[dplaunch] {line}")
-    engine.objective = PreferenceObjective(config.train.preference, reference)
+    chunked = None
+    if plan.loss_chunk:
+        chunked = ChunkedHead(
+            accelerator.unwrap_model(engine.model), plan.loss_chunk, config.data.max_length
+        )
+        say(f"[dplaunch] chunked log-probabilities: the head {plan.loss_chunk} tokens at a time")
+    engine.objective = PreferenceObjective(config.train.preference, reference, chunked)
     return engine.objective, described
 
 

@@ -33,7 +33,15 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from dplaunch.data.example_tokens import IGNORE_INDEX
-from dplaunch.train.chunked_loss import chunked_head, cross_entropy_sum, fused_cross_entropy
+from dplaunch.tasks import task_of
+from dplaunch.train.chunked_loss import (
+    FinalHidden,
+    base_model,
+    chunked_head,
+    cross_entropy_sum,
+    fused_cross_entropy,
+    pieces_for,
+)
 from dplaunch.train.engines import AccelerateEngine, token_sums
 
 
@@ -246,32 +254,6 @@ def tile_mlps(model: Any, tiles: int) -> None:
         mlp.forward = types.MethodType(forward, mlp)
 
 
-def base_model(model: Any) -> Any:
-    """The transformers model under peft's adapters (the model itself without)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-class FinalHidden:
-    """Keeps the decoder's last hidden state (after the final norm) of a forward, so the chunked
-    loss applies the head to it a chunk at a time; the model's own logits are then computed for
-    no position (logits_to_keep). Registered after the engine wraps the model: ZeRO-3's own hook
-    replaces the norm's output with one whose backward gathers the norm's weight first, and this
-    hook keeps that one (the decoder returns it)."""
-
-    def __init__(self, model: Any):
-        self.value: torch.Tensor | None = None
-        base_model(model).get_decoder().register_forward_hook(self._keep)
-
-    def _keep(self, module: Any, _inputs: Any, output: Any) -> None:
-        if module.training:  # evaluation computes the model's own logits
-            self.value = output[0] if isinstance(output, tuple) else output.last_hidden_state
-
-    def take(self) -> torch.Tensor:
-        value, self.value = self.value, None
-        assert value is not None, "the forward did not reach the final norm"
-        return value
-
-
 class LongSequenceEngine(AccelerateEngine):
     """DDP and ZeRO 0-3 with each micro-batch's sequence split over an sp group (Ulysses) and/or
     the logits + loss computed in tiles: same step, same optimizer, another loss."""
@@ -283,6 +265,7 @@ class LongSequenceEngine(AccelerateEngine):
         tiled_mlp: bool,
         tiles: int,
         loss_chunk: int,
+        longest: int,
         attention: UlyssesAttention | None,
     ):
         super().__init__(*args)
@@ -292,6 +275,8 @@ class LongSequenceEngine(AccelerateEngine):
         self.lm_head = base_model(unwrapped).get_output_embeddings()
         self.final = FinalHidden(unwrapped) if loss_chunk else None
         self.tiled_mlp, self.tiles, self.loss_chunk = tiled_mlp, tiles, loss_chunk
+        # a sequence slice's tokens at most: every rank cuts its loss into as many chunks
+        self.longest = longest
 
     @property
     def evaluates_slices(self) -> bool:
@@ -329,8 +314,9 @@ class LongSequenceEngine(AccelerateEngine):
         """The summed token loss of HIDDEN through the head, a chunk at a time."""
         if self.fuses:
             return fused_cross_entropy(hidden, self.lm_head.weight, labels, self.loss_chunk)
+        pieces = pieces_for(hidden.size(0), self.longest, self.loss_chunk)
         parts = chunked_head(
-            lambda h, y: cross_entropy_sum(self.lm_head(h), y), hidden, self.loss_chunk, labels
+            lambda h, y: cross_entropy_sum(self.lm_head(h), y), hidden, pieces, labels
         )
         return torch.stack(parts).sum()
 
@@ -351,6 +337,7 @@ class LongSequenceEngine(AccelerateEngine):
             loss_sum = cross_entropy_sum(logits, shift_labels)
         else:
             no_logits = torch.zeros(0, dtype=torch.long, device=shift_labels.device)
+            self.final.expect()
             self.model(**local, **self.forward_options, logits_to_keep=no_logits)
             loss_sum = self.chunked_loss(self.final.take(), shift_labels)
         # the sp copies of every gradient add up over the group (see the module's docstring)
@@ -383,7 +370,9 @@ def prepare_long_sequences(
 ) -> dict[str, Any]:
     """Before Accelerate wraps the model: Ulysses attention and tiled MLPs as the run asks; the
     keyword arguments of LongSequenceEngine (empty when neither is asked)."""
-    sp, chunk = plan.sequence_parallel_size, plan.loss_chunk
+    # dpo's and grpo's objectives chunk their log-probabilities themselves (train/chunked_loss.py)
+    chunk = plan.loss_chunk if task_of(config.model.task).sequence_parallel else 0
+    sp = plan.sequence_parallel_size
     if sp <= 1 and not config.train.tiled_mlp and not chunk:
         return {}
     attention = None
@@ -399,5 +388,6 @@ def prepare_long_sequences(
         "tiled_mlp": config.train.tiled_mlp,
         "tiles": tiles,
         "loss_chunk": chunk,
+        "longest": config.data.max_length // sp,
         "attention": attention,
     }
