@@ -27,7 +27,8 @@ from dplaunch.config.schema import DataConfig
 from dplaunch.data import streams
 from dplaunch.data.streams import Shard, parse_raw, read_raw
 from dplaunch.train.data import Batcher, Sharding, attach_chat_template, tokenize
-from dplaunch.train.streaming import StreamBatcher, stream_lanes
+from dplaunch.train.mixture_stream import stream_lanes
+from dplaunch.train.streaming import StreamBatcher
 from dplaunch.train.tokenizer import byte_level_tokenizer
 from tests.helpers import REPO, SFT_CONFIG, cache_hub_dataset, write_config
 

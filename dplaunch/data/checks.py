@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dplaunch.config.schema import DataConfig, RunConfig
+from dplaunch.config.schema import DataConfig
 from dplaunch.data.arrow_datasets import (
     CONFIG_FIELD,
     PreparedDataset,
@@ -923,19 +923,3 @@ def _check_one_global_batch(
 
 def _count(number: int, noun: str) -> str:
     return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
-
-
-def check_examples(config: RunConfig, data_task: str, *, fill_a_batch: bool = True) -> list[str]:
-    """Every record of a task whose records are examples (Task.examples), checked as its ranks
-    render them: pairs (preference_checks.py) or answers (sft_checks.py); the plan's notes. []
-    for a task of plain texts or labels, which check_data checks."""
-    task = task_of(data_task)
-    if not task.examples:
-        return []
-    if task.pairs:
-        from dplaunch.data.preference_checks import check_preference_examples as check
-    elif task.prompts:
-        from dplaunch.data.prompt_checks import check_prompt_examples as check
-    else:
-        from dplaunch.data.sft_checks import check_sft_examples as check
-    return check(config, fill_a_batch=fill_a_batch)

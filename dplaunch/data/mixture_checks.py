@@ -10,7 +10,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from dplaunch.config.schema import SOURCE_KEYS, DataSource, RunConfig
-from dplaunch.data.checks import check_data, check_examples
+from dplaunch.data.checks import check_data
+from dplaunch.data.example_checks import check_examples
 from dplaunch.data.mixture import evaluation_data, source_data, source_name
 from dplaunch.errors import UserError
 from dplaunch.tasks import task_of

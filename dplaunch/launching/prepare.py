@@ -275,7 +275,7 @@ def check_training_run(
     if config.data.mixture is not None:
         check_mixture(config, notes)
         return CheckedRun(config, facts, tuple(notes))
-    from dplaunch.data.checks import check_examples
+    from dplaunch.data.example_checks import check_examples
     from dplaunch.data.sft_checks import data_task_of
 
     data_task = data_task_of(config)

@@ -561,7 +561,8 @@ def _stream_batcher(
     resume: dict[str, Any] | None,
 ) -> StreamBatcher:
     """data.streaming: this rank's lanes of the stream, from the resumed checkpoint's position."""
-    from dplaunch.train.streaming import StreamBatcher, stream_lanes
+    from dplaunch.train.mixture_stream import stream_lanes
+    from dplaunch.train.streaming import StreamBatcher
 
     def total_over_ranks(tokens: int) -> int:
         # one rank of each data-parallel group counts (its tp/pp/sp peers hold the same rows)

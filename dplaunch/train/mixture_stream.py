@@ -117,3 +117,11 @@ class MixedWorker:
                 samples[own.index] = own.next_sample(pullers[source][place])
             yield {"step": step, "samples": samples, "state": self.state()}
             step += 1
+
+
+def stream_lanes(data: DataConfig, task: str, tokenizer: Any, lanes: int, seed: int) -> StreamLanes:
+    """The lanes of DATA's stream (train/streaming.py), or of its mixture's streams dealt by
+    weight (MixedLanes)."""
+    if data.mixture is None:
+        return StreamLanes(data, task, tokenizer, lanes, seed)
+    return MixedLanes(data, task, tokenizer, lanes, seed)

@@ -388,16 +388,6 @@ class StreamLanes:
         }
 
 
-def stream_lanes(data: DataConfig, task: str, tokenizer: Any, lanes: int, seed: int) -> StreamLanes:
-    """The lanes of DATA's stream, or of its mixture's streams dealt by weight
-    (train/mixture_stream.py)."""
-    if data.mixture is None:
-        return StreamLanes(data, task, tokenizer, lanes, seed)
-    from dplaunch.train.mixture_stream import MixedLanes
-
-    return MixedLanes(data, task, tokenizer, lanes, seed)
-
-
 class LaneDataset(torch.utils.data.IterableDataset):
     """The data loader's dataset: worker w makes the steps of the lanes in CHUNKS[w]."""
 
@@ -498,9 +488,9 @@ class StreamBatcher:
         writes_position: bool,
         resume_from: tuple[Path, int] | None = None,
     ):
-        """``lanes``: what the lanes read (:func:`stream_lanes`); ``resume_from``: the checkpoint
-        whose stream positions this launch starts from, and its step (None: the stream's
-        start)."""
+        """``lanes``: what the lanes read (train/mixture_stream.py's stream_lanes);
+        ``resume_from``: the checkpoint whose stream positions this launch starts from, and its
+        step (None: the stream's start)."""
         self.sharding = sharding
         self.pad_id = tokenizer.pad_token_id
         self.total_over_ranks = total_over_ranks
