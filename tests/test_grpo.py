@@ -291,8 +291,10 @@ def test_the_run_learns_something_and_logs_trls_metrics(grpo_runs):
         "clip_ratio/region_mean", "completions/clipped_ratio",
     ):  # fmt: skip
         assert key in steps[0], key
-    # the rewards spread, so the advantages and the loss are not 0
-    assert steps[0]["reward_std"] > 0 and all(r["loss"] != 0.0 for r in steps)
+    # the rewards spread, so the advantages are not 0; at a batch's first step the ratio is 1
+    # and equal-length groups make the loss about 0, at its second the ratio and the KL move it
+    assert steps[0]["reward_std"] > 0
+    assert abs(steps[1]["loss"]) > 1e-3 and abs(steps[3]["loss"]) > 1e-3
     # the policy starts at the reference (KL 0) and moves away from it
     assert steps[0]["kl"] == 0.0 and steps[1]["kl"] > 0.0 and steps[3]["kl"] > 0.0
     # a few completions with their rewards, at the steps that sample

@@ -57,6 +57,12 @@ class Plan:
     loss_chunk: int = 0
 
     @property
+    def forwards_are_collective(self) -> bool:
+        """Whether every forward needs every rank of a group (ZeRO-3 and FSDP2 gather weights,
+        TP splits them): ranks that generate must then run as many forwards, in step."""
+        return self.zero_stage == 3 or self.tensor_parallel_size > 1 or self.engine == "fsdp"
+
+    @property
     def world_size(self) -> int:
         return self.dims.world_size
 

@@ -21,7 +21,6 @@ resumed run trains the very completions and ratios a straight run does.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 
 from dplaunch.config.schema import GrpoConfig, RunConfig
 from dplaunch.planning.plan import Plan
-from dplaunch.tasks.grpo_rewards import RewardError, check_rewards, score
+from dplaunch.tasks.grpo_rewards import RewardError, check_rewards, combine, score
 from dplaunch.train.chunked_loss import ChunkedHead
 from dplaunch.train.data import Batcher, Sharding
 from dplaunch.train.generation import EngineSampler, Sampler, Sampling, completion_seed
@@ -40,6 +39,7 @@ from dplaunch.train.grpo_loss import (
     LossSettings,
     group_advantages,
     grpo_metrics,
+    nan_std,
     policy_loss,
     token_logps_and_entropy,
 )
@@ -200,14 +200,10 @@ class GrpoObjective:
     def _idle_in_step(self, groups: int, prompt_ids: list[int]) -> None:
         """Where the ranks generate in step, a rank with fewer prompts' groups than another runs
         idle batches until every rank has run as many."""
-        if not getattr(self.sampler, "synced", False):
+        if not self.plan.forwards_are_collective:
             return
         count = torch.tensor([float(groups)], device=self.accelerator.device)
-        most = (
-            int(self.accelerator.reduce(count, reduction="max"))
-            if self.plan.world_size > 1
-            else groups
-        )
+        most = int(self.accelerator.reduce(count, reduction="max"))
         for _ in range(most - groups):
             self.sampler.idle(prompt_ids, self.settings.num_generations)
 
@@ -221,13 +217,9 @@ class GrpoObjective:
 
     def _row(self, prompt: list[int], completion: list[int]) -> tuple[list[int], int, int, bool]:
         """(prompt + completion ids, prompt length, completion length, truncated: no EOS)."""
-        eos = set(self._eos_ids())
+        eos = set(eos_ids(self.tokenizer))
         truncated = not completion or completion[-1] not in eos
         return [*prompt, *completion], len(prompt), len(completion), truncated
-
-    def _eos_ids(self) -> list[int]:
-        eos = self.tokenizer.eos_token_id
-        return list(eos) if isinstance(eos, list) else [eos] if eos is not None else []
 
     def _micro_batches(
         self, rows: list[tuple[list[int], int, int, bool]], advantages: torch.Tensor
@@ -409,8 +401,7 @@ class GrpoObjective:
             per_func = score(
                 self.functions, self.weights, [record[PROMPT]] * group, texts, columns, 0
             )
-            values = torch.tensor(per_func, dtype=torch.float32).T
-            rewards = (values * torch.tensor(self.weights)).nansum(-1)
+            rewards = torch.tensor(combine(per_func, self.weights), dtype=torch.float32)
             sums += torch.stack([rewards.sum(), torch.tensor(float(group)), (rewards**2).sum()])
         if total:  # ZeRO-3, FSDP2: a rank with one prompt fewer samples an idle batch
             self._idle_in_step(len(mine), batcher.dataset[0]["input_ids"])
@@ -439,8 +430,14 @@ class RewardFailure(RuntimeError):
 
 
 def _nanstd(values: torch.Tensor) -> float:
-    kept = values[~torch.isnan(values)]
-    return float(kept.std()) if kept.numel() > 1 else 0.0
+    """The logged spread of VALUES without their NaNs (0 where fewer than two are left)."""
+    return float(torch.nan_to_num(nan_std(values), nan=0.0))
+
+
+def eos_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The tokens that end a completion (a tokenizer may name several)."""
+    eos = tokenizer.eos_token_id
+    return tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
 
 
 def start_grpo(
@@ -468,15 +465,14 @@ def start_grpo(
             config, plan, accelerator, engine, run_dir, tokenizer
         )
         say(f"[dplaunch] reference model: {described['kind']}")
-    eos = tokenizer.eos_token_id
     sampling = Sampling(
         settings.max_completion_length,
         settings.temperature,
         settings.top_p,
         settings.top_k,
-        tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else (),
+        eos_ids(tokenizer),
     )
-    synced = plan.zero_stage == 3 or plan.engine == "fsdp"
+    synced = plan.forwards_are_collective
     autocast = accelerator.autocast if plan.engine == "ddp" else None
     sampler = EngineSampler(
         accelerator.unwrap_model(engine.model),
@@ -499,9 +495,3 @@ def start_grpo(
         + ("the ranks generate in step" if synced else "each rank generates its own share")
     )
     return objective, described
-
-
-def grpo_steps_note(prompts: int, settings: GrpoConfig, global_batch: int) -> str:
-    """How many steps an epoch of PROMPTS makes (for the plan)."""
-    per_step = global_batch // settings.num_generations
-    return f"{math.floor(prompts / per_step) * settings.num_iterations} steps an epoch"

@@ -1037,7 +1037,7 @@ def _log_samples(run: RankRun, step: int) -> None:
     from dplaunch.train.samples import sample_line
 
     plan, accelerator = run.plan, run.accelerator
-    synced = plan.zero_stage == 3 or plan.tensor_parallel_size > 1 or plan.engine == "fsdp"
+    synced = plan.forwards_are_collective
     if not (synced or run.place.is_main):
         return
     model = accelerator.unwrap_model(run.engine.model)
