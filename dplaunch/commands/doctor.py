@@ -397,8 +397,8 @@ def _run_ranks(prepared: PreparedRun, result_file: Path, seconds_left: float) ->
     typer.echo(f"{'size':>10} {'time (us)':>12} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13}")
     for row in result["rows"]:
         typer.echo(
-            f"{_size(row['bytes']):>10} {row['time_us']:>12.1f} {row['algbw_gbps']:>13.3f} "
-            f"{row['busbw_gbps']:>13.3f}"
+            f"{_size(row['bytes']):>10} {row['time_us']:>12.1f} {row['algbw_gbps']:>13.3g} "
+            f"{row['busbw_gbps']:>13.3g}"
         )
     return []
 
