@@ -7,6 +7,11 @@ what cannot run it is refused in one line."""
 
 from __future__ import annotations
 
+import json
+import os
+from collections import Counter
+from typing import Any
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -24,7 +29,7 @@ from dplaunch.train.chunked_loss import (
     fused_cross_entropy,
     pieces_for,
 )
-from tests.helpers import REPO, read_metrics, train
+from tests.helpers import REPO, child_environment, read_metrics, train
 
 TINY = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -77,6 +82,62 @@ def test_the_chunked_loss_and_gradients_equal_the_full_logits(form, chunk):
         torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)
 
 
+class _LiveBytes:
+    """The peak of glibc's allocated bytes (mallinfo2: heap in use + mmapped blocks) while a
+    block runs, over what was allocated before it, sampled by a thread (torch's operators
+    release the GIL): a peak it misses only makes the figure lower."""
+
+    def __init__(self):
+        import ctypes
+
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [(name, ctypes.c_size_t) for name in (
+                "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                "uordblks", "fordblks", "keepcost",
+            )]  # fmt: skip
+
+        self.libc = ctypes.CDLL("libc.so.6")
+        self.libc.mallinfo2.restype = MallInfo2
+
+    def live(self) -> int:
+        info = self.libc.mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    def peak_over(self, block) -> int:
+        import threading
+
+        base = self.live()
+        peak, done = [base], threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], self.live())
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            block()
+        finally:
+            done.set()
+            sampler.join()
+        return peak[0] - base
+
+
+def test_the_fused_form_holds_one_chunk_of_logits_at_a_time():
+    # the chunk's fp32 [rows, vocab] buffer and the head's fp32 gradient, as the plan counts
+    # (planning/estimate.py FUSED_BYTES_PER_LOGIT); before, the next chunk's logits were made
+    # while the last one's were still bound, and logsumexp held two more of their size
+    rows, chunk, vocab, width = 512, 128, 16384, 32
+    hidden = torch.randn(rows, width, requires_grad=True)
+    weight = torch.randn(vocab, width, requires_grad=True)
+    targets = torch.randint(0, vocab, (rows,))
+    buffer, head_gradient = chunk * vocab * 4, vocab * width * 4
+    fused_cross_entropy(hidden, weight, targets, chunk)  # warm-up (thread pools, caches)
+    peak = _LiveBytes().peak_over(lambda: fused_cross_entropy(hidden, weight, targets, chunk))
+    assert peak >= head_gradient  # the sampler saw the step at all
+    assert peak < 1.5 * buffer + head_gradient + 4 * rows * width + 2**20, peak / 2**20
+
+
 def test_a_frozen_head_gets_no_gradient_and_the_hidden_states_theirs():
     hidden = torch.randn(3, 4, 8, requires_grad=True)
     weight = torch.randn(11, 8)  # LoRA's frozen head
@@ -108,13 +169,13 @@ def test_auto_chunks_a_large_vocabulary_and_the_plan_counts_one_chunk():
     tiny = ModelFacts.from_config_dict({"model_type": "llama", **TINY})
     small = Workload(micro_batch=8, seq_len=64, loss_chunk=None)
     assert estimate_memory(tiny, ParallelDims(2, 2), small).loss_chunk == 0
-    # the fused form (the head whole on the rank) also holds the head's fp32 gradient
-    ddp = estimate_memory(
-        facts, ParallelDims(8, 8), Workload(**{**work.__dict__, "loss_chunk": 4096})
-    )
-    assert ddp.logits_gb * 2**30 == pytest.approx(
-        full.logits_gb * 2**30 / 2 + 4 * 128256 * 4096, rel=1e-6
-    )
+    # the fused form (the head whole on the rank: DDP, FSDP2) holds one fp32 buffer of the
+    # chunk's logits (+ the bf16 cast) and the head's fp32 gradient
+    for dims in (ParallelDims(8, 8), ParallelDims(8, 8, fsdp="full")):
+        fused = estimate_memory(facts, dims, Workload(**{**work.__dict__, "loss_chunk": 4096}))
+        assert fused.logits_gb * 2**30 == pytest.approx(
+            4096 * 128256 * (4 + 2) + 4 * 128256 * 4096, rel=1e-6
+        ), dims
 
 
 @pytest.mark.parametrize(
@@ -125,10 +186,15 @@ def test_auto_chunks_a_large_vocabulary_and_the_plan_counts_one_chunk():
             ParallelDims(2, 2),
             "model.task sequence-classification has no vocabulary head",
         ),
-        ("causal-lm", ParallelDims(2, 2, fsdp="full"), "FSDP2's engine"),
         ("causal-lm", ParallelDims(2, 2, tp=2), "a tensor-parallel head splits the vocabulary"),
+        (
+            "causal-lm",
+            ParallelDims(2, 2, fsdp="full", tp=2),
+            "a tensor-parallel head splits the vocabulary",
+        ),
+        ("causal-lm", ParallelDims(2, 2, pp=2), "the pipeline's last stage"),
     ],
-    ids=["classification", "fsdp2", "tp"],
+    ids=["classification", "tp", "fsdp-tp", "pp"],
 )
 def test_a_chunk_where_it_cannot_run_is_refused(task, dims, expected):
     check_loss_chunk("auto", task, dims, tiled_mlp=False)  # auto stays off there
@@ -139,38 +205,119 @@ def test_a_chunk_where_it_cannot_run_is_refused(task, dims, expected):
 
 # -- 2 ranks: the same per-step losses ---------------------------------------------------------
 
+# a head of 2,048 × 64 weights: over DeepSpeed's persistence threshold (100 k), so that ZeRO-3
+# partitions it (the tiny Llama's 259 × 64 stays whole on every rank)
+PARTITIONED_HEAD = ("--set", "model.config.vocab_size=2048")
 # (run file, flags, train.loss_chunk); every layout trains as DDP per step (the layout matrix)
 CHUNKED_RUNS = {
-    "causal-ddp-full": ("examples/tiny-llama.yaml", (), "off"),
-    "causal-ddp": ("examples/tiny-llama.yaml", (), "7"),
-    "causal-zero3": ("examples/tiny-llama.yaml", ("--zero", "3"), "7"),
+    "causal-ddp-full": ("examples/tiny-llama.yaml", PARTITIONED_HEAD, "off"),
+    "causal-ddp": ("examples/tiny-llama.yaml", PARTITIONED_HEAD, "7"),
+    "causal-zero3": ("examples/tiny-llama.yaml", (*PARTITIONED_HEAD, "--zero", "3"), "7"),
+    "causal-fsdp2": ("examples/tiny-llama.yaml", (*PARTITIONED_HEAD, "--fsdp", "full"), "7"),
     "sft-lora-full": ("configs/sft-lora.yaml", (), "off"),
     "sft-lora": ("configs/sft-lora.yaml", (), "7"),
 }
 
+# a spy in the ZeRO-3 run's ranks (their sitecustomize: they start as usual, not from the
+# suite's fork server): the partitioned parameters of 2,048 rows (the embedding's and the
+# head's) that DeepSpeed's coordinator all-gathers, by micro-batch (reset_step ends each one)
+GATHER_SPY = """
+import json, os, sys
+
+
+def _install(module):
+    coordinator = module.PartitionedParameterCoordinator
+    gather = coordinator._PartitionedParameterCoordinator__all_gather_params
+    reset = coordinator.reset_step
+    log = open(os.environ["GATHER_SPY"] + "." + os.environ["RANK"], "a", buffering=1)
+    seen = {"micro_batch": 0}
+
+    def all_gather(self, params, forward):
+        ids = sorted(p.ds_id for p in params if tuple(p.ds_shape)[:1] == (2048,))
+        if ids:
+            log.write(json.dumps({"micro_batch": seen["micro_batch"], "ids": ids}) + "\\n")
+        return gather(self, params, forward)
+
+    def reset_step(self):
+        seen["micro_batch"] += 1
+        return reset(self)
+
+    coordinator._PartitionedParameterCoordinator__all_gather_params = all_gather
+    coordinator.reset_step = reset_step
+
+
+class _Spy:
+    NAME = "deepspeed.runtime.zero.partitioned_param_coordinator"
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.NAME:
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _install(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if os.environ.get("RANK") is not None:
+    sys.meta_path.insert(0, _Spy())
+"""
+
 
 @pytest.fixture(scope="module")
-def chunked_runs(tmp_path_factory) -> dict[str, list[float]]:
-    """Each run's per-step losses (4 steps on 2 ranks)."""
+def chunked_runs(tmp_path_factory) -> dict[str, Any]:
+    """Each run's per-step losses (4 steps on 2 ranks), and what the ZeRO-3 run's rank 0
+    all-gathered of its 2,048-row weights."""
     tmp = tmp_path_factory.mktemp("chunked")
-    losses = {}
+    spy = tmp / "spy"
+    spy.mkdir()
+    (spy / "sitecustomize.py").write_text(GATHER_SPY)
+    runs: dict[str, Any] = {}
     for name, (run_file, flags, chunk) in CHUNKED_RUNS.items():
         common = ("--cpu", "--gpus", "2", "--max-steps", "4", "--set", "train.log_every=1")
+        env = None
+        if name == "causal-zero3":
+            env = child_environment(GATHER_SPY=str(tmp / "gathers"))
+            env["PYTHONPATH"] = os.pathsep.join([str(spy), str(REPO)])
         run = tmp / name
         result = train(
-            run, *common, *flags, "--set", f"train.loss_chunk={chunk}", config=REPO / run_file
-        )
+            run, *common, *flags, "--set", f"train.loss_chunk={chunk}",
+            config=REPO / run_file, env=env,
+        )  # fmt: skip
         said = "chunked loss: the head and the loss 7 tokens at a time"
         assert (said in result.stdout) == (chunk != "off"), result.stdout[-2000:]
-        losses[name] = [r["loss"] for r in read_metrics(run) if r["type"] == "train"]
-    return losses
+        runs[name] = [r["loss"] for r in read_metrics(run) if r["type"] == "train"]
+    lines = (tmp / "gathers.0").read_text().splitlines()
+    runs["zero3-gathers"] = [json.loads(line) for line in lines]
+    return runs
 
 
 @pytest.mark.parametrize(
     "chunked,full",
     [("causal-ddp", "causal-ddp-full"), ("causal-zero3", "causal-ddp-full"),
-     ("sft-lora", "sft-lora-full")],
+     ("causal-fsdp2", "causal-ddp-full"), ("sft-lora", "sft-lora-full")],
 )  # fmt: skip
 def test_a_chunked_run_trains_as_the_full_logits(chunked_runs, chunked, full):
     assert len(chunked_runs[full]) == 4
     assert chunked_runs[chunked] == pytest.approx(chunked_runs[full], abs=1e-5)
+
+
+def test_zero3_gathers_the_chunked_head_once_a_micro_batch_not_once_a_chunk(chunked_runs):
+    # DeepSpeed's coordinator records the first micro-batch's order of modules (its trace), then
+    # keeps a parameter gathered while the trace says it is used again soon (stage 3's
+    # max_reuse_distance): the head, from its prefetch through every chunk of the forward and
+    # each chunk's recompute in the backward. The spy sees the head's gathers on rank 0.
+    heads: Counter[int] = Counter()
+    for gather in chunked_runs["zero3-gathers"]:
+        # the 2,048-row weights: the embedding (ds_id 0, the first parameter) and the head
+        heads[gather["micro_batch"]] += any(ds_id > 0 for ds_id in gather["ids"])
+    first, *later = sorted(heads)
+    assert heads[first] > 2, heads  # while the trace is recorded: each chunk gathers it
+    assert len(later) >= 3 and all(heads[m] == 1 for m in later), heads

@@ -393,6 +393,7 @@ LAYOUTS = {
     "fsdp": ("--fsdp", "full"),
     # train.loss_chunk: the policy's log-probabilities in checkpointed chunks of 5 tokens
     "zero3-chunked": ("--zero", "3", "--set", "train.loss_chunk=5"),
+    "fsdp-chunked": ("--fsdp", "full", "--set", "train.loss_chunk=5"),
 }
 
 
@@ -435,7 +436,9 @@ def assert_trains_as(run_dir: Path, reference_run: Path, tolerance: float = 1e-5
         assert mine["rewards/accuracies"] == ddp["rewards/accuracies"]
 
 
-@pytest.mark.parametrize("layout", ["zero1", "zero2", "zero3", "fsdp", "zero3-chunked"])
+@pytest.mark.parametrize(
+    "layout", ["zero1", "zero2", "zero3", "fsdp", "zero3-chunked", "fsdp-chunked"]
+)
 def test_every_layout_trains_as_ddp_does(layouts, layout):
     assert_trains_as(layouts[layout], layouts["ddp"])
     # the rewards moved: the policy left its reference

@@ -681,7 +681,7 @@ class TrainConfig(Section):
     )
     loss_chunk: int | Literal["auto", "off"] = Field(
         "auto",
-        description="The output head and the token loss computed N tokens at a time, so that no [tokens, vocabulary] logits tensor of the micro-batch exists (causal-lm's and sft's loss, dpo's and grpo's log-probabilities; DDP, ZeRO-1/2/3, LoRA, sp). `auto`: on (chunks of about `hidden_size` tokens) when the plan's logits are at least a quarter of the forward/backward's memory, as with a large vocabulary; `off`: the model's own full logits.",
+        description="The output head and the token loss computed N tokens at a time, so that no [tokens, vocabulary] logits tensor of the micro-batch exists (causal-lm's and sft's loss, dpo's and grpo's log-probabilities; DDP, ZeRO-1/2/3, FSDP2, LoRA, sp; not tp nor pp). `auto`: on (chunks of about `hidden_size` tokens) when the plan's logits are at least a quarter of the forward/backward's memory, as with a large vocabulary; `off`: the model's own full logits.",
     )
     preference: PreferenceConfig = Field(
         PreferenceConfig(),

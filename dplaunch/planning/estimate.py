@@ -412,6 +412,9 @@ NCCL_BYTES_PER_COMMUNICATOR = GIB // 2
 # (4) + log_softmax's fp32 output (4, saved); backward holds that saved output + its gradient +
 # the logits' fp32 gradient (4 each) = 12, the peak in 16-bit and fp32 alike
 LOSS_BYTES_PER_LOGIT = 12
+# bytes per logit of a chunk of train.loss_chunk's fused form (train/chunked_loss.py): one fp32
+# buffer holds the logits, their softmax and their gradient in turn (+2 in 16-bit: the cast)
+FUSED_BYTES_PER_LOGIT = 4
 # bytes per element of the attention probabilities HF's eager attention keeps for backward: the
 # fp32 softmax output (eager upcasts the softmax) + its 16-bit copy under mixed precision
 # (fp32: the one fp32 tensor). Measured on CPU: tests/test_estimate.py
@@ -903,8 +906,7 @@ def _stage_fixed(
         quantized_load=bool(quantized),
         fsdp_unsharded=fsdp_unsharded,
         generation=generation,
-        chunkable=why_not_chunked(workload.task, fsdp=layout.fsdp, tp=layout.tp, pp=layout.pp)
-        is None,
+        chunkable=why_not_chunked(workload.task, tp=layout.tp, pp=layout.pp) is None,
     )
 
 
@@ -1006,10 +1008,15 @@ def _head_logits(
     chunk = resolve_chunk(workload.loss_chunk, tokens, count.hidden_size, fixed.logits, activations)
     if not chunk:
         return fixed.logits, 0
-    logits = fixed.logits * chunk / tokens
-    if fuses(workload.task, layout.zero_stage):
-        logits += 4 * count.vocab_size * count.hidden_size
-    return logits, chunk
+    if not fuses(workload.task, layout.zero_stage, layout.fsdp):
+        # a checkpointed chunk holds what the full logits' loss holds, for its tokens
+        return fixed.logits * chunk / tokens, chunk
+    # the fused form: the chunk's one fp32 [tokens, vocabulary] buffer (logits, softmax, then
+    # their gradient, in place: train/chunked_loss.py), the 16-bit logits it is cast from (or the
+    # gradient cast back to the 16-bit head), and the head's fp32 gradient from the forward on
+    sixteen_bit = workload.mixed_precision in ("bf16", "fp16")
+    per_logit = FUSED_BYTES_PER_LOGIT + (2 if sixteen_bit else 0)
+    return chunk * count.vocab_size * per_logit + 4 * count.vocab_size * count.hidden_size, chunk
 
 
 def _stage_activations(

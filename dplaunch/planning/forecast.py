@@ -1529,7 +1529,11 @@ def _stage_flops(
         per_stage.append(micro_batch_flops(facts, share=share, **options))
         first += layers
     chunk = workload.loss_chunk
-    if chunk is not None and chunk > 0 and not fuses(workload.task, dims.zero_stage):
+    if (
+        chunk is not None
+        and chunk > 0
+        and not fuses(workload.task, dims.zero_stage, dims.fsdp is not None)
+    ):
         # the chunked loss's checkpointed chunks: the head's forward once more in the backward
         count = _count(facts, workload.task, workload.num_labels)
         tokens = options["micro_batch"] * workload.seq_len / dims.sp

@@ -11,11 +11,13 @@ chooses). `off`: the model's own full logits; N: chunks of N tokens.
 Where it runs: every task with a vocabulary head (causal-lm, sft: the loss, in
 train/sequence_parallel.py's engine; dpo, grpo: the policy's per-token log-probabilities, in
 their objectives, always in checkpointed chunks: their gradient is not known in the forward), on
-DDP, ZeRO-1/2/3 and LoRA, with or without sp. Not (yet) with FSDP2, tp or pp: `auto` stays off
-there, a number is refused with the reason (check_loss_chunk).
+DDP, ZeRO-1/2/3, FSDP2 and LoRA, with or without sp. Not with tp (a vocabulary-parallel head: each
+rank holds a slice of the vocabulary, and the loss would need its logsumexp across the tp group)
+nor pp (the pipeline's last stage computes its own loss): `auto` stays off there, a number is
+refused with the reason (check_loss_chunk).
 
 Memory, one chunk of C tokens: C × vocabulary × LOSS_BYTES_PER_LOGIT; where the fused form runs
-(the model's own token loss, the head's weight whole on the rank: not ZeRO-3) it also holds the
+(the model's own token loss, the head's weight whole on the rank: not ZeRO-3's partition) it also holds the
 head's gradient in fp32 from the forward to the backward (4 × vocabulary × hidden bytes);
 elsewhere each chunk's logits are recomputed in the backward (the head's forward FLOPs once
 more: fuses() says which).
@@ -51,12 +53,10 @@ def chunk_setting(value: int | str, tiled_mlp: bool = False) -> int | None:
     return 0 if value == "off" else None
 
 
-def why_not_chunked(task: str, *, fsdp: bool, tp: int, pp: int) -> str | None:
+def why_not_chunked(task: str, *, tp: int, pp: int) -> str | None:
     """Why this task or layout cannot chunk its loss, or None."""
     if not task_of(task).causal:
         return f"model.task {task} has no vocabulary head"
-    if fsdp:
-        return "FSDP2's engine computes the model's own full logits"
     if tp > 1:
         return "a tensor-parallel head splits the vocabulary over ranks (AutoTP)"
     if pp > 1:
@@ -68,16 +68,18 @@ def check_loss_chunk(value: int | str, task: str, dims: Any, tiled_mlp: bool) ->
     """Refuse train.loss_chunk N (or train.tiled_mlp, whose loss is chunked) where it cannot run."""
     if value in ("auto", "off") and not tiled_mlp:
         return
-    reason = why_not_chunked(task, fsdp=dims.fsdp is not None, tp=dims.tp, pp=dims.pp)
+    reason = why_not_chunked(task, tp=dims.tp, pp=dims.pp)
     if reason is not None:
         key = "train.tiled_mlp" if value in ("auto", "off") else "train.loss_chunk"
         raise UserError(key, f"cannot chunk the loss: {reason}", "remove it, or set it off")
 
 
-def fuses(task: str, zero_stage: int) -> bool:
+def fuses(task: str, zero_stage: int, fsdp: bool) -> bool:
     """Whether the chunked loss computes its gradients in the forward (the fused form: the
-    model's own token loss, the head whole on the rank), rather than recomputing each chunk."""
-    return task_of(task).sequence_parallel and zero_stage != 3
+    model's own token loss, the head whole on the rank: not a ZeRO-3 partition; FSDP2's root
+    holds its head gathered from the forward to the end of the backward), rather than
+    recomputing each chunk."""
+    return task_of(task).sequence_parallel and (zero_stage != 3 or fsdp)
 
 
 def resolve_chunk(

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from dplaunch.planning.plan import Plan
 from dplaunch.run_directory.layout import FSDP_TAG, FSDP_TRAINER_FILE
+from dplaunch.train.chunked_loss import ChunkedTokenLoss, token_loss_chunk
 from dplaunch.train.engines import (
     EngineBase,
     RunFileHyperparameters,
@@ -207,6 +208,12 @@ class FsdpEngine(EngineBase):
         self.lora = is_lora_model(model)
         self.lines = shard_model(model, plan, config.train.compile)
         self.model = model
+        # train.loss_chunk: the head and the token loss a chunk at a time, fused (the root keeps
+        # the head gathered from its forward to the end of the backward)
+        chunk = token_loss_chunk(plan, self.task)
+        self.chunked = ChunkedTokenLoss(model, chunk, config.data.max_length) if chunk else None
+        if self.chunked is not None:
+            self.lines.append(self.chunked.line())
         self.optimizer = build_optimizer(model, config.train, plan)
         self.scheduler = scheduler_for(self.optimizer)
         # fp16 (GPU): loss scaling, the sharded gradients unscaled before clipping
@@ -215,6 +222,11 @@ class FsdpEngine(EngineBase):
     def layout_lines(self) -> list[str]:
         """What the start-up log says about the engine beyond the plan."""
         return self.lines
+
+    def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.chunked is None or self.objective is not None:
+            return super().forward_loss(batch)
+        return self.chunked.mean(self.model, batch, **self.forward_options)
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         model, optimizer, clock = self.model, self.optimizer, self.clock

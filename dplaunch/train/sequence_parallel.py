@@ -30,17 +30,14 @@ import types
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from dplaunch.data.example_tokens import IGNORE_INDEX
-from dplaunch.tasks import task_of
 from dplaunch.train.chunked_loss import (
-    FinalHidden,
-    base_model,
+    ChunkedTokenLoss,
     chunked_head,
     cross_entropy_sum,
-    fused_cross_entropy,
-    pieces_for,
+    shifted,
+    token_loss_chunk,
 )
 from dplaunch.train.engines import AccelerateEngine, token_sums
 
@@ -62,8 +59,7 @@ class SequenceShards:
         input_ids, labels = batch["input_ids"], batch["labels"]
         width = input_ids.shape[1]
         positions = self.positions(batch)
-        shift = torch.full_like(labels, IGNORE_INDEX)
-        shift[:, :-1] = labels[:, 1:]
+        shift = shifted(labels)
         tokens = int((shift != IGNORE_INDEX).sum())
         pad = -width % self.size
         if pad:
@@ -228,18 +224,6 @@ def tiles_for(tokens: int, hidden_size: int) -> int:
     return max(1, math.ceil(tokens / hidden_size))
 
 
-def tiled(function: Any, hidden: torch.Tensor, tiles: int, *extra: torch.Tensor) -> list[Any]:
-    """``function`` over ``tiles`` slices of the sequence (dim 1), each checkpointed: its
-    intermediate activations are recomputed in the backward, one tile at a time. Always exactly
-    ``tiles`` calls (empty slices too), so ZeRO-3's parameter gathers match on every rank."""
-    pieces = zip(
-        torch.tensor_split(hidden, tiles, dim=1),
-        *(torch.tensor_split(t, tiles, dim=1) for t in extra),
-        strict=True,
-    )
-    return [checkpoint(function, *piece, use_reentrant=False) for piece in pieces]
-
-
 def tile_mlps(model: Any, tiles: int) -> None:
     """Run every decoder layer's MLP over ``tiles`` tiles of the sequence (train.tiled_mlp)."""
     for layer in model.model.layers:
@@ -249,7 +233,7 @@ def tile_mlps(model: Any, tiles: int) -> None:
         def forward(self: Any, hidden: torch.Tensor, _whole: Any = whole) -> torch.Tensor:
             if not self.training:
                 return _whole(self, hidden)
-            return torch.cat(tiled(lambda part: _whole(self, part), hidden, tiles), dim=1)
+            return torch.cat(chunked_head(lambda part: _whole(self, part), hidden, tiles), dim=1)
 
         mlp.forward = types.MethodType(forward, mlp)
 
@@ -272,11 +256,9 @@ class LongSequenceEngine(AccelerateEngine):
         self.shards = shards
         self.attention = attention
         unwrapped = self.accelerator.unwrap_model(self.model)
-        self.lm_head = base_model(unwrapped).get_output_embeddings()
-        self.final = FinalHidden(unwrapped) if loss_chunk else None
-        self.tiled_mlp, self.tiles, self.loss_chunk = tiled_mlp, tiles, loss_chunk
-        # a sequence slice's tokens at most: every rank cuts its loss into as many chunks
-        self.longest = longest
+        # a sequence slice's tokens at most (LONGEST): every rank cuts its loss into as many chunks
+        self.chunked = ChunkedTokenLoss(unwrapped, loss_chunk, longest) if loss_chunk else None
+        self.tiled_mlp, self.tiles = tiled_mlp, tiles
 
     @property
     def evaluates_slices(self) -> bool:
@@ -292,33 +274,9 @@ class LongSequenceEngine(AccelerateEngine):
             )
         if self.tiled_mlp:
             lines.append(f"tiled MLP: {self.tiles} tiles per sequence slice")
-        if self.final is not None:
-            how = "gradients in the forward" if self.fuses else "each chunk recomputed"
-            lines.append(
-                f"chunked loss: the head and the loss {self.loss_chunk} tokens at a time ({how})"
-            )
+        if self.chunked is not None:
+            lines.append(self.chunked.line())
         return lines
-
-    @property
-    def fuses(self) -> bool:
-        """Whether the head's weight is whole on this rank (not a ZeRO-3 partition), without a
-        bias: the fused form computes the gradients in the forward (train/chunked_loss.py)."""
-        weight = self.lm_head.weight
-        return (
-            getattr(self.lm_head, "bias", None) is None
-            and not hasattr(weight, "ds_numel")
-            and type(weight.data) is torch.Tensor
-        )
-
-    def chunked_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The summed token loss of HIDDEN through the head, a chunk at a time."""
-        if self.fuses:
-            return fused_cross_entropy(hidden, self.lm_head.weight, labels, self.loss_chunk)
-        pieces = pieces_for(hidden.size(0), self.longest, self.loss_chunk)
-        parts = chunked_head(
-            lambda h, y: cross_entropy_sum(self.lm_head(h), y), hidden, pieces, labels
-        )
-        return torch.stack(parts).sum()
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         try:
@@ -332,14 +290,11 @@ class LongSequenceEngine(AccelerateEngine):
         shift_labels = local.pop("shift_labels")
         if self.attention is not None:
             self.attention.prepare(self.shards, batch)
-        if self.final is None:
+        if self.chunked is None:
             logits = self.model(**local, **self.forward_options).logits
             loss_sum = cross_entropy_sum(logits, shift_labels)
         else:
-            no_logits = torch.zeros(0, dtype=torch.long, device=shift_labels.device)
-            self.final.expect()
-            self.model(**local, **self.forward_options, logits_to_keep=no_logits)
-            loss_sum = self.chunked_loss(self.final.take(), shift_labels)
+            loss_sum = self.chunked.sum(self.model, local, shift_labels, **self.forward_options)
         # the sp copies of every gradient add up over the group (see the module's docstring)
         return loss_sum * (self.shards.size / max(tokens, 1))
 
@@ -370,8 +325,7 @@ def prepare_long_sequences(
 ) -> dict[str, Any]:
     """Before Accelerate wraps the model: Ulysses attention and tiled MLPs as the run asks; the
     keyword arguments of LongSequenceEngine (empty when neither is asked)."""
-    # dpo's and grpo's objectives chunk their log-probabilities themselves (train/chunked_loss.py)
-    chunk = plan.loss_chunk if task_of(config.model.task).sequence_parallel else 0
+    chunk = token_loss_chunk(plan, config.model.task)
     sp = plan.sequence_parallel_size
     if sp <= 1 and not config.train.tiled_mlp and not chunk:
         return {}
