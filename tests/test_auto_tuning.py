@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import yaml
@@ -84,16 +85,33 @@ def test_auto_picks_the_micro_batch_and_checkpointing_each_profile_favours():
         # the run file gets what was tuned; the global batch stays, accumulation follows
         tuned = choice.apply(config)
         assert tuned.train.micro_batch_size == trial.settings["micro_batch"]
-        assert tuned.model.gradient_checkpointing == trial.settings["activation_checkpointing"]
+        every = trial.settings["activation_checkpointing"]
+        written = {0: False, 1: True}.get(every, f"every-{every}")
+        assert tuned.model.gradient_checkpointing == written
+        assert tuned.model.checkpoint_every == every
         assert tuned.train.global_batch_size == 64
         assert chosen.micro_batch * chosen.gradient_accumulation_steps * chosen.dp == 64
         # the note names the tuned levers and the runner-up
         assert "(micro-batch " in choice.note
         assert " s/step beats " in choice.note or ", as fast as " in choice.note
         picks[name] = trial.settings
-    # 16 rows of 1,024 tokens fit only with checkpointing; the other profile never recomputes
-    assert picks["large micro-batches"] == {"micro_batch": 16, "activation_checkpointing": True}
-    assert picks["no recomputation"]["activation_checkpointing"] is False
+    # large micro-batches fit only with checkpointing: 8 rows of 1,024 tokens checkpointing one
+    # block in 4 (every-4) beat 16 rows checkpointing every block (which fit too) and every
+    # smaller batch; the other profile never recomputes
+    assert picks["large micro-batches"] == {"micro_batch": 8, "activation_checkpointing": 4}
+    _, choice = auto_choice(llama_1b(), FAVOURS_LARGE_MICRO_BATCHES)
+    trials = [t for c in choice.candidates if c.fsdp is None for t in c.trials]
+    assert {t.settings["activation_checkpointing"] for t in trials} == {0, 1, 2, 4}
+    timed = [t for t in trials if t.fits and t.forecast is not None]
+    _, pick = fastest_fitting_trial(choice)
+    every_block = min(
+        (t for t in timed if t.settings["activation_checkpointing"] == 1),
+        key=lambda t: t.forecast.step_time_s,
+    )
+    assert every_block.settings["micro_batch"] == 16
+    assert every_block.forecast.step_time_s > pick.forecast.step_time_s
+    assert "checkpointing 1 block in 4" in choice.note
+    assert picks["no recomputation"]["activation_checkpointing"] == 0
     assert picks["no recomputation"]["micro_batch"] < 16
 
 
@@ -133,8 +151,11 @@ def test_the_plan_table_shows_each_rows_tuned_micro_batch_and_checkpointing(tmp_
     [best] = [r for r in rows if r["recommended"]]
     if not flag:
         assert "micro batch tuned" in result.stdout
-        assert "(micro-batch 16, activation checkpointing) fits in 20 GB" in line
-        assert (best["micro_batch"], best["activation_checkpointing"]) == (16, True)
+        assert "(micro-batch 8, checkpointing 1 block in 4) fits in 20 GB" in line
+        assert (best["micro_batch"], best["checkpoint_every"]) == (8, 4)
+        row = next(line for line in result.stdout.splitlines() if line.startswith("* ZeRO"))
+        cells = row.split()  # … fits, then micro and ckpt
+        assert cells[cells.index("yes") + 1 :][:2] == ["8×1", "1/4"], row
     else:  # --micro-batch is kept: only checkpointing is tuned
-        assert "(activation checkpointing) fits" in line or "(no checkpointing) fits" in line
+        assert re.search(r"\((no |activation |)checkpointing( 1 block in \d)?\) fits", line)
         assert {r["micro_batch"] for r in rows if r["micro_batch"]} == {2}

@@ -523,9 +523,10 @@ def describe(setting: PlanSetting, safety_margin: float) -> list[str]:
         micro += " (each layout's fastest that fits of those that split global batch ÷ dp: column micro = micro batch × accumulation; set train.micro_batch_size to keep one)"
     elif work.fixed_micro_batch is None:
         micro += " (each layout's: the largest that splits global batch ÷ dp, as train derives it; set train.micro_batch_size)"
-    checkpointing = "on" if work.activation_checkpointing else "off"
+    every = work.checkpoint_every if work.activation_checkpointing else 0
+    checkpointing = "off" if not every else "on" if every == 1 else f"on, 1 block in {every}"
     if tuned and "activation_checkpointing" in work.tunable:
-        checkpointing = "on or off, each layout's faster that fits (column ckpt; set model.gradient_checkpointing to keep one)"
+        checkpointing = "off, on, or on for 1 block in 2 or 4, each layout's fastest that fits (column ckpt: off, on, 1/K; set model.gradient_checkpointing to keep one)"
     lora = []
     if work.lora is not None:
         adapters = count_lora(setting.facts, work.lora, work.task, work.num_labels)

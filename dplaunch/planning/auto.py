@@ -11,7 +11,8 @@ What the estimate assumes for the run (the same inputs `dplaunch plan CONFIG` us
   following — without one the largest ≤ 8, as `train` derives it (plan.batch_math) — so every
   row trains the run's global batch a step; a layout whose dp cannot split it is not picked;
 - activation checkpointing from ``model.gradient_checkpointing``, or (not in the run file) with
-  a profile on or off, whichever is faster among the combinations that fit (candidates.LEVERS:
+  a profile off, on, or every-K (one block in 2 or 4), whichever is fastest among the
+  combinations that fit (candidates.LEVERS:
   the tuner searches the layout and these levers together, with no trial run); auto then writes
   the values it chose into the run's resolved file;
 - sequence length ``data.max_length``, ``train.mixed_precision``, the attention kernel from
@@ -261,8 +262,10 @@ def resolve_auto_parallel(
     )
     source = "launch.gpu_memory_gb" if launch.gpu_memory_gb is not None else "nvidia-smi"
     note = f"parallel: auto → {chosen.why} ({memory:g} GB per GPU from {source})"
-    keys = {lever.name: lever.key for lever in LEVERS}
-    settings = {keys[name]: value for name, value in chosen.settings.items()}
+    levers = {lever.name: lever for lever in LEVERS}
+    settings = {
+        levers[name].key: levers[name].run_value(value) for name, value in chosen.settings.items()
+    }
     return AutoChoice(parallel, note, tuple(candidates), settings)
 
 

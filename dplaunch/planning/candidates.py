@@ -19,7 +19,7 @@ With a hardware profile (every row then has a forecast) the recommendation is th
 that fits instead, and each row is **tuned**: the levers the run leaves open (LEVERS: the micro
 batch, when train.micro_batch_size is unset — every divisor of the rank's share of the global
 batch, accumulation following; activation checkpointing, when model.gradient_checkpointing is
-unset) are searched together, each combination estimated (memory) and forecast (time), and the
+unset — off, every block, or one block in 2 or 4 (every-K)) are searched together, each combination estimated (memory) and forecast (time), and the
 row shows its fastest combination that fits. A lever is a Workload field and its choices: its
 memory and time terms are the estimate's and the forecast's, which read the workload.
 
@@ -72,33 +72,67 @@ MAX_TUNED_MICRO_BATCH = 128
 
 @dataclass(frozen=True)
 class Lever:
-    """A setting the tuner chooses together with the layout: the Workload field it sets, the
-    run-file key `parallel: auto` writes, its value in the plan's words, and the values to try on
-    dp data-parallel ranks (``choices(workload, dp)``; the workload's own first)."""
+    """A setting the tuner chooses together with the layout: the Workload field it names (and
+    ``apply`` sets), the run-file key `parallel: auto` writes (``run_value`` of the tuned value),
+    its value in the plan's words, and the values to try on dp data-parallel ranks of a model of
+    so many blocks (``choices(workload, dp, layers)``; the workload's own first)."""
 
     name: str
     key: str
     words: Callable[[Any], str]
-    choices: Callable[[Workload, int], tuple[Any, ...]]
+    choices: Callable[[Workload, int, int], tuple[Any, ...]]
+    apply: Callable[[Workload, Any], Workload]
+    run_value: Callable[[Any], Any] = lambda value: value
 
 
-def _micro_batches(workload: Workload, dp: int) -> tuple[int, ...]:
+def _micro_batches(workload: Workload, dp: int, _layers: int) -> tuple[int, ...]:
     # every micro batch that splits the rank's share of the global batch (batch_math's rule)
     per_rank = (workload.global_batch_size or workload.micro_batch * dp) // dp
     divisors = [m for m in range(1, min(per_rank, MAX_TUNED_MICRO_BATCH) + 1) if per_rank % m == 0]
     return (workload.micro_batch, *(m for m in divisors if m != workload.micro_batch))
 
 
+# activation checkpointing's values (model.gradient_checkpointing): 0 none, 1 every block, K one
+# block in K (every-K: blocks 0, K, 2K…, each recomputing its K − 1 followers' share)
+CHECKPOINT_EVERY_CHOICES = (0, 1, 2, 4)
+
+
+def checkpointing_of(workload: Workload) -> int:
+    """WORKLOAD's activation checkpointing as the lever's value: 0 none, else every K."""
+    return workload.checkpoint_every if workload.activation_checkpointing else 0
+
+
+def _checkpointing(workload: Workload, _dp: int, layers: int) -> tuple[int, ...]:
+    own = checkpointing_of(workload)
+    # every-K with K < the blocks (K = the blocks would checkpoint block 0 alone)
+    others = (k for k in CHECKPOINT_EVERY_CHOICES if k != own and (k < 2 or k < layers))
+    return (own, *others)
+
+
+def checkpointing_words(every: int) -> str:
+    if every == 0:
+        return "no checkpointing"
+    return "activation checkpointing" if every == 1 else f"checkpointing 1 block in {every}"
+
+
 LEVERS = (
-    Lever("micro_batch", "train.micro_batch_size", lambda m: f"micro-batch {m}", _micro_batches),
+    Lever(
+        "micro_batch",
+        "train.micro_batch_size",
+        lambda m: f"micro-batch {m}",
+        _micro_batches,
+        lambda workload, m: replace(workload, micro_batch=m),
+    ),
     Lever(
         "activation_checkpointing",
         "model.gradient_checkpointing",
-        lambda on: "activation checkpointing" if on else "no checkpointing",
-        lambda workload, _dp: (
-            workload.activation_checkpointing,
-            not workload.activation_checkpointing,
+        checkpointing_words,
+        _checkpointing,
+        lambda workload, every: replace(
+            workload, activation_checkpointing=every > 0, checkpoint_every=max(every, 1)
         ),
+        # the run file's words: false, true or every-K
+        lambda every: every == 1 if every < 2 else f"every-{every}",
     ),
 )
 
@@ -172,6 +206,8 @@ class Candidate:
     micro_batch: int | None = None
     gradient_accumulation_steps: int | None = None
     activation_checkpointing: bool = False
+    # with it: one block in checkpoint_every is checkpointed (1: all)
+    checkpoint_every: int = 0
     # the open levers' values this row was estimated with (Lever.name → value), and every
     # combination the tuner tried on this layout (empty: not tuned)
     settings: dict[str, Any] = field(default_factory=dict)
@@ -425,9 +461,12 @@ def _tuned_row(
         forecast = _forecast(sizing.facts, dims, work, profile) if profile is not None else None
         return _settled(row, work, {}, forecast)
     trials: list[tuple[Trial, Candidate, Workload]] = []
-    for values in itertools.product(*(lever.choices(work, dims.dp) for lever in levers)):
+    layers = sizing.facts.num_layers
+    for values in itertools.product(*(lever.choices(work, dims.dp, layers) for lever in levers)):
         settings = {lever.name: value for lever, value in zip(levers, values, strict=True)}
-        tried = replace(work, **settings)
+        tried = work
+        for lever, value in zip(levers, values, strict=True):
+            tried = lever.apply(tried, value)
         # the first combination is the workload's own: its row is ROW
         tried_row = _layout_row(sizing, dims, tried) if trials else row
         # what does not fit is not forecast, but for the row's own (its table cells)
@@ -449,7 +488,9 @@ def _trial_time(trial: Trial) -> tuple:
     larger micro-batches."""
     seconds = trial.forecast.step_time_s if trial.forecast is not None else float("inf")
     settings = trial.settings
-    simpler = (bool(settings.get("activation_checkpointing")), -settings.get("micro_batch", 0))
+    every = settings.get("activation_checkpointing", 0)
+    # the share of blocks recomputed, then fewer and larger micro-batches
+    simpler = (1 / every if every else 0, -settings.get("micro_batch", 0))
     return (round(seconds, 9), *simpler)
 
 
@@ -465,6 +506,7 @@ def _settled(
         row.micro_batch = work.micro_batch
         row.gradient_accumulation_steps = work.accumulation_steps(row.dp)
     row.activation_checkpointing = work.activation_checkpointing
+    row.checkpoint_every = checkpointing_of(work)
     row.settings = dict(settings)
     row.forecast = forecast
     return row
@@ -706,6 +748,7 @@ ROW_KEYS = (
     "micro_batch",
     "gradient_accumulation_steps",
     "activation_checkpointing",
+    "checkpoint_every",
     # the levers' values the tuner chose for this row ({}: none tuned)
     "settings",
     "params_per_gpu",
@@ -782,7 +825,10 @@ def _lever_cells(candidate: Candidate) -> str:
     micro = "-"
     if candidate.micro_batch is not None:
         micro = f"{candidate.micro_batch}×{candidate.gradient_accumulation_steps}"
-    return f"{micro:>9}{'on' if candidate.activation_checkpointing else 'off':>5}"
+    every = candidate.checkpoint_every if candidate.activation_checkpointing else 0
+    # on, off, or 1/K: one block in K (every-K)
+    ckpt = "off" if not every else "on" if every == 1 else f"1/{every}"
+    return f"{micro:>9}{ckpt:>5}"
 
 
 def _number(value: float | None) -> str:
