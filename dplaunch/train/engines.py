@@ -20,6 +20,7 @@ import torch
 from dplaunch.planning.plan import Plan
 from dplaunch.tasks import task_of
 from dplaunch.train.lora import is_lora_model, trained_state
+from dplaunch.train.objective import Objective
 from dplaunch.train.phase_clock import PhaseClock
 
 
@@ -73,8 +74,8 @@ class EngineBase:
     saves_rng = False
     evaluates_slices = False
     clock: Any = None
-    # model.task dpo: the preference loss of a micro-batch of pairs (train/preference.py)
-    objective: Any = None
+    # the task's own loss, when not the model's (dpo's, grpo's: train/objective.py)
+    objective: Objective | None = None
     model: Any
     optimizer: Any
     device: Any

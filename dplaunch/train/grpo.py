@@ -43,6 +43,7 @@ from dplaunch.train.grpo_loss import (
     policy_loss,
     token_logps_and_entropy,
 )
+from dplaunch.train.objective import Objective
 
 # a rank's batch of completions kept in a checkpoint taken inside its num_iterations steps
 ROLLOUT_FILE = "grpo-rollout-rank{rank}.pt"
@@ -94,7 +95,7 @@ class Rollout:
     shown: list[dict[str, Any]] = field(default_factory=list)
 
 
-class GrpoObjective:
+class GrpoObjective(Objective):
     """The rollout of each step, the loss of its micro-batches, and the metrics since the last
     log line."""
 

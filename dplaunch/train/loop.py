@@ -71,6 +71,7 @@ from dplaunch.train.mixture import RunData, load_run_data, training_batcher
 from dplaunch.train.modeling import load_model, load_tokenizer
 from dplaunch.train.nonfinite import EXIT_NONFINITE, NonFiniteGuard
 from dplaunch.train.nonfinite_faults import nonfinite_fault_from_environment
+from dplaunch.train.objective import Objective
 from dplaunch.train.phase_clock import StepTimes
 from dplaunch.train.preference import disable_dropout
 from dplaunch.train.quick_start import freeze_imports, resume_collector
@@ -210,8 +211,8 @@ class RankRun:
     resumed: bool
     # train.sample_prompts: answered at each evaluation (None: no prompts)
     sampler: Any = None
-    # model.task dpo: the preference objective, whose metrics join each log line
-    objective: Any = None
+    # the task's own loss (dpo's preference objective, grpo's), whose metrics join each log line
+    objective: Objective | None = None
     # model.task grpo: a step's prompts → its micro-batches of completions, sampled and scored
     rollout: Callable[[int, list], list] | None = None
     # train.early_stopping / train.keep_best: the best evaluation so far (None: neither)
@@ -306,7 +307,7 @@ def start_run(run_dir: Path, signals: StopSignals) -> tuple[RankRun, int]:
         resumed=resume is not None,
         sampler=_prompt_sampler(config, tokenizer),
         objective=objective,
-        rollout=getattr(objective, "rollout", None),
+        rollout=objective.rollout if objective is not None else None,
         best=best,
     )
     _write_header(run, run_data, parameters, start_step, reference)
@@ -888,7 +889,7 @@ def _log_step(run: RankRun, progress: _Progress, step: int, step_lr: float) -> N
     if run.objective is not None:  # dpo: rewards and log-probabilities, as TRL names them
         record.update(run.objective.log_record(run.accelerator.reduce))
     run.metrics.write("train", **record)
-    shown = getattr(run.objective, "shown", None)
+    shown = run.objective.shown if run.objective is not None else ()
     if shown:  # grpo: a few of the step's completions with their rewards (rank 0's first)
         run.metrics.write("completions", step=step, completions=shown)
         run.metrics.text(
@@ -997,8 +998,10 @@ def _evaluate(run: RankRun, step: int) -> None:
 def _eval_totals(run: RankRun, batcher: Batcher) -> torch.Tensor:
     """(loss sum, rows or tokens, correct) of one evaluation set over every rank."""
     engine, accelerator, place = run.engine, run.accelerator, run.place
-    if hasattr(run.objective, "eval_totals"):  # grpo: the rewards of sampled completions
-        return accelerator.reduce(run.objective.eval_totals(batcher), reduction="sum")
+    # grpo: the rewards of sampled completions
+    totals = run.objective.eval_totals(batcher) if run.objective is not None else None
+    if totals is not None:
+        return accelerator.reduce(totals, reduction="sum")
     sums = torch.zeros(3, device=accelerator.device)
     for batch, real in batcher.eval_micro_batches(batcher.eval_rows(run.plan.micro_batch_size)):
         losses, counts, correct = engine.eval_batch(batch)

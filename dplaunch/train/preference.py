@@ -44,6 +44,7 @@ from dplaunch.data.example_tokens import IGNORE_INDEX
 from dplaunch.data.preference import REFERENCE_COLUMNS
 from dplaunch.planning.plan import Plan
 from dplaunch.train.chunked_loss import ChunkedHead
+from dplaunch.train.objective import Objective
 
 # metrics.jsonl's keys (TRL's names), in the order of the objective's sums after the pair count
 METRIC_KEYS = (
@@ -210,7 +211,7 @@ class DisabledAdapters:
                     parameter.requires_grad_(flag)
 
 
-class PreferenceObjective:
+class PreferenceObjective(Objective):
     """The loss of a micro-batch of pairs, and the metrics summed over the steps since the last
     log line (or over an evaluation)."""
 
