@@ -19,6 +19,14 @@ metrics' memory_gb, ru_maxrss; the peer's step clock records the same) and its s
 
 Runs go one after the other (REPS rounds, in alternating order); absolute numbers are this
 machine's, the ratios are the result.
+
+Every process runs with glibc's mmap threshold at 64 KiB (LIVE_MEMORY, dplaunch's ranks and HF
+Trainer's alike): a freed tensor's memory then goes back to the system at once, so the peak
+resident memory follows the peak of the tensors alive, as a GPU's max_memory_allocated does.
+With glibc's default (a threshold that grows to 32 MiB) a step's freed activations stay in the
+heap and the peak counts them again: 2026-12-07, the chunked run added 0.305 GB to its start by
+default against 0.247 GB so, the full logits 1.797 against 1.772 GB, at the same tokens/s within
+noise.
 """
 
 from __future__ import annotations
@@ -54,6 +62,8 @@ from benchmarks.throughput import (
 from dplaunch.run_directory.layout import METRICS_FILE
 
 NAME = "memory"
+# glibc's mmap threshold (see the docstring): what a process frees goes back at once
+LIVE_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
 BIG_VOCAB = REPO / "benchmarks" / "configs" / "llama-bigvocab.yaml"
 LONG = REPO / "benchmarks" / "configs" / "llama-long.yaml"
 LOSS_VARIANTS = {
@@ -73,7 +83,7 @@ def _dplaunch_run(config: Path, run_dir: Path, steps: int, *flags: str) -> dict[
     argv = dplaunch_train_argv(
         config, run_dir, "--cpu", "--gpus", "2", "--max-steps", str(steps), *flags
     )
-    run_checked(argv, run_dir.with_name(f"{run_dir.name}.log"), bench_environment())
+    run_checked(argv, run_dir.with_name(f"{run_dir.name}.log"), bench_environment(**LIVE_MEMORY))
     header, steps_seen = _records(run_dir)
     peak = max(r["memory_gb"] for r in steps_seen)
     tokens = steady_tokens_per_s(dplaunch_step_times(run_dir), 1, steps, tokens_per_step(run_dir))
@@ -116,7 +126,7 @@ def _trainer_run(render: Path, blocks: Path, stem: Path, steps: int) -> dict[str
     times = stem.with_name(f"{stem.name}.times.jsonl")
     run_checked(
         peer_argv(TRAINER, render, blocks, times), stem.with_name(f"{stem.name}.log"),
-        bench_environment(),
+        bench_environment(**LIVE_MEMORY),
     )  # fmt: skip
     clock = read_jsonl(times)
     return {
