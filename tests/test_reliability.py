@@ -733,6 +733,20 @@ def test_launch_sh_quotes_every_value_and_reruns_the_same_command(tmp_path):
     for out in (result.stdout, rerun.stdout):
         reports = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("REPORT ")]
         assert len(reports) == 2 and all(r["args"] == args for r in reports), out
+    # another job now listens on the port: one line naming the key and the fix, exit 2, no rank
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", int(port.split("=")[1])))
+        holder.listen()
+        held = subprocess.run(
+            ["bash", launch_sh], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+            env=child_environment(),
+        )  # fmt: skip
+    assert held.returncode == 2, held.stderr
+    assert (
+        held.stderr.startswith("launch.sh: launch.master_port: port ")
+        and len(held.stderr.splitlines()) == 1
+    ), held.stderr
+    assert "--set launch.master_port=" in held.stderr and "REPORT" not in held.stdout
     assert_nothing_ran(tmp_path)
 
 

@@ -241,7 +241,9 @@ def _fault_entry(prepared: Any, fault: str) -> None:
         fault,
         *argv[position + 1 :],
     ]
-    prepared.files[LAUNCH_SCRIPT] = render_launch_script(prepared.argv, prepared.env, Path.cwd())
+    prepared.files[LAUNCH_SCRIPT] = render_launch_script(
+        prepared.argv, prepared.env, Path.cwd(), port=prepared.plan.master_port
+    )
 
 
 def reference_mismatch(

@@ -545,7 +545,10 @@ def run_files(
         RUN_FILE: dump_run_config(config),
         PLAN_FILE: plan_text(plan.to_dict()),
         **(workers or {}),
-        launch_script_name(plan): render_launch_script(argv, env, Path.cwd(), computed),
+        # the head node's script checks its rendezvous port (the other nodes connect to it)
+        launch_script_name(plan): render_launch_script(
+            argv, env, Path.cwd(), computed, port=plan.master_port if plan.node_rank == 0 else None
+        ),
     }
     return PreparedRun(config=config, plan=plan, run_dir=run_dir, files=files, argv=argv, env=env)
 
