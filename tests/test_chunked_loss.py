@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import Counter
 from typing import Any
 
@@ -293,6 +294,14 @@ def chunked_runs(tmp_path_factory) -> dict[str, Any]:
         )  # fmt: skip
         said = "chunked loss: the head and the loss 7 tokens at a time"
         assert (said in result.stdout) == (chunk != "off"), result.stdout[-2000:]
+        # the plan's note: what the chunk's logits take against the full logits
+        planned = re.search(
+            r"counts (\S+) GiB for them instead of the full logits' (\S+) GiB",
+            result.stdout,
+        )
+        assert (planned is not None) == (chunk != "off"), result.stdout[-2000:]
+        if planned:
+            assert float(planned[1]) < float(planned[2]), planned[0]
         runs[name] = [r["loss"] for r in read_metrics(run) if r["type"] == "train"]
     lines = (tmp / "gathers.0").read_text().splitlines()
     runs["zero3-gathers"] = [json.loads(line) for line in lines]

@@ -365,7 +365,8 @@ def _plan_loss_chunk(config: RunConfig, facts: ModelFacts, plan: Plan) -> Plan:
         )
     note = (
         f"train.loss_chunk: the output head runs {chunked.loss_chunk:,} tokens at a time "
-        f"({why}); the plan counts {chunked.logits_gb:.2f} GiB for them"
+        f"({why}); the plan counts {chunked.logits_gb:.3g} GiB for them instead of the full "
+        f"logits' {full.logits_gb:.3g} GiB"
     )
     return replace(plan, loss_chunk=chunked.loss_chunk, notes=(*plan.notes, note))
 

@@ -28,7 +28,8 @@ the micro-batch's labelled tokens, as the model's own loss does).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -250,6 +251,22 @@ def token_loss_chunk(plan: Any, task: str) -> int:
     return plan.loss_chunk if task_of(task).sequence_parallel else 0
 
 
+@contextlib.contextmanager
+def _whole_head(model: Any, head: Any) -> Iterator[None]:
+    """The head's weight whole while its chunks run: FSDP2 reshards a root after its forward
+    where told to (a frozen reference, train/fsdp.py shard_model), leaving the head a shard; it
+    is gathered (FSDPModule.unshard) and sharded again after. A head already whole (a training
+    root, DDP, ZeRO-3's module hooks gather their own) is left alone."""
+    if type(head.weight.data) is torch.Tensor or not hasattr(model, "unshard"):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+
+
 class ChunkedHead(_HeadChunks):
     """A token-level function of a causal LM's logits (the log-probability of each target, its
     entropy) computed a chunk of CHUNK tokens at a time: the model's forward keeps no logits, and
@@ -268,9 +285,13 @@ class ChunkedHead(_HeadChunks):
         a tensor, or a tuple of them."""
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         hidden = self.hidden(model, inputs, use_cache=False)[:, :-1]
-        parts = chunked_head(
-            lambda h, y: function(self.head(h), y), hidden, self.pieces(hidden.size(0)), targets
-        )
+        with _whole_head(model, self.head):
+            parts = chunked_head(
+                lambda h, y: function(self.head(h), y),
+                hidden,
+                self.pieces(hidden.size(0)),
+                targets,
+            )
         if isinstance(parts[0], tuple):
             return tuple(torch.cat(column, dim=1) for column in zip(*parts, strict=True))
         return torch.cat(parts, dim=1)

@@ -260,10 +260,10 @@ class GrpoObjective(Objective):
         for batch in batches:
             on_device = {k: v.to(device) for k, v in batch.items()}
             if self.settings.num_iterations > 1:
-                batch["old_logps"] = self._logps(policy, on_device).cpu()
+                batch["old_logps"] = self._logps(policy, on_device, self.chunked).cpu()
             if self.reference is not None:
                 batch["ref_logps"] = self.reference.run(
-                    policy, lambda module, b=on_device: self._logps(module, b)
+                    policy, lambda module, chunked, b=on_device: self._logps(module, b, chunked)
                 ).cpu()
         tokens = sum(float(batch["mask"].sum()) for batch in batches)
         total = self.accelerator.reduce(torch.tensor([tokens], device=device), reduction="sum")
@@ -272,10 +272,23 @@ class GrpoObjective(Objective):
             batch["dapo_tokens"] = torch.tensor(per_rank)
 
     @torch.no_grad()
-    def _logps(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _logps(
+        self, model: Any, batch: dict[str, torch.Tensor], chunked: ChunkedHead | None
+    ) -> torch.Tensor:
+        """MODEL's log-probability of each next token of BATCH, without gradients; with CHUNKED
+        (MODEL's ChunkedHead: train.loss_chunk) the head a chunk of tokens at a time."""
+        targets = batch["input_ids"][:, 1:]
+        temperature = self.settings.temperature
         was_training = model.training
         model.eval()
         try:
+            if chunked is not None:
+                return chunked(
+                    model,
+                    batch,
+                    targets,
+                    lambda logits, y: token_logps_and_entropy(logits, y, temperature)[0],
+                )
             logits = model(
                 input_ids=batch["input_ids"],
                 attention_mask=batch["attention_mask"],
@@ -283,10 +296,7 @@ class GrpoObjective(Objective):
             ).logits[:, :-1]
         finally:
             model.train(was_training)
-        logps, _ = token_logps_and_entropy(
-            logits, batch["input_ids"][:, 1:], self.settings.temperature
-        )
-        return logps
+        return token_logps_and_entropy(logits, targets, temperature)[0]
 
     def _rollout_metrics(
         self, per_func: torch.Tensor, scored: Any, rows: list[tuple[list[int], int, int, bool]]

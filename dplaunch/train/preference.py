@@ -165,46 +165,61 @@ class Reference(Protocol):
     def logps(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The summed log-probability of each row's trained tokens under the reference."""
 
+    def run(self, model: Any, function: Any) -> Any:
+        """FUNCTION(the reference's module, its ChunkedHead or None) without gradients."""
+
 
 class FrozenCopy:
-    """A frozen copy of the policy's starting weights, built and sharded as the policy."""
+    """A frozen copy of the policy's starting weights, built and sharded as the policy; with
+    CHUNKED (train.loss_chunk, a ChunkedHead of the copy) its log-probabilities take the head a
+    chunk of tokens at a time, as the policy's, so no forward of it builds the full logits."""
 
-    def __init__(self, module: Any, autocast: Any = contextlib.nullcontext):
+    def __init__(
+        self,
+        module: Any,
+        autocast: Any = contextlib.nullcontext,
+        chunked: ChunkedHead | None = None,
+    ):
         self.module = module
         self.autocast = autocast
+        self.chunked = chunked
 
     @torch.no_grad()
     def logps(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.run(model, lambda module: response_logps(module, batch)[0])
+        return self.run(model, lambda module, chunked: response_logps(module, batch, chunked)[0])
 
     @torch.no_grad()
     def run(self, model: Any, function: Any) -> Any:
-        """FUNCTION(the reference's module), in the run's precision (grpo's token log-probs)."""
+        """FUNCTION(the reference's module, its ChunkedHead), in the run's precision (grpo's
+        token log-probs)."""
         with self.autocast():
-            return function(self.module)
+            return function(self.module, self.chunked)
 
 
 class DisabledAdapters:
     """LoRA: the policy with its adapters (and modules_to_save copies) disabled, which is the
     base it started from: no second copy of the model."""
 
-    def __init__(self, peft_model: Any):
+    def __init__(self, peft_model: Any, chunked: ChunkedHead | None = None):
         self.peft_model = peft_model
+        # train.loss_chunk: a ChunkedHead of the policy (the adapters' base is the same model)
+        self.chunked = chunked
 
     @torch.no_grad()
     def logps(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.run(model, lambda module: response_logps(module, batch)[0])
+        return self.run(model, lambda module, chunked: response_logps(module, batch, chunked)[0])
 
     @torch.no_grad()
     def run(self, model: Any, function: Any) -> Any:
-        """FUNCTION(MODEL) with the adapters disabled (grpo's token log-probs)."""
+        """FUNCTION(MODEL, the policy's ChunkedHead) with the adapters disabled (grpo's token
+        log-probs)."""
         # peft turns modules_to_save's gradients off and on again around the context, on the
         # parameters registered at that moment: under FSDP2 the root's unsharded ones after its
         # forward, so the sharded ones would stay frozen. What trains is put back as it was
         trains = [(p, p.requires_grad) for p in self.peft_model.parameters()]
         try:
             with self.peft_model.disable_adapter():
-                return function(model)
+                return function(model, self.chunked)
         finally:
             for parameter, flag in trains:
                 if parameter.is_leaf:
@@ -332,9 +347,20 @@ def reference_model(
 ) -> tuple[FrozenCopy | DisabledAdapters, dict[str, Any]]:
     """The policy's starting point, built and sharded as the policy (dpo's reference, grpo's
     KL term's), and what the header says of it: its kind, and the parameters rank 0 holds."""
+    # train.loss_chunk: the reference's log-probabilities a chunk of the head at a time too
+    longest = config.data.max_length + (
+        config.train.grpo.max_completion_length if config.train.grpo is not None else 0
+    )
+
+    def chunked(model: Any) -> ChunkedHead | None:
+        return ChunkedHead(model, plan.loss_chunk, longest) if plan.loss_chunk else None
+
     if config.model.lora is not None:
         peft_model = accelerator.unwrap_model(engine.model)
-        return DisabledAdapters(peft_model), {"kind": "the policy with its adapters disabled"}
+        return (
+            DisabledAdapters(peft_model, chunked(peft_model)),
+            {"kind": "the policy with its adapters disabled"},
+        )
     from dplaunch.train.modeling import load_model
 
     # the policy's starting weights: the same seeded construction (under ZeRO-3 zero.Init)
@@ -361,7 +387,8 @@ def reference_model(
     module.eval()
     held, total = held_parameters(model)
     autocast = accelerator.autocast if plan.engine == "ddp" else contextlib.nullcontext
-    return FrozenCopy(module, autocast), {"kind": kind, "held": held, "parameters": total}
+    copy = FrozenCopy(module, autocast, chunked(model))
+    return copy, {"kind": kind, "held": held, "parameters": total}
 
 
 def _deepspeed_inference(model: Any, run_dir: Path) -> Any:
