@@ -104,7 +104,7 @@ def render_launch_script(
         lines += [
             "# the rendezvous port must be free: something answers on it?",
             f"if (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null; then",
-            f"    echo {shlex.quote(f'launch.sh: {why}')} >&2",
+            f"    echo {shlex.quote(f'{LAUNCH_SCRIPT}: {why}')} >&2",
             "    exit 2",
             "fi",
         ]
