@@ -19,8 +19,9 @@ With a hardware profile (every row then has a forecast) the recommendation is th
 that fits instead, and each row is **tuned**: the levers the run leaves open (LEVERS: the micro
 batch, when train.micro_batch_size is unset — every divisor of the rank's share of the global
 batch, accumulation following; activation checkpointing, when model.gradient_checkpointing is
-unset — off, every block, or one block in 2 or 4 (every-K)) are searched together, each combination estimated (memory) and forecast (time), and the
-row shows its fastest combination that fits. A lever is a Workload field and its choices: its
+unset — off, every block, or one block in 2 or 4 (every-K)) are searched together, each
+combination estimated (memory) and forecast (time), and the row shows its fastest combination
+that fits. A lever is a Workload field and its choices: its
 memory and time terms are the estimate's and the forecast's, which read the workload.
 
 FSDP2 rows (parallel.fsdp, tp = pp = 1) are listed beside them with the same columns: FSDP full

@@ -44,6 +44,7 @@ from dplaunch.train.grpo_loss import (
     token_logps_and_entropy,
 )
 from dplaunch.train.objective import Objective
+from dplaunch.train.preference import log_prob_chunks
 
 # a rank's batch of completions kept in a checkpoint taken inside its num_iterations steps
 ROLLOUT_FILE = "grpo-rollout-rank{rank}.pt"
@@ -117,13 +118,7 @@ class GrpoObjective(Objective):
         self.rank = self.accelerator.process_index
         self.loss_settings = LossSettings.of(settings)
         # train.loss_chunk: the completions' log-probabilities a chunk of tokens at a time
-        # (a row: the prompt's tokens at most, and the completion's)
-        longest = config.data.max_length + settings.max_completion_length
-        self.chunked = (
-            ChunkedHead(accelerator.unwrap_model(engine.model), plan.loss_chunk, longest)
-            if plan.loss_chunk
-            else None
-        )
+        self.chunked = log_prob_chunks(accelerator.unwrap_model(engine.model), config, plan)
         self.functions = check_rewards(settings.rewards, settings.reward_weights, None, Path.cwd())
         self.weights = settings.reward_weights or [1.0] * len(self.functions)
         self.current: Rollout | None = None

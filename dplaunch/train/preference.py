@@ -311,14 +311,22 @@ def start_preference(
                 batcher, engine.model, policy, accelerator, cache_file, plan.micro_batch_size
             )
             say(f"[dplaunch] {line}")
-    chunked = None
-    if plan.loss_chunk:
-        chunked = ChunkedHead(
-            accelerator.unwrap_model(engine.model), plan.loss_chunk, config.data.max_length
-        )
+    chunked = log_prob_chunks(accelerator.unwrap_model(engine.model), config, plan)
+    if chunked is not None:
         say(f"[dplaunch] chunked log-probabilities: the head {plan.loss_chunk} tokens at a time")
     engine.objective = PreferenceObjective(config.train.preference, reference, chunked)
     return engine.objective, described
+
+
+def log_prob_chunks(model: Any, config: RunConfig, plan: Plan) -> ChunkedHead | None:
+    """train.loss_chunk's ChunkedHead of MODEL (a policy's or a reference's log-probabilities),
+    None when the plan does not chunk: every rank cuts a row of at most the prompt's tokens and
+    (grpo) the completion's into as many chunks."""
+    if not plan.loss_chunk:
+        return None
+    grpo = config.train.grpo
+    longest = config.data.max_length + (grpo.max_completion_length if grpo is not None else 0)
+    return ChunkedHead(model, plan.loss_chunk, longest)
 
 
 def disable_dropout(model: Any) -> None:
@@ -347,13 +355,10 @@ def reference_model(
 ) -> tuple[FrozenCopy | DisabledAdapters, dict[str, Any]]:
     """The policy's starting point, built and sharded as the policy (dpo's reference, grpo's
     KL term's), and what the header says of it: its kind, and the parameters rank 0 holds."""
-    # train.loss_chunk: the reference's log-probabilities a chunk of the head at a time too
-    longest = config.data.max_length + (
-        config.train.grpo.max_completion_length if config.train.grpo is not None else 0
-    )
 
+    # train.loss_chunk: the reference's log-probabilities a chunk of the head at a time too
     def chunked(model: Any) -> ChunkedHead | None:
-        return ChunkedHead(model, plan.loss_chunk, longest) if plan.loss_chunk else None
+        return log_prob_chunks(model, config, plan)
 
     if config.model.lora is not None:
         peft_model = accelerator.unwrap_model(engine.model)
